@@ -1,0 +1,1 @@
+"""Engine adapters: kvpool as the KV storage of SGLang HiCache and FastDeploy."""

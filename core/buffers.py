@@ -1,0 +1,80 @@
+"""Byte views of the buffers callers hand us: bytes-likes, numpy arrays and torch tensors.
+
+Everything in the pool moves as flat uint8 memoryviews. CUDA tensors are staged through host memory
+here, in one place, so tiers and transports only ever see host bytes.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import BufferSizeError
+
+
+def _torch_host_bytes(t: Any) -> np.ndarray:
+    import torch
+
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return flat.numpy()
+
+
+def readable(buf: Any) -> memoryview:
+    """A flat read-only byte view of `buf` (bytes-like, numpy array or torch tensor)."""
+    if type(buf).__module__.startswith("torch"):
+        return memoryview(_torch_host_bytes(buf)).cast("B")
+    if isinstance(buf, np.ndarray):
+        return memoryview(np.ascontiguousarray(buf).reshape(-1).view(np.uint8))
+    mv = memoryview(buf)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B") if mv.c_contiguous else memoryview(mv.tobytes())
+    return mv
+
+
+class Destination:
+    """A writable flat byte view of a caller's buffer; `finish()` publishes what was written.
+
+    CPU buffers are written in place through `view`. For a torch tensor, `tensor` is its flat uint8
+    view (for device-to-device copies); a CUDA tensor's `view` is a host staging array that
+    `finish()` moves to the device in one copy.
+    """
+
+    __slots__ = ("view", "tensor", "_staged")
+
+    def __init__(self, buf: Any) -> None:
+        self.tensor: Any = None
+        self._staged = False
+        if type(buf).__module__.startswith("torch"):
+            import torch
+
+            if not buf.is_contiguous():
+                raise BufferSizeError("destination tensor is not contiguous; pass a contiguous tensor")
+            self.tensor = buf.reshape(-1).view(torch.uint8)
+            if self.tensor.device.type == "cpu":
+                self.view = memoryview(self.tensor.numpy())
+            else:
+                self._staged = True
+                self.view = memoryview(np.empty(self.tensor.numel(), dtype=np.uint8))
+        elif isinstance(buf, np.ndarray):
+            if not buf.flags.c_contiguous or not buf.flags.writeable:
+                raise BufferSizeError("destination array must be C-contiguous and writeable")
+            self.view = memoryview(buf.reshape(-1).view(np.uint8))
+        else:
+            mv = memoryview(buf)
+            if mv.readonly:
+                raise BufferSizeError(f"destination {type(buf).__name__} is read-only")
+            self.view = mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
+
+    @property
+    def nbytes(self) -> int:
+        return self.view.nbytes
+
+    def finish(self, nbytes: int) -> None:
+        """Publish the first `nbytes` written into `view` to the caller's buffer."""
+        if self._staged and nbytes > 0:
+            import torch
+
+            host = torch.frombuffer(self.view[:nbytes], dtype=torch.uint8)
+            self.tensor[:nbytes].copy_(host)

@@ -1,0 +1,129 @@
+"""Configuration: one dataclass per component, loaded from defaults, a TOML/JSON file, `KVPOOL_*`
+environment variables and keyword overrides, in that order of precedence (last wins).
+
+Environment names are the field names upper-cased under a component prefix, e.g. `KVPOOL_DRAM_BYTES`
+for `CacheConfig.dram_bytes`. Sizes accept suffixes: `512MiB`, `4GiB`, `1.5GB`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar, get_type_hints
+
+from .errors import ConfigError
+
+C = TypeVar("C")
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(value: str | int) -> int:
+    """Bytes from an int or a string like `64KiB`, `1.5GB`, `1048576`."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"size {value!r} is not a number of bytes with an optional unit (KiB, MiB, GiB, GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def default_state_dir() -> Path:
+    """Where kvpool keeps its SSD tier and service state: $KVPOOL_STATE_DIR or ~/.local/state/kvpool."""
+    env = os.environ.get("KVPOOL_STATE_DIR")
+    return Path(env) if env else Path.home() / ".local" / "state" / "kvpool"
+
+
+def _coerce(name: str, kind: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    text = str(kind)
+    try:
+        if kind is bool or text == "bool":
+            if isinstance(value, str):
+                return value.strip().lower() in ("1", "true", "yes", "on")
+            return bool(value)
+        if name.endswith("_bytes") or name.endswith("_size"):
+            return parse_size(value)
+        if kind is int or text in ("int", "int | None"):
+            return int(value)
+        if kind is float or text in ("float", "float | None"):
+            return float(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config {name}={value!r}: {e}") from e
+    return value
+
+
+def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A config file's top-level table (TOML by extension `.toml`, JSON otherwise)."""
+    p = Path(path)
+    try:
+        if p.suffix == ".toml":
+            import tomllib
+
+            return tomllib.loads(p.read_text())
+        return dict(json.loads(p.read_text()))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read config file {p}: {e}") from e
+
+
+def load(cls: type[C], *, prefix: str = "KVPOOL_", file: str | os.PathLike[str] | None = None,
+         section: str | None = None, env: Mapping[str, str] | None = None, **overrides: Any) -> C:
+    """Build `cls` from defaults < file (optionally one `section` of it) < environment < overrides.
+
+    Unknown keys in a file are ignored (forward compatible); unknown keyword overrides are an error.
+    """
+    env = os.environ if env is None else env
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    values: dict[str, Any] = {}
+    file = file or env.get(prefix + "CONFIG")
+    if file:
+        data = read_file(file)
+        if section:
+            data = data.get(section, {})
+        values.update({k: v for k, v in data.items() if k in names})
+    for name in names:
+        if prefix + name.upper() in env:
+            values[name] = env[prefix + name.upper()]
+    bad = set(overrides) - names
+    if bad:
+        raise ConfigError(f"unknown {cls.__name__} option(s) {sorted(bad)}; known: {sorted(names)}")
+    values.update(overrides)
+    return cls(**{k: _coerce(k, hints[k], v) for k, v in values.items()})
+
+
+@dataclasses.dataclass
+class CacheConfig:
+    """The TieredCache: tier sizes in bytes, paths, watermarks and policy."""
+
+    dram_bytes: int = 1 << 30
+    """Size of the shared-memory arena."""
+    dram_slab_size: int = 16 << 20
+    """Slab size; also the largest block the DRAM tier holds."""
+    dram_name: str | None = None
+    """Shared-memory name (without '/'); a unique name is generated when unset."""
+    prefault: bool = True
+    ssd_path: str | None = None
+    """LMDB directory; no SSD tier when unset."""
+    ssd_map_size: int = 16 << 30
+    ssd_sync: bool = True
+    """fsync each committed SSD batch (durable across power loss, not only process crash)."""
+    device: str | None = None
+    """torch device of the device tier ("cuda", "cuda:0"; "cpu" for tests); "auto" = cuda when present."""
+    device_bytes: int = 1 << 30
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    policy: str = "lru"
+    verify_dram_reads: bool = False
+    """Re-check the checksum on every DRAM read (DRAM blocks are checked when they leave the node)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low_watermark < self.high_watermark <= 1:
+            raise ConfigError(f"watermarks low={self.low_watermark} high={self.high_watermark}: need 0 < low < high <= 1")
+        if self.dram_bytes < self.dram_slab_size:
+            raise ConfigError(f"dram_bytes {self.dram_bytes} is smaller than one slab ({self.dram_slab_size})")

@@ -1,0 +1,56 @@
+"""Block keys: validation and the chained prefix hash of token blocks.
+
+A key chain names the KV blocks of a token sequence; key i commits to every token before it, so two
+prompts share exactly the keys of their common full-block prefix, in any process on any machine.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Union
+
+import numpy as np
+
+from .errors import InvalidKey
+
+Key = Union[str, bytes]
+
+MAX_KEY_BYTES = 512
+"""Longest key accepted, in bytes (UTF-8 for str keys)."""
+
+
+def key_bytes(key: Key) -> bytes:
+    """Validate `key` and return its canonical bytes form (str keys are UTF-8 encoded)."""
+    if isinstance(key, str):
+        raw = key.encode()
+    elif isinstance(key, (bytes, bytearray, memoryview)):
+        raw = bytes(key)
+    else:
+        raise InvalidKey(f"key {key!r} is a {type(key).__name__}; keys are str or bytes")
+    if not raw:
+        raise InvalidKey("key is empty; keys are 1 to %d bytes" % MAX_KEY_BYTES)
+    if len(raw) > MAX_KEY_BYTES:
+        raise InvalidKey(f"key {raw[:16]!r}… is {len(raw)} bytes; the limit is {MAX_KEY_BYTES}")
+    return raw
+
+
+def block_keys(token_ids: Sequence[int] | np.ndarray, block_size: int, namespace: str = "") -> list[str]:
+    """Chained SHA-256 keys (64 hex chars) of each *full* block of `block_size` tokens.
+
+    key[i] = sha256(key[i-1] || len(namespace) || namespace || block i as little-endian int64). A trailing
+    partial block gets no key. Stable across processes, machines and Python versions.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size is {block_size}; it must be > 0")
+    tokens = np.ascontiguousarray(np.asarray(token_ids, dtype="<i8"))
+    ns = namespace.encode()
+    ns = len(ns).to_bytes(4, "little") + ns
+    keys: list[str] = []
+    prev = b""
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        h = hashlib.sha256(prev)
+        h.update(ns)
+        h.update(tokens[start:start + block_size].tobytes())
+        prev = h.digest()
+        keys.append(prev.hex())
+    return keys

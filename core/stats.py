@@ -1,0 +1,26 @@
+"""Counters of the block cache (hits and misses per tier, movement between tiers, failures)."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class CacheStats:
+    puts: int = 0
+    hits_device: int = 0
+    hits_dram: int = 0
+    hits_ssd: int = 0
+    misses: int = 0
+    evictions: int = 0
+    """Blocks leaving DRAM (demoted or, without an SSD tier, dropped)."""
+    demotions: int = 0
+    """Blocks written to SSD on their way out of DRAM."""
+    promotions: int = 0
+    ssd_evictions: int = 0
+    device_evictions: int = 0
+    dropped: int = 0
+    """Blocks lost to a full SSD tier on demotion."""
+    checksum_failures: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,120 @@
+"""The SSD tier: blocks in an LMDB environment, `header || bytes` per key, checksummed on every read.
+
+Writes go in batches, one transaction each. A value that fails its header or checksum is a miss: it
+is deleted and counted. LMDB commits are atomic, so after a kill -9 a reopened tier serves every
+committed block and none half-written. The environment is reopened after fork (pid change).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import lmdb
+
+from ..blocks import HEADER_SIZE, BlockMeta, CorruptBlock, decode, decode_header, encode_header
+from ..errors import CapacityError, KVPoolError
+
+T = TypeVar("T")
+
+
+class SsdTier:
+    """LMDB-backed block store at `path` (a directory) with a maximum size of `map_size` bytes.
+
+    `sync=True` makes each committed batch durable against power loss (fsync per transaction);
+    with `sync=False` a committed batch survives a crash of the process, not of the machine.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], map_size: int, sync: bool = True) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.map_size = map_size
+        self.sync = sync
+        self.corrupt = 0
+        self._pid = -1
+        self._env: lmdb.Environment | None = None
+        self._open()
+
+    def _open(self) -> None:
+        self._env = lmdb.open(str(self.path), map_size=self.map_size, subdir=True, sync=self.sync,
+                              metasync=self.sync, readahead=False, max_readers=512, lock=True)
+        self._pid = os.getpid()
+
+    @property
+    def env(self) -> lmdb.Environment:
+        if self._pid != os.getpid():
+            self._open()  # an inherited LMDB handle must not be used in a forked child
+        if self._env is None:
+            raise KVPoolError(f"SSD tier at {self.path} is closed")
+        return self._env
+
+    def scan(self) -> Iterator[tuple[bytes, int]]:
+        """(key, payload size) of every stored block, read from headers only."""
+        with self.env.begin(buffers=True) as txn:
+            for key, value in txn.cursor():
+                try:
+                    yield bytes(key), decode_header(value).size
+                except CorruptBlock:
+                    continue
+
+    def put_many(self, items: Iterable[tuple[bytes, BlockMeta, memoryview]]) -> int:
+        """Write blocks in one transaction; return bytes written. Raises CapacityError when full.
+
+        Nothing of a failed batch is written (the transaction aborts as a whole).
+        """
+        written = 0
+        staging = bytearray()
+        try:
+            with self.env.begin(write=True) as txn:
+                for key, meta, data in items:
+                    n = HEADER_SIZE + meta.size
+                    if len(staging) < n:
+                        staging = bytearray(n)
+                    staging[:HEADER_SIZE] = encode_header(meta)
+                    staging[HEADER_SIZE:n] = data
+                    txn.put(key, memoryview(staging)[:n])
+                    written += meta.size
+        except lmdb.MapFullError as e:
+            raise CapacityError(f"SSD tier at {self.path} is full (map_size {self.map_size} bytes)") from e
+        return written
+
+    def read(self, key: bytes, sink: Callable[[BlockMeta, memoryview], T]) -> T | None:
+        """Call `sink(meta, payload)` with a verified zero-copy view of the block; None on a miss.
+
+        The view is valid only inside `sink`. A corrupt value is deleted, counted, and is a miss.
+        """
+        with self.env.begin(buffers=True) as txn:
+            value = txn.get(key)
+            if value is None:
+                return None
+            try:
+                meta, payload = decode(value)
+            except CorruptBlock:
+                pass
+            else:
+                return sink(meta, payload)
+        self.corrupt += 1
+        self.delete([key])
+        return None
+
+    def contains(self, key: bytes) -> bool:
+        with self.env.begin(buffers=True) as txn:
+            return txn.get(key) is not None
+
+    def delete(self, keys: Iterable[bytes]) -> None:
+        with self.env.begin(write=True) as txn:
+            for key in keys:
+                txn.delete(key)
+
+    def clear(self) -> None:
+        with self.env.begin(write=True) as txn:
+            txn.drop(self.env.open_db(txn=txn), delete=False)
+
+    def data_file(self) -> Path:
+        return self.path / "data.mdb"
+
+    def close(self) -> None:
+        if self._env is not None and self._pid == os.getpid():
+            self._env.close()
+        self._env = None

@@ -1,0 +1,1 @@
+"""Publish/subscribe of KV blocks and notifications between instances, on NATS JetStream."""
