@@ -228,6 +228,27 @@ class TieredCache:
             if self.ssd is not None:
                 self.ssd.clear()
 
+    def flush(self) -> int:
+        """Write every DRAM block that has no SSD copy to the SSD tier (blocks stay in DRAM).
+
+        After it returns, a restart serves those blocks from SSD. Returns the number written.
+        """
+        if self.ssd is None:
+            return 0
+        with self._lock:
+            self._check_open()
+            pending = [b for b in self._dram.values() if not b.on_ssd]
+            for b in pending:
+                b.leases += 1
+        try:
+            for i in range(0, len(pending), 256):
+                self._demote_to_ssd(pending[i:i + 256])
+        finally:
+            with self._lock:
+                for b in pending:
+                    self._release_locked(b)
+        return len(pending)
+
     def stats(self) -> dict[str, int]:
         """Counters and tier fill: hits/misses per tier, bytes per tier, evictions, demotions,
         promotions, checksum failures."""
@@ -242,7 +263,10 @@ class TieredCache:
             return s
 
     def close(self) -> None:
-        """Flush pending demotions, stop the demoter, release the arena and close LMDB."""
+        """Stop the demoter, apply pending SSD deletions, release the arena and close LMDB.
+
+        DRAM blocks not yet on SSD are lost unless `flush()` ran first.
+        """
         with self._lock:
             if self._closed:
                 return

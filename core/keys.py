@@ -21,17 +21,16 @@ MAX_KEY_BYTES = 512
 
 def key_bytes(key: Key) -> bytes:
     """Validate `key` and return its canonical bytes form (str keys are UTF-8 encoded)."""
-    if isinstance(key, str):
-        raw = key.encode()
-    elif isinstance(key, (bytes, bytearray, memoryview)):
-        raw = bytes(key)
-    else:
+    raw = key.encode() if type(key) is str else key
+    if type(raw) is bytes and 0 < len(raw) <= MAX_KEY_BYTES:
+        return raw  # the common case, kept cheap: engines send thousands of keys per call
+    if isinstance(key, (bytearray, memoryview)):
+        return key_bytes(bytes(key))
+    if not isinstance(key, (str, bytes)):
         raise InvalidKey(f"key {key!r} is a {type(key).__name__}; keys are str or bytes")
     if not raw:
-        raise InvalidKey("key is empty; keys are 1 to %d bytes" % MAX_KEY_BYTES)
-    if len(raw) > MAX_KEY_BYTES:
-        raise InvalidKey(f"key {raw[:16]!r}… is {len(raw)} bytes; the limit is {MAX_KEY_BYTES}")
-    return raw
+        raise InvalidKey(f"key is empty; keys are 1 to {MAX_KEY_BYTES} bytes")
+    raise InvalidKey(f"key {raw[:16]!r}… is {len(raw)} bytes; the limit is {MAX_KEY_BYTES}")
 
 
 def block_keys(token_ids: Sequence[int] | np.ndarray, block_size: int, namespace: str = "") -> list[str]:

@@ -14,7 +14,7 @@ class CacheStats:
     evictions: int = 0
     """Blocks leaving DRAM (demoted or, without an SSD tier, dropped)."""
     demotions: int = 0
-    """Blocks written to SSD on their way out of DRAM."""
+    """Blocks copied down to SSD (on their way out of DRAM, or by flush)."""
     promotions: int = 0
     ssd_evictions: int = 0
     device_evictions: int = 0

@@ -1,0 +1,3 @@
+"""Cache: placeholder."""
+def add_arguments(p): pass
+def run(a): return 0
