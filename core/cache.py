@@ -212,6 +212,37 @@ class TieredCache:
         finally:
             self._release(block)
 
+    # ----- in-place access (the worker serves its arena through these) ------------------------
+
+    def reserve(self, nbytes: int) -> int:
+        """Allocate an arena slot of `nbytes` for a block about to be written; returns its offset.
+
+        Raises BlockTooLarge or CapacityError. The slot is invisible until `commit`; `abort` frees it.
+        """
+        if nbytes > self.max_block or nbytes < 0:
+            raise BlockTooLarge(f"block of {nbytes} bytes; the DRAM tier's max block is {self.max_block}")
+        return self._reserve(nbytes)
+
+    def commit(self, key: Key, offset: int, nbytes: int, csum: int, *, pin: bool = False,
+               ttl: float | None = None) -> None:
+        """Publish the `nbytes` written at `offset` (from `reserve`) under `key` with checksum `csum`."""
+        expires = time.time() + ttl if ttl else 0.0
+        self._commit(_Block(key_bytes(key), offset, nbytes, csum, expires, pinned=pin))
+        with self._lock:
+            self.stats_.puts += 1
+
+    def abort(self, offset: int) -> None:
+        """Free a reserved slot that will not be committed."""
+        self._unreserve(offset)
+
+    def acquire(self, key: Key) -> _Block | None:
+        """Lease a block (promoting it from SSD if needed); its `offset`, `size`, `checksum` locate it
+        in `arena`. Hold it briefly and `release` it; None on a miss."""
+        return self._acquire(key_bytes(key))
+
+    def release(self, block: _Block) -> None:
+        self._release(block)
+
     def clear(self) -> None:
         """Remove every block from every tier (leased blocks are freed when their leases end)."""
         with self._lock:

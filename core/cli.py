@@ -1,11 +1,104 @@
-"""The `kvpool` command line."""
+"""The `kvpool` command line: bench, worker, up, status."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import signal
 import sys
+import threading
+from typing import Any
 
 from . import bench
+
+
+def _worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML/JSON file with [worker] and [cache] sections")
+    p.add_argument("--host", help="bind address (default 127.0.0.1; others need --token)")
+    p.add_argument("--port", type=int, help="TCP port (default 7461; 0 = any free port)")
+    p.add_argument("--token", help="shared secret clients must present (or KVPOOL_TOKEN)")
+    p.add_argument("--nats-url", help="register in the cluster at this NATS server")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument("--dram-bytes", help="DRAM arena size, e.g. 4GiB")
+    p.add_argument("--ssd-path", help="LMDB directory of the SSD tier (none by default)")
+    p.add_argument("--ssd-map-size", help="LMDB map size, e.g. 64GiB")
+
+
+def _build_worker(args: argparse.Namespace) -> Any:
+    from .config import CacheConfig, WorkerConfig, load
+    from .server import Worker
+
+    pick = lambda names: {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}  # noqa: E731
+    wcfg = load(WorkerConfig, file=args.config, section="worker",
+                **pick(["host", "port", "token", "nats_url", "metrics_port"]))
+    ccfg = load(CacheConfig, file=args.config, section="cache", **pick(["dram_bytes", "ssd_path", "ssd_map_size"]))
+    return Worker(wcfg, ccfg)
+
+
+def _serve_until_signal(stop: Any) -> None:
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    stop()
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    worker = _build_worker(args).start()
+    print(f"kvpool worker {worker.worker_id}: tcp {worker.address}, same-node {worker.unix_path}", flush=True)
+    _serve_until_signal(worker.stop)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from .config import default_state_dir
+    from .nats_server import NatsServer
+
+    nats = NatsServer(default_state_dir() / "nats", port=args.nats_port).start()
+    args.nats_url = nats.url
+    try:
+        worker = _build_worker(args).start()
+    except BaseException:
+        nats.stop()
+        raise
+    print(f"""kvpool is up: NATS {nats.url}, worker {worker.worker_id} at {worker.address}
+
+  Python clients:   KVPOOL_MODE=cluster KVPOOL_NATS_URL={nats.url}
+  same-node only:   KVPOOL_MODE=local KVPOOL_WORKER={worker.unix_path}
+  SGLang:           --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
+                    '{{"backend_name":"kvpool","module_path":"kvpool.backends.sglang","class_name":"KVPoolHiCacheStorage","nats_url":"{nats.url}"}}'
+  status:           kvpool status --nats-url {nats.url}
+
+Ctrl-C stops both.""", flush=True)
+
+    def stop() -> None:
+        worker.stop()
+        nats.stop()
+
+    _serve_until_signal(stop)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .client import PoolClient
+
+    with PoolClient(mode="cluster", nats_url=args.nats_url, token=args.token) as client:
+        stats = client.stats()
+    if args.json:
+        print(json.dumps(stats))
+        return 0
+    if not stats:
+        print(f"no live workers at {args.nats_url}")
+        return 1
+    print(f"{'worker':<10} {'node':<16} {'address':<22} {'dram used/cap':>22} {'ssd bytes':>12} {'hit rate':>9}")
+    for w, s in sorted(stats.items()):
+        c = s.get("stats", {})
+        hits = c.get("hits_dram", 0) + c.get("hits_ssd", 0) + c.get("hits_device", 0)
+        total = hits + c.get("misses", 0)
+        rate = f"{hits / total:.1%}" if total else "-"
+        fill = f"{s.get('dram_bytes', 0) >> 20}/{s.get('dram_capacity', 0) >> 20} MiB"
+        print(f"{w:<10} {s.get('node_id', '?'):<16} {s.get('tcp', '?'):<22} {fill:>22} {s.get('ssd_bytes', 0):>12} {rate:>9}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,6 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     bench.add_parsers(sub)
+    w = sub.add_parser("worker", help="serve this node's tiered cache to local and remote clients")
+    _worker_args(w)
+    w.set_defaults(func=cmd_worker)
+    u = sub.add_parser("up", help="start nats-server and one worker: the single-machine deployment")
+    _worker_args(u)
+    u.add_argument("--nats-port", type=int, default=4222)
+    u.set_defaults(func=cmd_up)
+    s = sub.add_parser("status", help="members, capacities, fill and hit rates of the cluster")
+    s.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    s.add_argument("--token", default=None)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
     return parser
 
 

@@ -2,26 +2,58 @@
 
 Modes (chosen by `ClientConfig.mode`, `KVPOOL_MODE`, a config file or kwargs):
 - `embedded` (the default): a TieredCache inside this process; no services.
-Sizes are bytes; a miss is `None` from `get` and `-1` from `batch_get_into`, never an exception.
+- `local`: one worker, at `worker` = a Unix socket path (shared memory, zero copy) or host:port (TCP).
+- `cluster`: workers discovered through NATS at `nats_url`; keys placed by rendezvous hashing with
+  `replication` copies; same-node workers are reached through shared memory, others through TCP.
+Sizes are bytes; a miss is `None` from `get` and `-1` from `batch_get_into`. In `cluster` mode a dead
+worker is a miss (or a replica's hit), never an exception or a hang: every call is bounded by `timeout_s`.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
+from .buffers import Destination, readable
 from .cache import TieredCache
-from .config import CacheConfig, load
-from .errors import ConfigError
-from .keys import Key
+from .cluster import Membership, rank
+from .config import CacheConfig, default_state_dir, load
+from .errors import ConfigError, KVPoolError, PoolUnavailable
+from .keys import Key, key_bytes
+from .transport import ShmTransport, TcpTransport, connect
+
+log = logging.getLogger("kvpool.client")
+
+MODES = ("embedded", "local", "cluster")
 
 
 @dataclasses.dataclass
 class ClientConfig:
-    """How a PoolClient reaches the pool."""
+    """How a PoolClient reaches the pool (environment: `KVPOOL_MODE`, `KVPOOL_WORKER`, ...)."""
 
     mode: str = "embedded"
-    """embedded: a TieredCache in this process."""
+    worker: str | None = None
+    """local mode: a worker's Unix socket path or host:port; default the `kvpool worker` default socket."""
+    nats_url: str | None = None
+    """cluster mode: the NATS server of the cluster."""
+    token: str | None = None
+    """shared secret for workers that require one (TCP)."""
+    replication: int = 1
+    """cluster mode: copies written per block (top-R workers by rendezvous score)."""
+    timeout_s: float = 5.0
+    node_id: str | None = None
+    """this machine's id (workers with the same id are reached through shared memory); default hostname."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.replication < 1:
+            raise ConfigError(f"replication {self.replication} must be >= 1")
 
 
 class PoolClient:
@@ -36,47 +68,306 @@ class PoolClient:
         client_fields = {f.name for f in dataclasses.fields(ClientConfig)}
         own = {k: v for k, v in overrides.items() if k in client_fields}
         rest = {k: v for k, v in overrides.items() if k not in client_fields}
-        self.config = config if config is not None else load(ClientConfig, **own)
-        if self.config.mode != "embedded":
-            raise ConfigError(f"mode {self.config.mode!r} is not one of: embedded")
-        self._cache = TieredCache(cache if cache is not None else load(CacheConfig, **rest))
+        self.config = cfg = config if config is not None else load(ClientConfig, **own)
+        if rest and cfg.mode != "embedded":
+            raise ConfigError(f"cache options {sorted(rest)} apply only to embedded mode (mode is {cfg.mode})")
+        self._embedded: TieredCache | None = None
+        self._cluster: _Cluster | None = None
+        self._single: TcpTransport | ShmTransport | None = None
+        if cfg.mode == "embedded":
+            self._embedded = TieredCache(cache if cache is not None else load(CacheConfig, **rest))
+        elif cfg.mode == "local":
+            address = cfg.worker or str(default_state_dir() / "worker-7461.sock")
+            self._single = connect(address, cfg.token, cfg.timeout_s)
+        else:
+            if not cfg.nats_url:
+                raise ConfigError("cluster mode needs nats_url (KVPOOL_NATS_URL)")
+            self._cluster = _Cluster(cfg)
 
-    @property
-    def max_block(self) -> int:
-        return self._cache.max_block
+    # ----- the API ----------------------------------------------------------------------------
 
     def put(self, key: Key, data: Any) -> None:
-        self._cache.put(key, data)
+        """Store `data` (bytes-like, numpy, torch) under `key`."""
+        self.batch_put([key], [data])
 
     def batch_put(self, keys: Sequence[Key], buffers: Sequence[Any]) -> None:
-        self._cache.batch_put(keys, buffers)
+        """Store each buffer under its key; raises on bad input or when no worker takes the block."""
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        if self._embedded is not None:
+            return self._embedded.batch_put(keys, buffers)
+        raw = [key_bytes(k) for k in keys]
+        views = [readable(b) for b in buffers]
+        if self._single is not None:
+            return self._single.put_many(raw, views)
+        assert self._cluster is not None
+        return self._cluster.put_many(raw, views)
 
     def get(self, key: Key) -> bytes | None:
-        return self._cache.get(key)
+        """The block's bytes, or None on a miss."""
+        if self._embedded is not None:
+            return self._embedded.get(key)
+        with self.lease([key]) as views:
+            if views[0] is not None:
+                return bytes(views[0])
+        return None
 
     def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[int]:
-        return self._cache.batch_get_into(keys, buffers)
+        """Copy each block into its buffer; sizes, -1 for each miss."""
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        if self._embedded is not None:
+            return self._embedded.batch_get_into(keys, buffers)
+        raw = [key_bytes(k) for k in keys]
+        dests = [Destination(b) for b in buffers]
+        if self._single is not None:
+            return self._single.get_into_many(raw, dests)
+        assert self._cluster is not None
+        return self._cluster.get_into_many(raw, dests)
+
+    @contextmanager
+    def lease(self, keys: Sequence[Key]) -> Iterator[list[memoryview | None]]:
+        """Read-only views of blocks, valid inside the `with` (None per miss). Zero copy where the
+        pool shares memory with this process (embedded, same-node worker); a copy otherwise."""
+        raw = [key_bytes(k) for k in keys]
+        if self._embedded is not None:
+            with _embedded_leases(self._embedded, raw) as views:
+                yield views
+        elif isinstance(self._single, ShmTransport):
+            with self._single.lease(raw) as views:
+                yield views
+        else:
+            bufs = [self._fetch(k) for k in raw]
+            yield [None if b is None else memoryview(b).toreadonly() for b in bufs]
+
+    def _fetch(self, key: bytes) -> bytes | None:
+        for _ in range(2):
+            size = self._size_hint(key)
+            buf = bytearray(size)
+            try:
+                n = self.batch_get_into([key], [buf])[0]
+            except KVPoolError:
+                continue
+            return None if n < 0 else bytes(buf[:n])
+        return None
+
+    def _size_hint(self, key: bytes) -> int:
+        if self._single is not None:
+            return int(self._single.info.get("max_block") or (16 << 20))
+        assert self._cluster is not None
+        return self._cluster.max_block()
 
     def exists(self, keys: Sequence[Key]) -> list[bool]:
-        return self._cache.batch_exists(keys)
+        """Whether each key is present (in any tier, on any of its owners)."""
+        if self._embedded is not None:
+            return self._embedded.batch_exists(keys)
+        raw = [key_bytes(k) for k in keys]
+        if self._single is not None:
+            return self._single.exists(raw)
+        assert self._cluster is not None
+        return self._cluster.exists(raw)
 
     def prefix_match(self, keys: Sequence[Key]) -> int:
-        return self._cache.prefix_match(keys)
+        """Length of the longest present prefix of the key chain `keys`."""
+        if self._embedded is not None:
+            return self._embedded.prefix_match(keys)
+        if self._single is not None:
+            return self._single.prefix_match([key_bytes(k) for k in keys])
+        flags = self.exists(keys)
+        return next((i for i, f in enumerate(flags) if not f), len(flags))
 
     def remove(self, keys: Sequence[Key]) -> list[bool]:
-        return self._cache.batch_remove(keys)
+        """Remove blocks (every replica); True where one was present."""
+        if self._embedded is not None:
+            return self._embedded.batch_remove(keys)
+        raw = [key_bytes(k) for k in keys]
+        if self._single is not None:
+            return self._single.remove(raw)
+        assert self._cluster is not None
+        return self._cluster.remove(raw)
 
     def clear(self) -> None:
-        self._cache.clear()
+        """Remove every block from the pool (every worker, in cluster mode)."""
+        if self._embedded is not None:
+            self._embedded.clear()
+        elif self._single is not None:
+            self._single.clear()
+        else:
+            assert self._cluster is not None
+            self._cluster.clear()
 
-    def stats(self) -> dict[str, int]:
-        return self._cache.stats()
+    def stats(self) -> dict[str, Any]:
+        """Embedded: the cache's counters. Otherwise {worker_id: that worker's info and counters}."""
+        if self._embedded is not None:
+            return self._embedded.stats()
+        if self._single is not None:
+            s = self._single.stats()
+            return {s["worker_id"]: s}
+        assert self._cluster is not None
+        return self._cluster.stats()
 
     def close(self) -> None:
-        self._cache.close()
+        if self._embedded is not None:
+            self._embedded.close()
+        if self._single is not None:
+            self._single.close()
+        if self._cluster is not None:
+            self._cluster.close()
 
     def __enter__(self) -> PoolClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextmanager
+def _embedded_leases(cache: TieredCache, keys: list[bytes]) -> Iterator[list[memoryview | None]]:
+    blocks = [cache.acquire(k) for k in keys]
+    try:
+        yield [None if b is None else cache.arena.view(b.offset, b.size).toreadonly() for b in blocks]
+    finally:
+        for b in blocks:
+            if b is not None:
+                cache.release(b)
+
+
+_SUSPECT_S = 2.0
+
+
+class _Cluster:
+    """Routing over the live workers: rendezvous placement, replicas, and same-node shared memory."""
+
+    def __init__(self, cfg: ClientConfig) -> None:
+        self.cfg = cfg
+        self.node_id = cfg.node_id or socket.gethostname()
+        self.membership = Membership(cfg.nats_url or "", connect_timeout=cfg.timeout_s)
+        self.membership.watch()
+        self._transports: dict[str, TcpTransport | ShmTransport] = {}
+        self._suspect: dict[str, float] = {}
+
+    def _live(self) -> dict[str, dict[str, Any]]:
+        now = time.monotonic()
+        return {w: i for w, i in self.membership.members().items() if self._suspect.get(w, 0) <= now}
+
+    def _transport(self, worker_id: str, info: dict[str, Any]) -> TcpTransport | ShmTransport:
+        t = self._transports.get(worker_id)
+        if t is None:
+            same_node = info.get("node_id") == self.node_id and os.path.exists(info.get("unix", ""))
+            t = connect(info["unix"] if same_node else info["tcp"], self.cfg.token, self.cfg.timeout_s)
+            self._transports[worker_id] = t
+        return t
+
+    def _failed(self, worker_id: str, err: Exception) -> None:
+        log.warning("worker %s failed (%s); treating it as down for %.0f s", worker_id, err, _SUSPECT_S)
+        self._suspect[worker_id] = time.monotonic() + _SUSPECT_S
+        t = self._transports.pop(worker_id, None)
+        if t is not None:
+            t.close()
+
+    def _owners(self, keys: list[bytes], live: dict[str, dict[str, Any]]) -> list[list[str]]:
+        ids = list(live)
+        return [rank(k, ids) for k in keys]
+
+    def max_block(self) -> int:
+        return max((int(i.get("max_block", 0)) for i in self._live().values()), default=16 << 20)
+
+    def put_many(self, keys: list[bytes], views: list[memoryview]) -> None:
+        live = self._live()
+        if not live:
+            raise PoolUnavailable(f"no live workers in the cluster at {self.cfg.nats_url}")
+        by_worker: dict[str, list[int]] = {}
+        for i, owners in enumerate(self._owners(keys, live)):
+            for w in owners[:self.cfg.replication]:
+                by_worker.setdefault(w, []).append(i)
+        stored = [0] * len(keys)
+        errors: list[Exception] = []
+        for w, idx in by_worker.items():
+            try:
+                self._transport(w, live[w]).put_many([keys[i] for i in idx], [views[i] for i in idx])
+            except PoolUnavailable as e:
+                self._failed(w, e)
+                errors.append(e)
+                continue
+            for i in idx:
+                stored[i] += 1
+        if not all(stored):
+            raise PoolUnavailable(f"{stored.count(0)} of {len(keys)} blocks reached no worker: {errors[0]}")
+
+    def get_into_many(self, keys: list[bytes], dests: list[Destination]) -> list[int]:
+        live = self._live()
+        out = [-1] * len(keys)
+        owners = self._owners(keys, live)
+        for attempt in range(self.cfg.replication):
+            by_worker: dict[str, list[int]] = {}
+            for i, ow in enumerate(owners):
+                if out[i] < 0 and attempt < len(ow):
+                    by_worker.setdefault(ow[attempt], []).append(i)
+            for w, idx in by_worker.items():
+                try:
+                    sizes = self._transport(w, live[w]).get_into_many([keys[i] for i in idx], [dests[i] for i in idx])
+                except PoolUnavailable as e:
+                    self._failed(w, e)
+                    continue
+                for i, n in zip(idx, sizes):
+                    out[i] = n
+        return out
+
+    def exists(self, keys: list[bytes]) -> list[bool]:
+        live = self._live()
+        out = [False] * len(keys)
+        owners = self._owners(keys, live)
+        for attempt in range(self.cfg.replication):
+            by_worker: dict[str, list[int]] = {}
+            for i, ow in enumerate(owners):
+                if not out[i] and attempt < len(ow):
+                    by_worker.setdefault(ow[attempt], []).append(i)
+            for w, idx in by_worker.items():
+                try:
+                    flags = self._transport(w, live[w]).exists([keys[i] for i in idx])
+                except PoolUnavailable as e:
+                    self._failed(w, e)
+                    continue
+                for i, f in zip(idx, flags):
+                    out[i] = out[i] or f
+        return out
+
+    def remove(self, keys: list[bytes]) -> list[bool]:
+        live = self._live()
+        out = [False] * len(keys)
+        by_worker: dict[str, list[int]] = {}
+        for i, owners in enumerate(self._owners(keys, live)):
+            for w in owners[:self.cfg.replication]:
+                by_worker.setdefault(w, []).append(i)
+        for w, idx in by_worker.items():
+            try:
+                flags = self._transport(w, live[w]).remove([keys[i] for i in idx])
+            except PoolUnavailable as e:
+                self._failed(w, e)
+                continue
+            for i, f in zip(idx, flags):
+                out[i] = out[i] or f
+        return out
+
+    def clear(self) -> None:
+        for w, info in self._live().items():
+            try:
+                self._transport(w, info).clear()
+            except PoolUnavailable as e:
+                self._failed(w, e)
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for w, info in self._live().items():
+            try:
+                out[w] = self._transport(w, info).stats()
+            except PoolUnavailable as e:
+                self._failed(w, e)
+                out[w] = {**info, "error": str(e)}
+        return out
+
+    def close(self) -> None:
+        for t in self._transports.values():
+            t.close()
+        self._transports.clear()
+        self.membership.close()

@@ -127,3 +127,31 @@ class CacheConfig:
             raise ConfigError(f"watermarks low={self.low_watermark} high={self.high_watermark}: need 0 < low < high <= 1")
         if self.dram_bytes < self.dram_slab_size:
             raise ConfigError(f"dram_bytes {self.dram_bytes} is smaller than one slab ({self.dram_slab_size})")
+
+
+@dataclasses.dataclass
+class WorkerConfig:
+    """A node worker: where it listens, how it authenticates, where it registers.
+
+    Environment: `KVPOOL_HOST`, `KVPOOL_PORT`, `KVPOOL_TOKEN`, `KVPOOL_NATS_URL`, ... The cache
+    it owns is configured by `CacheConfig` from the same sources.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 7461
+    """TCP port; 0 picks a free one."""
+    unix_path: str | None = None
+    """Unix socket for same-node clients; default `<state dir>/worker-<port>.sock`."""
+    token: str | None = None
+    """Shared secret; required for any non-loopback bind, and then checked on every TCP connection."""
+    node_id: str | None = None
+    """Identifies the machine (clients with the same node id use shared memory); default hostname."""
+    worker_id: str | None = None
+    metrics_port: int | None = None
+    """Prometheus metrics port on `host`; none when unset."""
+    nats_url: str | None = None
+    """Register in the cluster at this NATS server; standalone when unset."""
+    heartbeat_s: float = 2.0
+    member_ttl_s: float = 10.0
+    advertise_host: str | None = None
+    """Address other machines use to reach this worker; default `host`."""

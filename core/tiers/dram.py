@@ -70,6 +70,15 @@ class DramArena:
         self._partial: list[dict[int, None]] = [{} for _ in self.classes]
         self.used_bytes = 0  # bytes in allocated slots
 
+    @classmethod
+    def attach(cls, name: str, size: int) -> memoryview:
+        """Map another process's arena read-write (a same-node client); returns the whole mapping."""
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+        try:
+            return memoryview(mmap.mmap(fd, size))
+        finally:
+            os.close(fd)
+
     def _prefault(self) -> None:
         populate = getattr(mmap, "MADV_POPULATE_WRITE", None)
         if populate is not None:

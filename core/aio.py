@@ -1,0 +1,41 @@
+"""A private asyncio loop in a daemon thread, so synchronous code can use asyncio clients (nats-py)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """Runs coroutines on its own event loop; `run(coro, timeout)` blocks for the result."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> "asyncio.Future[Any]":
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[return-value]
+
+    def stop(self) -> None:
+        async def _cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self.loop.is_running():
+            try:
+                self.run(_cancel_all(), timeout=5)
+            except Exception:
+                pass
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5)
+        if not self.loop.is_running():
+            self.loop.close()

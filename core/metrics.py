@@ -1,0 +1,48 @@
+"""Prometheus metrics of a worker: operations, bytes, latency, tier fill, evictions, connections."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+_LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 2.0)
+
+
+class WorkerMetrics:
+    """One registry per worker, so several workers can live in one process (tests)."""
+
+    def __init__(self, cache_stats: Callable[[], dict[str, int]]) -> None:
+        self.registry = CollectorRegistry()
+        self.ops = Counter("kvpool_ops", "Requests served, by operation", ["op"], registry=self.registry)
+        self.bytes = Counter("kvpool_bytes", "Block bytes moved, by direction", ["direction"], registry=self.registry)
+        self.latency = Histogram("kvpool_op_seconds", "Request latency in seconds, by operation", ["op"],
+                                 buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.connections = Gauge("kvpool_connections", "Open client connections, by transport", ["transport"],
+                                 registry=self.registry)
+        self.protocol_errors = Counter("kvpool_protocol_errors", "Connections closed for malformed frames",
+                                       registry=self.registry)
+        self.registry.register(_CacheCollector(cache_stats))
+
+    def serve(self, host: str, port: int) -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+
+class _CacheCollector:
+    """Exports the cache's counters and tier fill at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+        self._stats = stats
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        try:
+            s = self._stats()
+        except Exception:  # a closing cache: no sample this scrape
+            return []
+        out = []
+        for name, value in s.items():
+            out.append(GaugeMetricFamily(f"kvpool_cache_{name}", f"TieredCache stat {name}", value=value))
+        return out

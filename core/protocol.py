@@ -1,0 +1,186 @@
+"""The worker wire protocol: framed, versioned, batched, checksummed; the same over TCP and Unix sockets.
+
+A frame is a 32-byte header, `meta_len` bytes of metadata, then `data_len` bytes of block data:
+
+    magic "KVPW" | version u8 | op u8 | status u16 | request id u32 | meta_len u32 | data_len u64 |
+    meta checksum u32 (xxh32) | reserved u32
+
+Batch metadata is binary (`pack_batch`): the keys, then fixed-width columns (sizes, checksums,
+offsets...) as little-endian arrays. Control messages (hello, auth, stats) carry JSON metadata.
+Block data is each block's bytes back to back; the receiver `recv_into`s them straight into their
+destination (an arena slot, the caller's buffer) and checks every block's XXH3-64.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from .errors import PoolUnavailable, ProtocolError
+
+MAGIC = b"KVPW"
+VERSION = 1
+HEADER = struct.Struct("<4sBBHIIQII")
+MAX_META = 16 << 20
+MAX_DATA = 8 << 30
+MAX_BATCH = 1 << 16
+
+
+class Op(IntEnum):
+    HELLO = 1     # json -> json: worker identity, arena name/size, whether auth is required
+    AUTH = 2      # json {"token"} -> status
+    PUT = 3       # keys + sizes, checksums; data -> statuses
+    GET = 4       # keys -> sizes, checksums; data
+    EXISTS = 5    # keys -> flags
+    PREFIX = 6    # keys -> status-free json {"n"}
+    REMOVE = 7    # keys -> flags
+    CLEAR = 8     # -> status
+    STATS = 9     # -> json
+    ALLOC = 10    # same node: keys + sizes -> offsets (-1: no room)
+    COMMIT = 11   # same node: keys + offsets + sizes + checksums -> statuses
+    ABORT = 12    # same node: raw offsets -> (no reply)
+    LEASE = 13    # same node: keys -> lease ids, offsets, sizes, checksums
+    RELEASE = 14  # same node: raw lease ids -> (no reply)
+
+
+class Status(IntEnum):
+    OK = 0
+    ERROR = 1
+    AUTH_REQUIRED = 2
+    AUTH_FAILED = 3
+    BAD_REQUEST = 4
+
+
+ITEM_OK, ITEM_MISS, ITEM_CORRUPT, ITEM_FULL, ITEM_TOO_LARGE = 0, -1, -2, -3, -4
+
+
+@dataclass
+class Frame:
+    op: int
+    status: int
+    req_id: int
+    meta: bytes
+    data_len: int
+
+
+def header(op: int, status: int, req_id: int, meta: bytes, data_len: int) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, op, status, req_id, len(meta), data_len,
+                       xxhash.xxh32_intdigest(meta), 0)
+
+
+def recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from `sock`; a closed connection raises ConnectionError."""
+    got = 0
+    n = len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+        got += k
+
+
+def recv_frame(sock: socket.socket) -> Frame:
+    """Read one header and its metadata (the data, if any, is left for the caller to receive)."""
+    raw = bytearray(HEADER.size)
+    recv_exactly(sock, memoryview(raw))
+    magic, version, op, status, req_id, meta_len, data_len, meta_crc, _ = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}; expected {MAGIC!r}")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version}; this side speaks {VERSION}")
+    if meta_len > MAX_META or data_len > MAX_DATA:
+        raise ProtocolError(f"frame of {meta_len} meta / {data_len} data bytes exceeds {MAX_META} / {MAX_DATA}")
+    meta = bytearray(meta_len)
+    recv_exactly(sock, memoryview(meta))
+    if xxhash.xxh32_intdigest(meta) != meta_crc:
+        raise ProtocolError("metadata checksum mismatch")
+    return Frame(op, status, req_id, bytes(meta), data_len)
+
+
+def send_frame(sock: socket.socket, op: int, meta: bytes = b"", *, status: int = 0, req_id: int = 0,
+               data: list[memoryview] | None = None) -> None:
+    """Send header, metadata and data buffers with as few system calls as the kernel allows."""
+    data = data or []
+    bufs: list[Any] = [header(op, status, req_id, meta, sum(len(d) for d in data)), meta, *data]
+    while bufs:
+        sent = sock.sendmsg(bufs[:512])
+        while sent and bufs:
+            n = len(bufs[0])
+            if sent >= n:
+                sent -= n
+                bufs.pop(0)
+            else:
+                bufs[0] = memoryview(bufs[0])[sent:]
+                sent = 0
+        while bufs and len(bufs[0]) == 0:
+            bufs.pop(0)
+
+
+def pack_json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def unpack_json(meta: bytes) -> Any:
+    try:
+        return json.loads(meta) if meta else {}
+    except ValueError as e:
+        raise ProtocolError(f"bad JSON metadata: {e}") from e
+
+
+def pack_batch(keys: list[bytes], *columns: np.ndarray) -> bytes:
+    """Keys (count, u16 lengths, bytes) followed by each column's raw little-endian bytes."""
+    lens = np.fromiter((len(k) for k in keys), dtype="<u2", count=len(keys))
+    parts = [struct.pack("<I", len(keys)), lens.tobytes(), b"".join(keys)]
+    parts.extend(np.ascontiguousarray(c).tobytes() for c in columns)
+    return b"".join(parts)
+
+
+def unpack_batch(meta: bytes, *dtypes: str) -> tuple[list[bytes], list[np.ndarray]]:
+    """Inverse of `pack_batch` given the column dtypes; raises ProtocolError on any inconsistency."""
+    try:
+        (n,) = struct.unpack_from("<I", meta)
+        if n > MAX_BATCH:
+            raise ProtocolError(f"batch of {n} items exceeds {MAX_BATCH}")
+        pos = 4
+        lens = np.frombuffer(meta, dtype="<u2", count=n, offset=pos)
+        pos += 2 * n
+        keys = []
+        for ln in lens.tolist():
+            if ln == 0:
+                raise ProtocolError("empty key in batch")
+            keys.append(meta[pos:pos + ln])
+            pos += ln
+        cols = []
+        for dt in dtypes:
+            col = np.frombuffer(meta, dtype=dt, count=n, offset=pos)
+            pos += col.nbytes
+            cols.append(col)
+    except (struct.error, ValueError) as e:
+        raise ProtocolError(f"truncated batch metadata ({len(meta)} bytes): {e}") from e
+    if pos != len(meta) or any(len(k) != ln for k, ln in zip(keys, lens.tolist())):
+        raise ProtocolError(f"batch metadata is {len(meta)} bytes; its fields account for {pos}")
+    return keys, cols
+
+
+def unpack_ids(meta: bytes) -> np.ndarray:
+    """A bare little-endian int64 array (ABORT offsets, RELEASE lease ids)."""
+    if len(meta) % 8 or len(meta) > 8 * MAX_BATCH:
+        raise ProtocolError(f"id list of {len(meta)} bytes is not a whole number of int64 (max {MAX_BATCH})")
+    return np.frombuffer(meta, dtype="<i8")
+
+
+def check_reply(frame: Frame, op: int) -> None:
+    if frame.op != op:
+        raise PoolUnavailable(f"worker answered op {frame.op} to op {op}")
+    if frame.status == Status.AUTH_REQUIRED or frame.status == Status.AUTH_FAILED:
+        from .errors import AuthError
+
+        raise AuthError(unpack_json(frame.meta).get("error", "authentication required"))
+    if frame.status != Status.OK:
+        raise ProtocolError(unpack_json(frame.meta).get("error", f"worker error status {frame.status}"))

@@ -1,0 +1,380 @@
+"""The node worker: serves its TieredCache over TCP (any node) and a Unix socket (same node).
+
+One thread per connection, blocking sockets: block bytes go from the socket straight into arena slots
+and from arena slots straight to the socket. Same-node clients map the arena and exchange only small
+control messages (alloc/commit, lease/release); a connection that closes gives back its reservations
+and leases. A malformed frame closes that connection only, with a logged reason.
+"""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import protocol as P
+from .blocks import checksum
+from .cache import TieredCache
+from .config import CacheConfig, WorkerConfig, default_state_dir
+from .errors import BlockTooLarge, CapacityError, ConfigError, ProtocolError
+from .metrics import WorkerMetrics
+
+log = logging.getLogger("kvpool.worker")
+
+_SCRATCH = 1 << 20
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+class _Conn:
+    """State of one client connection."""
+
+    def __init__(self, sock: socket.socket, transport: str, authed: bool) -> None:
+        self.sock = sock
+        self.transport = transport
+        self.authed = authed
+        self.busy = False
+        self.reserved: dict[int, int] = {}  # offset -> size
+        self.leases: dict[int, Any] = {}  # lease id -> block
+        self.next_lease = 1
+
+
+class Worker:
+    """A kvpool worker. `start()` binds and serves in background threads; `stop()` drains and flushes."""
+
+    def __init__(self, config: WorkerConfig | None = None, cache: CacheConfig | None = None) -> None:
+        from .config import load
+
+        self.config = cfg = config if config is not None else load(WorkerConfig)
+        if not is_loopback(cfg.host) and not cfg.token:
+            raise ConfigError(f"binding {cfg.host} (not loopback) needs a token: set KVPOOL_TOKEN or --token")
+        self.worker_id = cfg.worker_id or secrets.token_hex(4)
+        self.node_id = cfg.node_id or socket.gethostname()
+        self.cache = TieredCache(cache if cache is not None else load(CacheConfig))
+        self.metrics = WorkerMetrics(self.cache.stats)
+        self._stopping = threading.Event()
+        self._conns: set[_Conn] = set()
+        self._conns_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._tcp = socket.create_server((cfg.host, cfg.port), backlog=128, reuse_port=False)
+        self.port = self._tcp.getsockname()[1]
+        self.unix_path = cfg.unix_path or str(default_state_dir() / f"worker-{self.port}.sock")
+        Path(self.unix_path).parent.mkdir(parents=True, exist_ok=True)
+        if os.path.exists(self.unix_path):
+            os.unlink(self.unix_path)
+        self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            self._unix.bind(self.unix_path)  # created 0600: only this user's processes connect
+        finally:
+            os.umask(old)
+        self._unix.listen(128)
+        self.membership: Any = None
+        self._handlers: dict[int, Callable[[_Conn, P.Frame], None]] = {
+            P.Op.HELLO: self._hello, P.Op.AUTH: self._auth, P.Op.PUT: self._put, P.Op.GET: self._get,
+            P.Op.EXISTS: self._exists, P.Op.PREFIX: self._prefix, P.Op.REMOVE: self._remove,
+            P.Op.CLEAR: self._clear, P.Op.STATS: self._stats, P.Op.ALLOC: self._alloc,
+            P.Op.COMMIT: self._commit, P.Op.ABORT: self._abort, P.Op.LEASE: self._lease,
+            P.Op.RELEASE: self._release,
+        }
+
+    # ----- lifecycle --------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.advertise_host or self.config.host}:{self.port}"
+
+    def info(self) -> dict[str, Any]:
+        """What the worker registers in the cluster and answers to HELLO."""
+        s = self.cache.stats()
+        return {"worker_id": self.worker_id, "node_id": self.node_id, "tcp": self.address,
+                "unix": self.unix_path, "arena": self.cache.arena.name, "arena_size": self.cache.arena.size,
+                "dram_capacity": s["dram_capacity"], "dram_bytes": s["dram_bytes"],
+                "ssd_bytes": s["ssd_bytes"], "hits": s["hits_dram"] + s["hits_ssd"] + s["hits_device"],
+                "misses": s["misses"], "max_block": self.cache.max_block, "transports": ["tcp", "shm"],
+                "auth": bool(self.config.token), "pid": os.getpid()}
+
+    def start(self) -> Worker:
+        for lsock, transport in ((self._tcp, "tcp"), (self._unix, "shm")):
+            t = threading.Thread(target=self._accept_loop, args=(lsock, transport), daemon=True,
+                                 name=f"kvpool-accept-{transport}")
+            t.start()
+        if self.config.metrics_port is not None:
+            self.metrics.serve(self.config.host, self.config.metrics_port)
+        if self.config.nats_url:
+            from .cluster import Membership
+
+            self.membership = Membership(self.config.nats_url, self.config.member_ttl_s)
+            self.membership.register(self.worker_id, self.info, self.config.heartbeat_s)
+        log.info("worker %s serving tcp %s and %s (arena %s, %d bytes)", self.worker_id, self.address,
+                 self.unix_path, self.cache.arena.name, self.cache.arena.size)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop accepting, let in-flight requests finish, flush DRAM to SSD, leave the cluster."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        if self.membership is not None:
+            self.membership.close()
+        for lsock in (self._tcp, self._unix):
+            lsock.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._conns_lock:
+                idle = [c for c in self._conns if not c.busy]
+                busy = len(self._conns) - len(idle)
+            for c in idle:
+                _shutdown(c.sock)
+            if not busy and not idle:
+                break
+            time.sleep(0.01)
+        for t in list(self._threads):
+            t.join(max(0.0, deadline - time.monotonic()))
+        try:
+            os.unlink(self.unix_path)
+        except FileNotFoundError:
+            pass
+        self.cache.flush()
+        self.cache.close()
+        log.info("worker %s stopped", self.worker_id)
+
+    def _accept_loop(self, lsock: socket.socket, transport: str) -> None:
+        while not self._stopping.is_set():
+            try:
+                sock, _ = lsock.accept()
+            except OSError:
+                return
+            if transport == "tcp":
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock, transport, authed=(transport == "shm" or not self.config.token))
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name="kvpool-conn")
+            with self._conns_lock:
+                self._conns.add(conn)
+                self._threads.append(t)
+            t.start()
+
+    def _serve(self, conn: _Conn) -> None:
+        self.metrics.connections.labels(conn.transport).inc()
+        try:
+            while not self._stopping.is_set():
+                frame = P.recv_frame(conn.sock)
+                conn.busy = True
+                t0 = time.perf_counter()
+                self._dispatch(conn, frame)
+                op = P.Op(frame.op).name.lower()
+                self.metrics.ops.labels(op).inc()
+                self.metrics.latency.labels(op).observe(time.perf_counter() - t0)
+                conn.busy = False
+        except ProtocolError as e:
+            self.metrics.protocol_errors.inc()
+            log.warning("closing %s connection: %s", conn.transport, e)
+        except (ConnectionError, OSError):
+            pass  # the client went away
+        finally:
+            conn.busy = False
+            self._cleanup(conn)
+            self.metrics.connections.labels(conn.transport).dec()
+
+    def _cleanup(self, conn: _Conn) -> None:
+        """Give back what a departed client held: reservations (never committed) and leases."""
+        for offset in conn.reserved:
+            self.cache.abort(offset)
+        for block in conn.leases.values():
+            self.cache.release(block)
+        conn.reserved.clear()
+        conn.leases.clear()
+        _shutdown(conn.sock)
+        conn.sock.close()
+        with self._conns_lock:
+            self._conns.discard(conn)
+            t = threading.current_thread()
+            if t in self._threads:
+                self._threads.remove(t)
+
+    def _dispatch(self, conn: _Conn, frame: P.Frame) -> None:
+        handler = self._handlers.get(frame.op)
+        if handler is None:
+            raise ProtocolError(f"unknown op {frame.op}")
+        if not conn.authed and frame.op not in (P.Op.HELLO, P.Op.AUTH):
+            P.send_frame(conn.sock, frame.op, P.pack_json({"error": "authenticate first (AUTH with the pool token)"}),
+                         status=P.Status.AUTH_REQUIRED, req_id=frame.req_id)
+            raise ProtocolError(f"unauthenticated op {frame.op}")
+        if frame.data_len and frame.op != P.Op.PUT:
+            raise ProtocolError(f"op {frame.op} carries {frame.data_len} data bytes; only PUT carries data")
+        if conn.transport == "tcp" and frame.op in _SHM_OPS:
+            raise ProtocolError(f"op {frame.op} is for same-node clients over the Unix socket")
+        handler(conn, frame)
+
+    def _reply(self, conn: _Conn, frame: P.Frame, meta: bytes = b"", data: list[memoryview] | None = None,
+               status: int = P.Status.OK) -> None:
+        P.send_frame(conn.sock, frame.op, meta, status=status, req_id=frame.req_id, data=data)
+
+    # ----- handlers ---------------------------------------------------------------------------
+
+    def _hello(self, conn: _Conn, frame: P.Frame) -> None:
+        self._reply(conn, frame, P.pack_json(self.info()))
+
+    def _auth(self, conn: _Conn, frame: P.Frame) -> None:
+        token = str(P.unpack_json(frame.meta).get("token", ""))
+        if self.config.token and not hmac.compare_digest(token.encode(), self.config.token.encode()):
+            self._reply(conn, frame, P.pack_json({"error": "bad token"}), status=P.Status.AUTH_FAILED)
+            raise ProtocolError("authentication failed")
+        conn.authed = True
+        self._reply(conn, frame)
+
+    def _put(self, conn: _Conn, frame: P.Frame) -> None:
+        keys, (sizes, csums) = P.unpack_batch(frame.meta, "<i8", "<u8")
+        if (sizes < 0).any() or int(sizes.sum()) != frame.data_len:
+            raise ProtocolError(f"PUT sizes sum to {int(sizes.sum())}; the frame carries {frame.data_len} bytes")
+        status = np.zeros(len(keys), dtype="<i1")
+        arena = self.cache.arena
+        scratch: bytearray | None = None
+        for i, (key, size, csum) in enumerate(zip(keys, sizes.tolist(), csums.tolist())):
+            try:
+                offset = self.cache.reserve(size)
+            except (BlockTooLarge, CapacityError) as e:
+                status[i] = P.ITEM_TOO_LARGE if isinstance(e, BlockTooLarge) else P.ITEM_FULL
+                scratch = scratch or bytearray(_SCRATCH)
+                _drain(conn.sock, size, scratch)
+                continue
+            try:
+                view = arena.view(offset, size)
+                P.recv_exactly(conn.sock, view)
+                ok = checksum(view) == csum
+                del view
+            except BaseException:
+                self.cache.abort(offset)
+                raise
+            if ok:
+                self.cache.commit(key, offset, size, csum)
+            else:
+                self.cache.abort(offset)
+                status[i] = P.ITEM_CORRUPT
+        self.metrics.bytes.labels("in").inc(frame.data_len)
+        self._reply(conn, frame, status.tobytes())
+
+    def _get(self, conn: _Conn, frame: P.Frame) -> None:
+        keys, _ = P.unpack_batch(frame.meta)
+        blocks = [self.cache.acquire(k) for k in keys]
+        try:
+            sizes = np.array([b.size if b else P.ITEM_MISS for b in blocks], dtype="<i8")
+            csums = np.array([b.checksum if b else 0 for b in blocks], dtype="<u8")
+            arena = self.cache.arena
+            data = [arena.view(b.offset, b.size) for b in blocks if b]
+            self._reply(conn, frame, sizes.tobytes() + csums.tobytes(), data)
+            self.metrics.bytes.labels("out").inc(sum(len(d) for d in data))
+            del data
+        finally:
+            for b in blocks:
+                if b:
+                    self.cache.release(b)
+
+    def _exists(self, conn: _Conn, frame: P.Frame) -> None:
+        keys, _ = P.unpack_batch(frame.meta)
+        self._reply(conn, frame, np.array(self.cache.batch_exists(keys), dtype="<u1").tobytes())
+
+    def _prefix(self, conn: _Conn, frame: P.Frame) -> None:
+        keys, _ = P.unpack_batch(frame.meta)
+        self._reply(conn, frame, P.pack_json({"n": self.cache.prefix_match(keys)}))
+
+    def _remove(self, conn: _Conn, frame: P.Frame) -> None:
+        keys, _ = P.unpack_batch(frame.meta)
+        self._reply(conn, frame, np.array(self.cache.batch_remove(keys), dtype="<u1").tobytes())
+
+    def _clear(self, conn: _Conn, frame: P.Frame) -> None:
+        self.cache.clear()
+        self._reply(conn, frame)
+
+    def _stats(self, conn: _Conn, frame: P.Frame) -> None:
+        self._reply(conn, frame, P.pack_json({**self.info(), "stats": self.cache.stats()}))
+
+    def _alloc(self, conn: _Conn, frame: P.Frame) -> None:
+        keys, (sizes,) = P.unpack_batch(frame.meta, "<i8")
+        offsets = np.full(len(keys), P.ITEM_FULL, dtype="<i8")
+        for i, size in enumerate(sizes.tolist()):
+            try:
+                offsets[i] = off = self.cache.reserve(size)
+                conn.reserved[off] = size
+            except BlockTooLarge:
+                offsets[i] = P.ITEM_TOO_LARGE
+            except CapacityError:
+                pass
+        self._reply(conn, frame, offsets.tobytes())
+
+    def _commit(self, conn: _Conn, frame: P.Frame) -> None:
+        keys, (offsets, sizes, csums) = P.unpack_batch(frame.meta, "<i8", "<i8", "<u8")
+        status = np.zeros(len(keys), dtype="<i1")
+        arena = self.cache.arena
+        for i, (key, off, size, csum) in enumerate(zip(keys, offsets.tolist(), sizes.tolist(), csums.tolist())):
+            if conn.reserved.get(off) != size:
+                raise ProtocolError(f"COMMIT of offset {off} ({size} bytes) that this connection did not reserve")
+            del conn.reserved[off]
+            if checksum(arena.view(off, size)) == csum:
+                self.cache.commit(key, off, size, csum)
+            else:
+                self.cache.abort(off)
+                status[i] = P.ITEM_CORRUPT
+        self.metrics.bytes.labels("in").inc(int(sizes.sum()))
+        self._reply(conn, frame, status.tobytes())
+
+    def _abort(self, conn: _Conn, frame: P.Frame) -> None:
+        for off in P.unpack_ids(frame.meta).tolist():
+            if conn.reserved.pop(off, None) is not None:
+                self.cache.abort(off)
+
+    def _lease(self, conn: _Conn, frame: P.Frame) -> None:
+        keys, _ = P.unpack_batch(frame.meta)
+        n = len(keys)
+        ids = np.zeros(n, dtype="<i8")
+        offsets = np.full(n, P.ITEM_MISS, dtype="<i8")
+        sizes = np.full(n, P.ITEM_MISS, dtype="<i8")
+        csums = np.zeros(n, dtype="<u8")
+        for i, key in enumerate(keys):
+            b = self.cache.acquire(key)
+            if b is None:
+                continue
+            lid = conn.next_lease
+            conn.next_lease += 1
+            conn.leases[lid] = b
+            ids[i], offsets[i], sizes[i], csums[i] = lid, b.offset, b.size, b.checksum
+        self.metrics.bytes.labels("out").inc(int(sizes[sizes > 0].sum()))
+        self._reply(conn, frame, ids.tobytes() + offsets.tobytes() + sizes.tobytes() + csums.tobytes())
+
+    def _release(self, conn: _Conn, frame: P.Frame) -> None:
+        for lid in P.unpack_ids(frame.meta).tolist():
+            b = conn.leases.pop(lid, None)
+            if b is not None:
+                self.cache.release(b)
+
+
+_SHM_OPS = frozenset({P.Op.ALLOC, P.Op.COMMIT, P.Op.ABORT, P.Op.LEASE, P.Op.RELEASE})
+
+
+def _drain(sock: socket.socket, n: int, scratch: bytearray) -> None:
+    view = memoryview(scratch)
+    while n:
+        k = min(n, len(view))
+        P.recv_exactly(sock, view[:k])
+        n -= k
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
