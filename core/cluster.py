@@ -26,7 +26,7 @@ BUCKET = "kvpool_members"
 
 def rank(key: bytes, worker_ids: Sequence[str]) -> list[str]:
     """Workers ordered by rendezvous score for `key` (highest first): owners are a prefix of it."""
-    return sorted(worker_ids, key=lambda w: xxhash.xxh3_64_intdigest(key, seed=xxhash.xxh32_intdigest(w)),
+    return sorted(worker_ids, key=lambda w: xxhash.xxh3_64_intdigest(key, seed=xxhash.xxh32_intdigest(w.encode())),
                   reverse=True)
 
 
@@ -55,10 +55,15 @@ class Membership:
             raise PoolUnavailable(f"cannot reach the cluster at {nats_url}: {e}") from e
 
     async def _bucket(self) -> Any:
+        """The members bucket, created on first use (entries age out after `ttl_s`)."""
         from nats.js.api import KeyValueConfig
+        from nats.js.errors import BucketNotFoundError
 
         js = self._nc.jetstream()
-        return await js.create_key_value(KeyValueConfig(bucket=BUCKET, history=1, max_age=self.ttl_s))
+        try:
+            return await js.key_value(BUCKET)
+        except BucketNotFoundError:
+            return await js.create_key_value(KeyValueConfig(bucket=BUCKET, history=1, ttl=self.ttl_s))
 
     # ----- worker side ------------------------------------------------------------------------
 

@@ -21,11 +21,16 @@ MAX_KEY_BYTES = 512
 
 def key_bytes(key: Key) -> bytes:
     """Validate `key` and return its canonical bytes form (str keys are UTF-8 encoded)."""
-    raw = key.encode() if type(key) is str else key
+    try:
+        raw = key.encode() if type(key) is str else key
+    except UnicodeEncodeError as e:
+        raise InvalidKey(f"key {key!r} is not valid UTF-8 text: {e.reason}") from e
     if type(raw) is bytes and 0 < len(raw) <= MAX_KEY_BYTES:
         return raw  # the common case, kept cheap: engines send thousands of keys per call
-    if isinstance(key, (bytearray, memoryview)):
+    if isinstance(key, (bytes, bytearray, memoryview)) and type(key) is not bytes:
         return key_bytes(bytes(key))
+    if isinstance(key, str) and type(key) is not str:
+        return key_bytes(str.__str__(key))  # a str subclass, e.g. numpy.str_
     if not isinstance(key, (str, bytes)):
         raise InvalidKey(f"key {key!r} is a {type(key).__name__}; keys are str or bytes")
     if not raw:

@@ -188,8 +188,9 @@ class ShmTransport(_Connection):
                 _raise_item(int(offsets[i]), keys[i], int(sizes[i]), self.info.get("max_block", 0))
             csums = np.empty(len(keys), dtype="<u8")
             for i, (off, v) in enumerate(zip(offsets.tolist(), views)):
-                arena[off:off + v.nbytes] = v
-                csums[i] = checksum(v)
+                slot = arena[off:off + v.nbytes]
+                slot[:] = v
+                csums[i] = checksum(slot)  # of what landed in the arena, while it is in cache
             reply = self._roundtrip(P.Op.COMMIT, P.pack_batch(list(keys), offsets, sizes, csums))
         for key, st, size in zip(keys, np.frombuffer(reply.meta, dtype="<i1").tolist(), sizes.tolist()):
             _raise_item(st, key, size, self.info.get("max_block", 0))

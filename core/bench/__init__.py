@@ -11,6 +11,7 @@ import importlib
 SUITES: dict[str, str] = {
     "core": "kvpool.core.bench.core_suite",
     "cache": "kvpool.core.bench.cache_suite",
+    "transport": "kvpool.core.bench.transport_suite",
 }
 
 

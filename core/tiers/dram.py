@@ -30,6 +30,7 @@ def size_classes(slab_size: int) -> list[int]:
             if c <= slab_size:
                 out.append(c)
         p *= 2
+    out.append(slab_size)  # the largest block is a whole slab, whatever its size
     return sorted(set(out))
 
 

@@ -1,0 +1,56 @@
+"""The raw-socket baseline: a process that receives or sends N bytes with plain sendall/recv_into.
+
+Run as `python -m kvpool.core.bench.raw_socket PORT`. Each request is 9 bytes: op (b"P" to receive
+N bytes then answer one byte, b"G" to send N bytes) and N as u64.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import sys
+
+import numpy as np
+
+
+def serve(port: int) -> None:
+    srv = socket.create_server(("127.0.0.1", port))
+    buf = np.ones(1 << 30, dtype=np.uint8)  # touched once: no page faults while timed
+    view = memoryview(buf)
+    while True:
+        conn, _ = srv.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            while True:
+                head = bytearray(9)
+                if conn.recv_into(head, 9, socket.MSG_WAITALL) < 9:
+                    break
+                op, n = struct.unpack("<cQ", head)
+                if op == b"P":
+                    got = 0
+                    while got < n:
+                        k = conn.recv_into(view[got:n], n - got)
+                        if k == 0:
+                            return
+                        got += k
+                    conn.sendall(b"k")
+                else:
+                    conn.sendall(view[:n])
+
+
+def put(sock: socket.socket, views: list[memoryview]) -> None:
+    sock.sendall(struct.pack("<cQ", b"P", sum(len(v) for v in views)))
+    for v in views:
+        sock.sendall(v)
+    sock.recv(1)
+
+
+def get(sock: socket.socket, views: list[memoryview]) -> None:
+    sock.sendall(struct.pack("<cQ", b"G", sum(len(v) for v in views)))
+    for v in views:
+        got, n = 0, len(v)
+        while got < n:
+            got += sock.recv_into(v[got:], n - got)
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))

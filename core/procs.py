@@ -1,0 +1,74 @@
+"""Worker processes started from Python: used by `kvpool bench`, the tests and the fault suite."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .errors import PoolUnavailable
+from .nats_server import free_port
+
+
+class WorkerProcess:
+    """`kvpool worker` in a child process with its own state dir; `stop()` is SIGTERM, `kill()` -9."""
+
+    def __init__(self, state_dir: str | os.PathLike[str], *, nats_url: str | None = None,
+                 dram_bytes: str = "256MiB", ssd: bool = False, node_id: str | None = None,
+                 extra: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+        self.state_dir = Path(state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.unix_path = str(self.state_dir / f"worker-{self.port}.sock")
+        args = [sys.executable, "-m", "kvpool.core.cli", "worker", "--port", str(self.port),
+                "--dram-bytes", dram_bytes]
+        if nats_url:
+            args += ["--nats-url", nats_url]
+        if ssd:
+            args += ["--ssd-path", str(self.state_dir / "ssd"), "--ssd-map-size", "1GiB"]
+        args += extra or []
+        child_env = {**os.environ, "KVPOOL_STATE_DIR": str(self.state_dir), **(env or {})}
+        if node_id:
+            child_env["KVPOOL_NODE_ID"] = node_id
+        self.log_path = self.state_dir / f"worker-{self.port}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(args, env=child_env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 30.0) -> WorkerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise PoolUnavailable(f"worker exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+            if os.path.exists(self.unix_path):
+                try:
+                    socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                    return self
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        self.kill()
+        raise PoolUnavailable(f"worker on port {self.port} not ready within {timeout} s")
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return int(self.proc.returncode)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
