@@ -35,18 +35,20 @@ def _build_worker(args: argparse.Namespace) -> Any:
     return Worker(wcfg, ccfg)
 
 
-def _serve_until_signal(stop: Any) -> None:
+def _stop_signal() -> threading.Event:
+    """An event set by SIGINT/SIGTERM; installed before serving so no early signal is lost."""
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
-    done.wait()
-    stop()
+    return done
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    done = _stop_signal()
     worker = _build_worker(args).start()
     print(f"kvpool worker {worker.worker_id}: tcp {worker.address}, same-node {worker.unix_path}", flush=True)
-    _serve_until_signal(worker.stop)
+    done.wait()
+    worker.stop()
     return 0
 
 
@@ -54,6 +56,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from .config import default_state_dir
     from .nats_server import NatsServer
 
+    done = _stop_signal()
     nats = NatsServer(default_state_dir() / "nats", port=args.nats_port).start()
     args.nats_url = nats.url
     try:
@@ -71,11 +74,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 Ctrl-C stops both.""", flush=True)
 
-    def stop() -> None:
-        worker.stop()
-        nats.stop()
-
-    _serve_until_signal(stop)
+    done.wait()
+    worker.stop()
+    nats.stop()
     return 0
 
 

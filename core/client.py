@@ -23,7 +23,7 @@ from .buffers import Destination, readable
 from .cache import TieredCache
 from .cluster import Membership, rank
 from .config import CacheConfig, default_state_dir, load
-from .errors import ConfigError, KVPoolError, PoolUnavailable
+from .errors import ConfigError, PoolUnavailable
 from .keys import Key, key_bytes
 from .transport import ShmTransport, TcpTransport, connect
 
@@ -141,17 +141,11 @@ class PoolClient:
             yield [None if b is None else memoryview(b).toreadonly() for b in bufs]
 
     def _fetch(self, key: bytes) -> bytes | None:
-        for _ in range(2):
-            size = self._size_hint(key)
-            buf = bytearray(size)
-            try:
-                n = self.batch_get_into([key], [buf])[0]
-            except KVPoolError:
-                continue
-            return None if n < 0 else bytes(buf[:n])
-        return None
+        buf = bytearray(self._max_block())
+        n = self.batch_get_into([key], [buf])[0]
+        return None if n < 0 else bytes(buf[:n])
 
-    def _size_hint(self, key: bytes) -> int:
+    def _max_block(self) -> int:
         if self._single is not None:
             return int(self._single.info.get("max_block") or (16 << 20))
         assert self._cluster is not None

@@ -8,7 +8,6 @@ and leases. A malformed frame closes that connection only, with a logged reason.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
 import os
 import secrets
@@ -34,11 +33,12 @@ _SCRATCH = 1 << 20
 _SOCK_BUF = 8 << 20  # room for the sender to run ahead while a received chunk is hashed
 
 
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
+_LOCAL_ONLY = {"127.0.0.1", "::1", "localhost"}
+
+
+def is_local_only(host: str) -> bool:
+    """Binds that no other machine (or other loopback address) can reach without a token."""
+    return host in _LOCAL_ONLY
 
 
 class _Conn:
@@ -61,8 +61,8 @@ class Worker:
         from .config import load
 
         self.config = cfg = config if config is not None else load(WorkerConfig)
-        if not is_loopback(cfg.host) and not cfg.token:
-            raise ConfigError(f"binding {cfg.host} (not loopback) needs a token: set KVPOOL_TOKEN or --token")
+        if not is_local_only(cfg.host) and not cfg.token:
+            raise ConfigError(f"binding {cfg.host} (not 127.0.0.1) needs a token: set KVPOOL_TOKEN or --token")
         self.worker_id = cfg.worker_id or secrets.token_hex(4)
         self.node_id = cfg.node_id or socket.gethostname()
         self.cache = TieredCache(cache if cache is not None else load(CacheConfig))

@@ -18,7 +18,7 @@ import numpy as np
 from . import protocol as P
 from .blocks import checksum
 from .buffers import Destination
-from .errors import (BlockTooLarge, BufferSizeError, CapacityError, KVPoolError, PoolTimeout,
+from .errors import (AuthError, BlockTooLarge, BufferSizeError, CapacityError, KVPoolError, PoolTimeout,
                      PoolUnavailable, ProtocolError)
 from .tiers.dram import DramArena
 
@@ -61,6 +61,9 @@ class _Connection:
         with self._lock:
             try:
                 yield self._sock or self._connect()
+            except (AuthError, BufferSizeError, PoolUnavailable):
+                self.close()
+                raise
             except socket.timeout as e:
                 self.close()
                 raise PoolTimeout(f"worker {self.address} did not answer within {self.timeout} s") from e

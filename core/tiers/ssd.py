@@ -44,7 +44,12 @@ class SsdTier:
     @property
     def env(self) -> lmdb.Environment:
         if self._pid != os.getpid():
-            self._open()  # an inherited LMDB handle must not be used in a forked child
+            # An inherited LMDB handle must not be used in a forked child, and lmdb refuses a second
+            # open of files this process still has open: close the child's copy (which releases only
+            # the child's own locks and reader slots), then reopen.
+            if self._env is not None:
+                self._env.close()
+            self._open()
         if self._env is None:
             raise KVPoolError(f"SSD tier at {self.path} is closed")
         return self._env

@@ -1,0 +1,84 @@
+"""Workers registered in NATS; clients place keys by rendezvous hashing, with replicas."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from kvpool.core.client import PoolClient
+from kvpool.core.cluster import rank
+
+
+def _block(i: int) -> bytes:
+    return np.random.default_rng(1000 + i).integers(0, 256, 32 << 10, dtype=np.uint8).tobytes()
+
+
+def _wait_members(client: PoolClient, n: int, timeout: float = 15.0) -> None:
+    assert client._cluster.membership.wait_for(lambda m: len(m) == n, timeout), client._cluster.membership.members()
+
+
+def test_join_and_leave_move_about_one_nth_of_the_keys():
+    keys = [f"key-{i}".encode() for i in range(20000)]
+    four = [f"w{i}" for i in range(4)]
+    five = four + ["w4"]
+    before = {k: rank(k, four)[0] for k in keys}
+    after = {k: rank(k, five)[0] for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert 0.15 < len(moved) / len(keys) < 0.25  # ~1/5
+    assert all(after[k] == "w4" for k in moved)  # keys only move to the newcomer
+    back = {k: rank(k, four)[0] for k in keys}
+    assert back == before  # and leaving moves exactly those back
+
+
+def test_replication_two_survives_kill_9_of_a_worker(nats, spawn):
+    workers = [spawn(nats_url=nats.url, node_id=f"node{i}") for i in range(2)]
+    with PoolClient(mode="cluster", nats_url=nats.url, replication=2, node_id="client-node", timeout_s=3) as c:
+        _wait_members(c, 2)
+        keys = [f"r{i}" for i in range(40)]
+        c.batch_put(keys, [_block(i) for i in range(40)])
+        per_worker = {w: s["stats"]["dram_blocks"] for w, s in c.stats().items()}
+        assert sorted(per_worker.values()) == [40, 40]
+        workers[0].kill()
+        t = time.monotonic()
+        bufs = [bytearray(32 << 10) for _ in keys]
+        assert c.batch_get_into(keys, bufs) == [32 << 10] * 40
+        assert time.monotonic() - t < 5
+        assert [bytes(b) for b in bufs] == [_block(i) for i in range(40)]
+        assert c.exists(keys) == [True] * 40
+
+
+def test_replication_one_dead_owner_is_a_miss_not_an_error(nats, spawn):
+    workers = [spawn(nats_url=nats.url, node_id=f"node{i}") for i in range(2)]
+    with PoolClient(mode="cluster", nats_url=nats.url, node_id="client-node", timeout_s=3) as c:
+        _wait_members(c, 2)
+        keys = [f"s{i}" for i in range(40)]
+        c.batch_put(keys, [_block(i) for i in range(40)])
+        workers[1].kill()
+        bufs = [bytearray(32 << 10) for _ in keys]
+        sizes = c.batch_get_into(keys, bufs)
+        assert 0 < sizes.count(-1) < 40
+        for i, n in enumerate(sizes):
+            if n >= 0:
+                assert bytes(bufs[i]) == _block(i)
+
+
+def test_same_node_workers_are_reached_through_shared_memory(nats, spawn):
+    spawn(nats_url=nats.url, node_id="here")
+    with PoolClient(mode="cluster", nats_url=nats.url, node_id="here") as c:
+        _wait_members(c, 1)
+        c.put("z", b"payload")
+        assert c.get("z") == b"payload"
+        (transport,) = c._cluster._transports.values()
+        assert type(transport).__name__ == "ShmTransport"
+
+
+def test_graceful_leave_and_join_update_members(nats, spawn):
+    a = spawn(nats_url=nats.url)
+    with PoolClient(mode="cluster", nats_url=nats.url) as c:
+        _wait_members(c, 1)
+        b = spawn(nats_url=nats.url)
+        _wait_members(c, 2)
+        assert b.stop() == 0
+        _wait_members(c, 1)
+        assert a.proc.poll() is None

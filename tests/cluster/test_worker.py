@@ -1,0 +1,102 @@
+"""A worker process serving clients in other processes: shared memory on the node, TCP otherwise."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from kvpool.core import BufferSizeError, PoolUnavailable
+from kvpool.core.client import PoolClient
+
+
+def _block(i: int, size: int = 64 << 10) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def _put_from_child(worker: str, n: int, size: int) -> None:
+    code = textwrap.dedent(f"""
+        import numpy as np
+        from kvpool.core.client import PoolClient
+        c = PoolClient(mode="local", worker={worker!r})
+        blocks = [np.random.default_rng(i).integers(0, 256, {size}, dtype=np.uint8) for i in range({n})]
+        c.batch_put([f"k{{i}}" for i in range({n})], blocks)
+        c.close()
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_put_in_one_process_get_in_another_through_shared_memory(spawn):
+    w = spawn()
+    _put_from_child(w.unix_path, 16, 64 << 10)
+    with PoolClient(mode="local", worker=w.unix_path) as c:
+        arena = c._single.arena
+        base = np.frombuffer(arena, dtype=np.uint8).ctypes.data
+        with c.lease([f"k{i}" for i in range(16)] + ["absent"]) as views:
+            assert views[-1] is None
+            for i, v in enumerate(views[:-1]):
+                assert bytes(v) == _block(i)
+                addr = np.frombuffer(v, dtype=np.uint8).ctypes.data
+                assert base <= addr and addr + len(v) <= base + len(arena), "the view is not in the arena"
+                assert v.readonly
+
+
+def test_remote_get_over_tcp_is_byte_exact(spawn):
+    w = spawn()
+    _put_from_child(w.address, 8, 1 << 20)
+    with PoolClient(mode="local", worker=w.address) as c:
+        bufs = [np.zeros(1 << 20, dtype=np.uint8) for _ in range(9)]
+        sizes = c.batch_get_into([f"k{i}" for i in range(8)] + ["nope"], bufs)
+        assert sizes == [1 << 20] * 8 + [-1]
+        for i in range(8):
+            assert bufs[i].tobytes() == _block(i, 1 << 20)
+        with pytest.raises(BufferSizeError, match="1048576 bytes; the destination holds 100"):
+            c.batch_get_into(["k0"], [bytearray(100)])
+        assert c.get("k1") == _block(1, 1 << 20)  # the connection is still in sync
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_batch_ops(spawn, transport):
+    w = spawn()
+    with PoolClient(mode="local", worker=w.unix_path if transport == "shm" else w.address) as c:
+        keys = [f"{transport}-{i}" for i in range(64)]
+        c.batch_put(keys, [_block(i, 4096 + i) for i in range(64)])
+        assert c.exists(keys[:3] + ["x"]) == [True, True, True, False]
+        assert c.prefix_match(keys + ["x"] + keys) == 64
+        assert c.remove(keys[10:12] + ["x"]) == [True, True, False]
+        assert c.prefix_match(keys) == 10
+        bufs = [bytearray(8192) for _ in keys]
+        sizes = c.batch_get_into(keys, bufs)
+        assert sizes[10] == sizes[11] == -1
+        assert all(bytes(bufs[i][:4096 + i]) == _block(i, 4096 + i) for i in range(64) if i not in (10, 11))
+        stats = next(iter(c.stats().values()))
+        assert stats["stats"]["dram_blocks"] == 62
+        c.clear()
+        assert c.exists(keys[:1]) == [False]
+
+
+def test_worker_gone_is_a_typed_error_in_local_mode(spawn):
+    w = spawn()
+    c = PoolClient(mode="local", worker=w.address, timeout_s=2)
+    c.put("a", b"x")
+    w.kill()
+    with pytest.raises(PoolUnavailable):
+        c.get("a")
+    c.close()
+
+
+def test_sigterm_flushes_dram_to_ssd_and_restart_serves_it(tmp_path):
+    from kvpool.core.procs import WorkerProcess
+
+    w = WorkerProcess(tmp_path / "w", ssd=True).wait_ready()
+    with PoolClient(mode="local", worker=w.address) as c:
+        c.batch_put([f"p{i}" for i in range(10)], [_block(i) for i in range(10)])
+    assert w.stop() == 0
+    w2 = WorkerProcess(tmp_path / "w", ssd=True).wait_ready()
+    try:
+        with PoolClient(mode="local", worker=w2.address) as c:
+            assert [c.get(f"p{i}") for i in range(10)] == [_block(i) for i in range(10)]
+    finally:
+        w2.kill()
