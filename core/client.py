@@ -15,7 +15,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -261,7 +261,31 @@ class _Cluster:
 
     def _owners(self, keys: list[bytes], live: dict[str, dict[str, Any]]) -> list[list[str]]:
         ids = list(live)
-        return [rank(k, ids) for k in keys]
+        return [rank(k, ids)[:self.cfg.replication] for k in keys]
+
+    def _each(self, live: dict[str, dict[str, Any]], groups: dict[str, list[int]],
+              call: Callable[[TcpTransport | ShmTransport, list[int]], Any]) -> Iterator[tuple[list[int], Any]]:
+        """(key indices, result) per worker that answered; a failing worker is marked down and skipped."""
+        for w, idx in groups.items():
+            try:
+                yield idx, call(self._transport(w, live[w]), idx)
+            except PoolUnavailable as e:
+                self._failed(w, e)
+
+    def _replica_groups(self, owners: list[list[str]]) -> dict[str, list[int]]:
+        groups: dict[str, list[int]] = {}
+        for i, ow in enumerate(owners):
+            for w in ow:
+                groups.setdefault(w, []).append(i)
+        return groups
+
+    def _read_groups(self, owners: list[list[str]], attempt: int, pending: list[bool]) -> dict[str, list[int]]:
+        """Keys still pending, grouped by their `attempt`-th owner (primary first, then replicas)."""
+        groups: dict[str, list[int]] = {}
+        for i, ow in enumerate(owners):
+            if pending[i] and attempt < len(ow):
+                groups.setdefault(ow[attempt], []).append(i)
+        return groups
 
     def max_block(self) -> int:
         return max((int(i.get("max_block", 0)) for i in self._live().values()), default=16 << 20)
@@ -270,39 +294,23 @@ class _Cluster:
         live = self._live()
         if not live:
             raise PoolUnavailable(f"no live workers in the cluster at {self.cfg.nats_url}")
-        by_worker: dict[str, list[int]] = {}
-        for i, owners in enumerate(self._owners(keys, live)):
-            for w in owners[:self.cfg.replication]:
-                by_worker.setdefault(w, []).append(i)
         stored = [0] * len(keys)
-        errors: list[Exception] = []
-        for w, idx in by_worker.items():
-            try:
-                self._transport(w, live[w]).put_many([keys[i] for i in idx], [views[i] for i in idx])
-            except PoolUnavailable as e:
-                self._failed(w, e)
-                errors.append(e)
-                continue
+        groups = self._replica_groups(self._owners(keys, live))
+        put = lambda t, idx: t.put_many([keys[i] for i in idx], [views[i] for i in idx])  # noqa: E731
+        for idx, _ in self._each(live, groups, put):
             for i in idx:
                 stored[i] += 1
         if not all(stored):
-            raise PoolUnavailable(f"{stored.count(0)} of {len(keys)} blocks reached no worker: {errors[0]}")
+            raise PoolUnavailable(f"{stored.count(0)} of {len(keys)} blocks reached no live worker")
 
     def get_into_many(self, keys: list[bytes], dests: list[Destination]) -> list[int]:
         live = self._live()
         out = [-1] * len(keys)
         owners = self._owners(keys, live)
+        get = lambda t, idx: t.get_into_many([keys[i] for i in idx], [dests[i] for i in idx])  # noqa: E731
         for attempt in range(self.cfg.replication):
-            by_worker: dict[str, list[int]] = {}
-            for i, ow in enumerate(owners):
-                if out[i] < 0 and attempt < len(ow):
-                    by_worker.setdefault(ow[attempt], []).append(i)
-            for w, idx in by_worker.items():
-                try:
-                    sizes = self._transport(w, live[w]).get_into_many([keys[i] for i in idx], [dests[i] for i in idx])
-                except PoolUnavailable as e:
-                    self._failed(w, e)
-                    continue
+            groups = self._read_groups(owners, attempt, [n < 0 for n in out])
+            for idx, sizes in self._each(live, groups, get):
                 for i, n in zip(idx, sizes):
                     out[i] = n
         return out
@@ -311,34 +319,20 @@ class _Cluster:
         live = self._live()
         out = [False] * len(keys)
         owners = self._owners(keys, live)
+        ask = lambda t, idx: t.exists([keys[i] for i in idx])  # noqa: E731
         for attempt in range(self.cfg.replication):
-            by_worker: dict[str, list[int]] = {}
-            for i, ow in enumerate(owners):
-                if not out[i] and attempt < len(ow):
-                    by_worker.setdefault(ow[attempt], []).append(i)
-            for w, idx in by_worker.items():
-                try:
-                    flags = self._transport(w, live[w]).exists([keys[i] for i in idx])
-                except PoolUnavailable as e:
-                    self._failed(w, e)
-                    continue
+            groups = self._read_groups(owners, attempt, [not f for f in out])
+            for idx, flags in self._each(live, groups, ask):
                 for i, f in zip(idx, flags):
-                    out[i] = out[i] or f
+                    out[i] = f
         return out
 
     def remove(self, keys: list[bytes]) -> list[bool]:
         live = self._live()
         out = [False] * len(keys)
-        by_worker: dict[str, list[int]] = {}
-        for i, owners in enumerate(self._owners(keys, live)):
-            for w in owners[:self.cfg.replication]:
-                by_worker.setdefault(w, []).append(i)
-        for w, idx in by_worker.items():
-            try:
-                flags = self._transport(w, live[w]).remove([keys[i] for i in idx])
-            except PoolUnavailable as e:
-                self._failed(w, e)
-                continue
+        groups = self._replica_groups(self._owners(keys, live))
+        rm = lambda t, idx: t.remove([keys[i] for i in idx])  # noqa: E731
+        for idx, flags in self._each(live, groups, rm):
             for i, f in zip(idx, flags):
                 out[i] = out[i] or f
         return out
