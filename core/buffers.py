@@ -28,7 +28,7 @@ def readable(buf: Any) -> memoryview:
     if isinstance(buf, np.ndarray):
         return memoryview(np.ascontiguousarray(buf).reshape(-1).view(np.uint8))
     mv = memoryview(buf)
-    if mv.format != "B" or mv.ndim != 1:
+    if mv.format != "B" or mv.ndim != 1 or not mv.c_contiguous:
         mv = mv.cast("B") if mv.c_contiguous else memoryview(mv.tobytes())
     return mv
 
@@ -65,6 +65,8 @@ class Destination:
             mv = memoryview(buf)
             if mv.readonly:
                 raise BufferSizeError(f"destination {type(buf).__name__} is read-only")
+            if not mv.c_contiguous and (mv.format != "B" or mv.ndim != 1):
+                raise BufferSizeError(f"destination {type(buf).__name__} is not contiguous; pass a contiguous buffer")
             self.view = mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
 
     @property

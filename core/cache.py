@@ -64,26 +64,37 @@ class TieredCache:
         cfg = self.config
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
+        self._ssd_writes = 0  # demoter and flush batches in flight, each holding its blocks leased
+        self._ssd_written = threading.Condition(self._lock)  # notified as each lets go of them
         self._closed = False
         self.stats_ = CacheStats()
-        self.arena = DramArena(cfg.dram_bytes, cfg.dram_slab_size, cfg.dram_name, cfg.prefault)
         self._dram: dict[bytes, _Block] = {}
         self._dram_order = EVICTION_POLICY[cfg.policy]()
         self.ssd: SsdTier | None = None
         self._ssd_sizes: dict[bytes, int] = {}
+        self._ssd_expires: dict[bytes, float] = {}  # of the SSD blocks that have a TTL
         self._ssd_order = EVICTION_POLICY[cfg.policy]()
         self._ssd_bytes = 0
         self._stale_ssd: list[bytes] = []  # keys whose SSD copy is outdated; the demoter deletes them
-        if cfg.ssd_path:
-            self.ssd = SsdTier(cfg.ssd_path, cfg.ssd_map_size, cfg.ssd_sync)
-            for key, size in self.ssd.scan():
-                self._ssd_sizes[key] = size
-                self._ssd_order.add(key)
-                self._ssd_bytes += size
-        device = cfg.device
-        if device == "auto":
-            device = "cuda" if cuda_available() else None
-        self.device: DeviceTier | None = DeviceTier(device) if device else None
+        self.arena = DramArena(cfg.dram_bytes, cfg.dram_slab_size, cfg.dram_name, cfg.prefault)
+        try:
+            if cfg.ssd_path:
+                self.ssd = SsdTier(cfg.ssd_path, cfg.ssd_map_size, cfg.ssd_sync)
+                for key, meta in self.ssd.scan():
+                    self._ssd_sizes[key] = meta.size
+                    if meta.expires:
+                        self._ssd_expires[key] = meta.expires
+                    self._ssd_order.add(key)
+                    self._ssd_bytes += meta.size
+            device = cfg.device
+            if device == "auto":
+                device = "cuda" if cuda_available() else None
+            self.device: DeviceTier | None = DeviceTier(device) if device else None
+        except BaseException:
+            if self.ssd is not None:
+                self.ssd.close()
+            self.arena.close()  # a shared-memory name outlives the process unless it is unlinked
+            raise
         self._device_order = EVICTION_POLICY[cfg.policy]()
         self._device_bytes = 0
         self._demoter = threading.Thread(target=self._demote_loop, name="kvpool-demoter", daemon=True)
@@ -116,9 +127,9 @@ class TieredCache:
                 raise BlockTooLarge(f"block {k[:24]!r} is {v.nbytes} bytes; the DRAM tier's max block is {self.max_block}")
         expires = time.time() + ttl if ttl else 0.0
         for k, v, src in zip(raw_keys, views, buffers):
-            self._write(k, v, checksum(v), expires, pin)
+            block = self._write(k, v, checksum(v), expires, pin)
             if self.device is not None and self._on_device(src):
-                self._device_put(k, src)
+                self._device_put(k, src, block)
         self.stats_.puts += len(raw_keys)
 
     def get(self, key: Key) -> bytes | None:
@@ -182,14 +193,15 @@ class TieredCache:
                     hit = True
                 found.append(hit)
             gone = [k for k, f in zip(raw_keys, found) if f]
-        if self.ssd is not None and gone:
-            self.ssd.delete(gone)
+            if self.ssd is not None and gone:
+                self.ssd.delete(gone)
         return found
 
     def pin(self, key: Key, pinned: bool = True) -> bool:
         """Keep a DRAM block from eviction (or release it); False if it is not in DRAM."""
         k = key_bytes(key)
         with self._lock:
+            self._check_open()
             b = self._dram.get(k)
             if b is None:
                 return False
@@ -208,7 +220,7 @@ class TieredCache:
             yield None
             return
         try:
-            yield self.arena.view(block.offset, block.size).toreadonly()
+            yield self.arena.view(block.offset, block.size).toreadonly() if self._verified(block) else None
         finally:
             self._release(block)
 
@@ -254,6 +266,7 @@ class TieredCache:
                 self._device_order.clear()
                 self._device_bytes = 0
             self._ssd_sizes.clear()
+            self._ssd_expires.clear()
             self._ssd_order.clear()
             self._ssd_bytes = 0
             if self.ssd is not None:
@@ -271,6 +284,7 @@ class TieredCache:
             pending = [b for b in self._dram.values() if not b.on_ssd]
             for b in pending:
                 b.leases += 1
+            self._ssd_writes += 1
         try:
             for i in range(0, len(pending), 256):
                 self._demote_to_ssd(pending[i:i + 256])
@@ -278,6 +292,8 @@ class TieredCache:
             with self._lock:
                 for b in pending:
                     self._release_locked(b)
+                self._ssd_writes -= 1
+                self._ssd_written.notify_all()
         return len(pending)
 
     def stats(self) -> dict[str, int]:
@@ -357,27 +373,36 @@ class TieredCache:
         return block
 
     def _alloc(self, n: int) -> int:
-        """A slot for `n` bytes, evicting (demoting) synchronously if the demoter fell behind."""
+        """A slot for `n` bytes, evicting (demoting) synchronously if the demoter fell behind, and
+        waiting for blocks that an SSD write in flight holds rather than failing for them."""
         while True:
             offset = self.arena.alloc(n)
             if offset is not None:
                 return offset
-            victims = self._victims_for(n)
+            victims, batch = self._victims_for(n)
+            if not victims and self._ssd_writes:
+                self._ssd_written.wait()  # blocks held by a batch being written are free again soon
+                self._check_open()
+                continue
             if not victims:
                 raise CapacityError(
                     f"no room for a {n}-byte block: DRAM arena of {self.arena.size} bytes is full of "
                     f"leased or pinned blocks ({len(self._dram)} blocks)")
-            self._evict(victims)
+            self._evict(victims, batch)
 
     def _evictable(self, b: _Block) -> bool:
         return b.leases == 0 and not b.pinned
 
-    def _victims_for(self, n: int) -> list[_Block]:
-        """LRU blocks of `n`'s size class; failing that, every block of the least recently used
-        slab, so the slab returns to the free pool for any class."""
+    def _victims_for(self, n: int) -> tuple[list[_Block], list[_Block]]:
+        """Blocks to evict so that a slot for `n` bytes frees up, and the batch to demote with them.
+
+        The least recently used evictable block of `n`'s size class frees a slot; the next few of
+        that class go to SSD in the same transaction but stay in DRAM (their eviction later costs
+        no write). Failing that, every block of the least recently used slab whose blocks are all
+        evictable, so the slab returns to the free pool for any class."""
         cls = self.arena.class_of(n)
         same: list[_Block] = []
-        first_slab: int | None = None
+        slabs: dict[int, None] = {}  # slabs of other classes, least recently used first
         for k in self._dram_order:
             b = self._dram[k]
             if not self._evictable(b):
@@ -386,41 +411,68 @@ class TieredCache:
                 same.append(b)
                 if len(same) >= 8:
                     break
-            elif first_slab is None:
-                first_slab = self.arena.slab_of(b.offset)
+            else:
+                slabs.setdefault(self.arena.slab_of(b.offset))
         if same:
-            return same
-        if first_slab is None:
-            return []
-        slab = [b for b in self._dram.values() if self.arena.slab_of(b.offset) == first_slab]
-        return slab if all(self._evictable(b) for b in slab) else []
+            return same[:1], same
+        by_slab: dict[int, list[_Block]] = {}
+        for b in self._dram.values():
+            by_slab.setdefault(self.arena.slab_of(b.offset), []).append(b)
+        for slab in slabs:
+            if all(self._evictable(b) for b in by_slab[slab]):
+                return by_slab[slab], by_slab[slab]
+        return [], []
 
-    def _evict(self, victims: list[_Block]) -> None:
-        """Demote `victims` to SSD (one transaction) and drop them from DRAM. Caller holds the lock."""
-        self._demote_to_ssd([b for b in victims if not b.on_ssd])
+    def _evict(self, victims: list[_Block], batch: list[_Block]) -> None:
+        """Demote `batch` (which includes `victims`) to SSD in one transaction and drop `victims`
+        from DRAM. Caller holds the lock."""
+        self._demote_to_ssd([b for b in batch if not b.on_ssd])
         for b in victims:
             if b.live and self._dram.get(b.key) is b:
                 self._drop_dram(b.key)
                 self.stats_.evictions += 1
 
     def _demote_to_ssd(self, blocks: list[_Block]) -> None:
+        """Write leased (or, under the lock, current) blocks to SSD and index them."""
         if self.ssd is None or not blocks:
             return
+        keys = {b.key for b in blocks}
+        with self._lock:
+            # This write supersedes pending deletions of older copies; deleting after it would
+            # delete the new copy.
+            superseded = [k for k in self._stale_ssd if k in keys]
+            if superseded:
+                self._stale_ssd = [k for k in self._stale_ssd if k not in keys]
         items = [(b.key, b.meta, self.arena.view(b.offset, b.size)) for b in blocks]
         try:
             self.ssd.put_many(items)
         except CapacityError:
-            self.stats_.dropped += len(blocks)  # SSD full: the blocks leave the cache cleanly
+            with self._lock:
+                self._stale_ssd.extend(superseded)  # the old copies are still there
+                self.stats_.dropped += len(blocks)  # SSD full: the blocks leave the cache cleanly
             return
         finally:
             del items
         with self._lock:
             for b in blocks:
+                if not b.live:
+                    # Replaced, removed, expired or cleared while it was written outside the lock:
+                    # that copy must go. A newer copy indexed meantime may have been overwritten
+                    # by it, so it goes too (its DRAM block, if any, is written again on eviction).
+                    if b.key in self._ssd_sizes:
+                        self._ssd_forget(b.key)
+                        current = self._dram.get(b.key)
+                        if current is not None:
+                            current.on_ssd = False
+                    self._stale_ssd.append(b.key)
+                    continue
                 b.on_ssd = True
                 if b.key not in self._ssd_sizes:
                     self._ssd_sizes[b.key] = b.size
                     self._ssd_order.add(b.key)
                     self._ssd_bytes += b.size
+                    if b.expires:
+                        self._ssd_expires[b.key] = b.expires
             self.stats_.demotions += len(blocks)
             self._trim_ssd()
 
@@ -440,6 +492,7 @@ class TieredCache:
         for k in gone:
             self._ssd_order.discard(k)
             del self._ssd_sizes[k]
+            self._ssd_expires.pop(k, None)
             b = self._dram.get(k)
             if b is not None:
                 b.on_ssd = False
@@ -449,19 +502,24 @@ class TieredCache:
     def _demote_loop(self) -> None:
         """Background: keep DRAM under the high watermark by demoting LRU blocks in batches."""
         cfg = self.config
+        stuck = False  # the last pass found nothing evictable: wait for the next commit, not spin
         while True:
             with self._lock:
                 while not self._closed and not self._stale_ssd and \
-                        self.arena.used_bytes <= cfg.high_watermark * self.arena.size:
+                        (stuck or self.arena.used_bytes <= cfg.high_watermark * self.arena.size):
                     self._wake.wait()
+                    stuck = False
                 if self._closed:
                     break
-                stale, self._stale_ssd = self._stale_ssd, []
+                if self._stale_ssd and self.ssd is not None:
+                    # under the lock: a block written and indexed meantime must not lose its copy
+                    self.ssd.delete(self._stale_ssd)
+                self._stale_ssd = []
                 victims = self._lru_victims(self.arena.used_bytes - cfg.low_watermark * self.arena.size)
+                stuck = not victims
                 for b in victims:
                     b.leases += 1  # hold them while their bytes are written outside the lock
-            if stale and self.ssd is not None:
-                self.ssd.delete(stale)
+                self._ssd_writes += 1
             try:
                 self._demote_to_ssd([b for b in victims if not b.on_ssd])
             finally:
@@ -471,6 +529,8 @@ class TieredCache:
                         if b.live and b.leases == 0 and self._dram.get(b.key) is b and not b.pinned:
                             self._drop_dram(b.key)
                             self.stats_.evictions += 1
+                    self._ssd_writes -= 1
+                    self._ssd_written.notify_all()
         if self._stale_ssd and self.ssd is not None:
             self.ssd.delete(self._stale_ssd)
 
@@ -499,7 +559,19 @@ class TieredCache:
 
     def _ssd_forget(self, key: bytes) -> None:
         self._ssd_bytes -= self._ssd_sizes.pop(key)
+        self._ssd_expires.pop(key, None)
         self._ssd_order.discard(key)
+
+    def _on_ssd(self, k: bytes, now: float) -> bool:
+        """Whether the SSD tier holds an unexpired block of `k` (an expired one is forgotten)."""
+        if k not in self._ssd_sizes:
+            return False
+        expires = self._ssd_expires.get(k)
+        if expires is not None and expires <= now:
+            self._ssd_forget(k)
+            self._stale_ssd.append(k)
+            return False
+        return True
 
     # ----- read path --------------------------------------------------------------------------
 
@@ -509,7 +581,7 @@ class TieredCache:
             if not b.expired(now):
                 return True
             self._drop_dram(k)
-        return k in self._ssd_sizes
+        return self._on_ssd(k, now)
 
     def _acquire(self, k: bytes) -> _Block | None:
         """Lease the DRAM block of `k`, promoting it from SSD if needed; None on a miss."""
@@ -525,7 +597,7 @@ class TieredCache:
                 self._dram_order.touch(k)
                 self.stats_.hits_dram += 1
                 return b
-            on_ssd = k in self._ssd_sizes
+            on_ssd = self._on_ssd(k, now)
         if on_ssd:
             b = self._promote(k, now)
             if b is not None:
@@ -585,17 +657,23 @@ class TieredCache:
         try:
             if b.size > dest.nbytes:
                 raise BufferSizeError(f"block {k[:24]!r} is {b.size} bytes; the destination holds {dest.nbytes}")
-            src = self.arena.view(b.offset, b.size)
-            if self.config.verify_dram_reads and checksum(src) != b.checksum:
-                self._corrupt_dram(b)
+            if not self._verified(b):
                 return -1
-            dest.view[:b.size] = src
+            dest.view[:b.size] = self.arena.view(b.offset, b.size)
         finally:
             self._release(b)
         dest.finish(b.size)
         if self.device is not None and dest.tensor is not None and self._on_device(dest.tensor):
-            self._device_put(k, dest.tensor[:b.size])
+            self._device_put(k, dest.tensor[:b.size], b)
         return b.size
+
+    def _verified(self, b: _Block) -> bool:
+        """False if `verify_dram_reads` is set and the leased block's bytes fail their checksum
+        (the block is then dropped: a miss)."""
+        if not self.config.verify_dram_reads or checksum(self.arena.view(b.offset, b.size)) == b.checksum:
+            return True
+        self._corrupt_dram(b)
+        return False
 
     def _corrupt_dram(self, b: _Block) -> None:
         with self._lock:
@@ -609,12 +687,15 @@ class TieredCache:
         assert self.device is not None
         return type(t).__module__.startswith("torch") and t.device == self.device.device
 
-    def _device_put(self, k: bytes, t: Any) -> None:
+    def _device_put(self, k: bytes, t: Any, block: _Block) -> None:
+        """Keep a device copy of `t`, the bytes of `block`, unless `block` was replaced meantime."""
         assert self.device is not None
         n = t.numel() * t.element_size()
         if n > self.config.device_bytes:
             return
         with self._lock:
+            if self._dram.get(k) is not block:
+                return  # replaced, removed or evicted since it was read: the copy could be stale
             self._device_drop(k)
             while self._device_bytes + n > self.config.device_bytes:
                 oldest = next(iter(self._device_order))
@@ -637,10 +718,8 @@ class TieredCache:
         with self._lock:
             self._check_open()
             t = self.device.get(k)
-            b = self._dram.get(k)
-            fresh = t is not None and (b is not None or k in self._ssd_sizes)
-            if not fresh:
-                return -1
+            if t is None or not self._present(k, time.time()):
+                return -1  # a device copy is only as good as the block below it
             n = t.numel()
             if n > dest.nbytes:
                 raise BufferSizeError(f"block {k[:24]!r} is {n} bytes; the destination holds {dest.nbytes}")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
 from .errors import ConfigError
+from .policies import EVICTION_POLICY
 
 C = TypeVar("C")
 
@@ -127,6 +128,8 @@ class CacheConfig:
             raise ConfigError(f"watermarks low={self.low_watermark} high={self.high_watermark}: need 0 < low < high <= 1")
         if self.dram_bytes < self.dram_slab_size:
             raise ConfigError(f"dram_bytes {self.dram_bytes} is smaller than one slab ({self.dram_slab_size})")
+        if self.policy not in EVICTION_POLICY:
+            raise ConfigError(f"policy {self.policy!r} is not one of {sorted(EVICTION_POLICY)}")
 
 
 @dataclasses.dataclass

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .errors import PoolUnavailable
 from .nats_server import free_port
+from .tiers.dram import arena_names
 
 
 class WorkerProcess:
@@ -64,11 +65,17 @@ class WorkerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._log.close()
+        self._exited()
         return int(self.proc.returncode)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self._exited()
+
+    def _exited(self) -> None:
+        """Close the log and remove the arenas a killed worker could not unlink itself."""
         self._log.close()
+        for name in arena_names(self.proc.pid):
+            os.unlink(f"/dev/shm/{name}")

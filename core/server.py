@@ -361,7 +361,7 @@ class Worker:
 _SHM_OPS = frozenset({P.Op.ALLOC, P.Op.COMMIT, P.Op.ABORT, P.Op.LEASE, P.Op.RELEASE})
 
 
-_CHUNK = 256 << 10
+_CHUNK = 64 << 10
 
 
 def _recv_checked(sock: socket.socket, view: memoryview, csum: int) -> bool:

@@ -38,8 +38,12 @@ class _Connection:
         try:
             if self.address.startswith("/"):
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(self.timeout)
-                sock.connect(self.address)
+                try:
+                    sock.settimeout(self.timeout)
+                    sock.connect(self.address)
+                except OSError:
+                    sock.close()
+                    raise
             else:
                 host, _, port = self.address.rpartition(":")
                 sock = socket.create_connection((host, int(port)), timeout=self.timeout)

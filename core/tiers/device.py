@@ -24,7 +24,11 @@ class DeviceTier:
         import torch
 
         self._torch = torch
-        self.device = torch.device(device)
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            # tensors report an explicit index, and torch.device("cuda") != torch.device("cuda", 0)
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
         self.blocks: dict[bytes, Any] = {}
 
     def put(self, key: bytes, t: Any) -> None:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import _posixshmem
 import numpy as np
 
+from ..errors import CapacityError
+
 _ALIGN = 64
 _MIN_CLASS = 256
 
@@ -41,6 +43,12 @@ class _Slab:
     used: int = 0
 
 
+def arena_names(pid: int | None = None) -> set[str]:
+    """Names of the arenas a process created (theirs start kvpool-<pid>-); they outlive a killed one."""
+    prefix = f"kvpool-{os.getpid() if pid is None else pid}-"
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+
+
 class DramArena:
     """A named shared-memory arena with a size-class slab allocator.
 
@@ -52,13 +60,21 @@ class DramArena:
                  prefault: bool = True) -> None:
         if slab_size % mmap.PAGESIZE or size < slab_size:
             raise ValueError(f"arena of {size} bytes / slab of {slab_size}: slab must be page-aligned and fit")
-        self.name = name or f"kvpool-{os.getpid()}-{secrets.token_hex(4)}"
+        self.name = name or f"kvpool-{os.getpid()}-{secrets.token_hex(4)}"  # see arena_names
         self.slab_size = slab_size
         self.size = size // slab_size * slab_size
         fd = _posixshmem.shm_open("/" + self.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
         try:
-            os.ftruncate(fd, self.size)
+            # Reserving the pages up front turns a too-small /dev/shm into an error here instead
+            # of a SIGBUS at first touch.
+            if prefault:
+                os.posix_fallocate(fd, 0, self.size)
+            else:
+                os.ftruncate(fd, self.size)
             self._mmap = mmap.mmap(fd, self.size)
+        except OSError as e:
+            _posixshmem.shm_unlink("/" + self.name)
+            raise CapacityError(f"cannot create a DRAM arena of {self.size} bytes in /dev/shm: {e}") from e
         finally:
             os.close(fd)
         self._owner = True

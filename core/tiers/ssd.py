@@ -37,8 +37,11 @@ class SsdTier:
         self._open()
 
     def _open(self) -> None:
-        self._env = lmdb.open(str(self.path), map_size=self.map_size, subdir=True, sync=self.sync,
-                              metasync=self.sync, readahead=False, max_readers=512, lock=True)
+        try:
+            self._env = lmdb.open(str(self.path), map_size=self.map_size, subdir=True, sync=self.sync,
+                                  metasync=self.sync, readahead=False, max_readers=512, lock=True)
+        except lmdb.Error as e:
+            raise KVPoolError(f"cannot open the SSD tier at {self.path}: {e}") from e
         self._pid = os.getpid()
 
     @property
@@ -54,12 +57,12 @@ class SsdTier:
             raise KVPoolError(f"SSD tier at {self.path} is closed")
         return self._env
 
-    def scan(self) -> Iterator[tuple[bytes, int]]:
-        """(key, payload size) of every stored block, read from headers only."""
+    def scan(self) -> Iterator[tuple[bytes, BlockMeta]]:
+        """(key, meta) of every stored block, read from headers only (payloads are not verified)."""
         with self.env.begin(buffers=True) as txn:
             for key, value in txn.cursor():
                 try:
-                    yield bytes(key), decode_header(value).size
+                    yield bytes(key), decode_header(value)
                 except CorruptBlock:
                     continue
 

@@ -1,0 +1,193 @@
+"""The DRAM tier's shared-memory arena and its size-class slab allocator."""
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.core.tiers.dram import DramArena, size_classes
+
+from corehelp import KiB, MiB
+
+PAGE = mmap.PAGESIZE
+
+
+@pytest.fixture
+def arena() -> Iterator[DramArena]:
+    a = DramArena(8 * MiB, slab_size=1 * MiB, prefault=False)
+    yield a
+    a.close()
+
+
+def test_arena_is_created_0600_even_with_a_permissive_umask() -> None:
+    old = os.umask(0)
+    try:
+        a = DramArena(2 * MiB, slab_size=1 * MiB, prefault=False)
+    finally:
+        os.umask(old)
+    try:
+        st_ = os.stat(f"/dev/shm/{a.name}")
+        assert stat.S_IMODE(st_.st_mode) == 0o600
+        assert st_.st_uid == os.getuid()
+        assert st_.st_size == 2 * MiB
+    finally:
+        a.close()
+
+
+def test_arena_is_unlinked_on_close_and_close_is_idempotent() -> None:
+    a = DramArena(2 * MiB, slab_size=1 * MiB, prefault=True)
+    path = f"/dev/shm/{a.name}"
+    assert os.path.exists(path)
+    a.close()
+    assert not os.path.exists(path)
+    a.close()
+
+
+def test_arena_names_are_unique_and_explicit_names_are_exclusive() -> None:
+    a = DramArena(1 * MiB, slab_size=1 * MiB, prefault=False)
+    b = DramArena(1 * MiB, slab_size=1 * MiB, prefault=False)
+    try:
+        assert a.name != b.name
+        with pytest.raises(FileExistsError):
+            DramArena(1 * MiB, slab_size=1 * MiB, name=a.name, prefault=False)
+        assert os.path.exists(f"/dev/shm/{a.name}")  # the failed attempt did not unlink a's arena
+    finally:
+        a.close()
+        b.close()
+
+
+def test_size_and_slab_are_validated() -> None:
+    with pytest.raises(ValueError, match="page-aligned"):
+        DramArena(1 * MiB, slab_size=PAGE + 1, prefault=False)
+    with pytest.raises(ValueError):
+        DramArena(PAGE, slab_size=2 * PAGE, prefault=False)
+
+
+def test_size_is_rounded_down_to_whole_slabs() -> None:
+    a = DramArena(3 * MiB + 100 * KiB, slab_size=1 * MiB, prefault=False)
+    try:
+        assert a.size == 3 * MiB
+    finally:
+        a.close()
+
+
+def test_alloc_free_recycles_slots(arena: DramArena) -> None:
+    first = arena.alloc(1000)
+    assert first is not None
+    assert arena.slot_size(first) >= 1000
+    arena.free(first)
+    assert arena.used_bytes == 0
+    assert arena.alloc(1000) == first  # the freed slot is reused, not a fresh one
+    others = {arena.alloc(1000) for _ in range(50)}
+    assert None not in others and first not in others and len(others) == 50
+
+
+def test_slots_do_not_overlap_and_hold_their_bytes() -> None:
+    arena = DramArena(16 * MiB, slab_size=1 * MiB, prefault=False)
+    try:
+        _fill_and_check(arena)
+    finally:
+        arena.close()
+
+
+def _fill_and_check(arena: DramArena) -> None:
+    sizes = [1, 255, 256, 257, 1000, 4096, 5000, 100 * KiB, 300 * KiB, 1 * MiB]
+    slots = []
+    for i, n in enumerate(sizes * 3):
+        off = arena.alloc(n)
+        assert off is not None
+        arena.view(off, n)[:] = bytes([i]) * n
+        slots.append((off, n, i))
+    spans = sorted((off, off + arena.slot_size(off)) for off, _, _ in slots)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] <= arena.size
+    for off, n, i in slots:
+        assert arena.view(off, n) == bytes([i]) * n
+
+
+def test_used_bytes_counts_slot_sizes(arena: DramArena) -> None:
+    offs = [arena.alloc(n) for n in (100, 3000, 70 * KiB)]
+    assert arena.used_bytes == sum(arena.slot_size(o) for o in offs if o is not None)
+    for o in offs:
+        assert o is not None
+        arena.free(o)
+    assert arena.used_bytes == 0
+
+
+def test_empty_slabs_return_to_the_free_pool(arena: DramArena) -> None:
+    slabs = arena.size // arena.slab_size
+    small = [arena.alloc(4 * KiB) for _ in range(slabs * (arena.slab_size // (4 * KiB)))]
+    assert None not in small
+    assert arena.alloc(4 * KiB) is None
+    assert arena.alloc(arena.slab_size) is None  # every slab belongs to the 4 KiB class
+    for off in small:
+        assert off is not None
+        arena.free(off)
+    assert arena.used_bytes == 0
+    # every slab is free again, so a different class can take all of them
+    big = [arena.alloc(arena.slab_size) for _ in range(slabs)]
+    assert None not in big and len(set(big)) == slabs
+
+
+def test_partially_used_slab_becomes_allocatable_again(arena: DramArena) -> None:
+    per_slab = arena.slab_size // (256 * KiB)
+    offs = [arena.alloc(256 * KiB) for _ in range(per_slab)]
+    slab = {arena.slab_of(o) for o in offs if o is not None}
+    assert len(slab) == 1
+    assert arena.alloc(256 * KiB) is not None  # opens a second slab
+    assert offs[1] is not None
+    arena.free(offs[1])
+    again = [arena.alloc(256 * KiB) for _ in range(per_slab)]
+    assert offs[1] in again  # the freed slot is handed out again before any new slab is opened
+    assert len({arena.slab_of(o) for o in again if o is not None}) == 2
+
+
+def test_alloc_returns_none_when_full() -> None:
+    a = DramArena(4 * MiB, slab_size=1 * MiB, prefault=False)
+    try:
+        offs = [a.alloc(600 * KiB) for _ in range(4)]  # one per slab (class 640 KiB)
+        assert None not in offs
+        assert a.alloc(600 * KiB) is None
+        assert a.alloc(100) is None
+        assert not a.can_alloc(100)
+        assert offs[0] is not None
+        a.free(offs[0])
+        assert a.can_alloc(100)
+        assert a.alloc(100) is not None
+    finally:
+        a.close()
+
+
+def test_zero_byte_blocks_get_a_slot(arena: DramArena) -> None:
+    a, b = arena.alloc(0), arena.alloc(0)
+    assert a is not None and b is not None and a != b
+
+
+@settings(max_examples=200, deadline=None)
+@given(pages=st.integers(1, 4096), frac=st.floats(0, 1))
+def test_size_classes_cover_every_block_with_under_25_percent_waste(pages: int, frac: float) -> None:
+    slab = pages * PAGE
+    classes = size_classes(slab)
+    assert classes == sorted(set(classes)) and classes[-1] == slab
+    assert all(c % 64 == 0 for c in classes)
+    n = max(1, min(slab, round(frac * slab)))
+    slot = classes[next(i for i, c in enumerate(classes) if c >= n)]
+    if n >= 256:
+        assert (slot - n) / slot < 0.25
+
+
+@pytest.mark.parametrize("slab", [1 * MiB, 9 * PAGE, 36 * MiB // 16])
+def test_largest_block_fits_any_page_aligned_slab(slab: int) -> None:
+    a = DramArena(2 * slab, slab_size=slab, prefault=False)
+    try:
+        for n in (slab, slab - 1, slab // 2 + 1, 1):
+            off = a.alloc(n)
+            assert off is not None and a.slot_size(off) >= n
+            a.free(off)
+    finally:
+        a.close()
