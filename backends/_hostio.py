@@ -1,0 +1,295 @@
+"""Pointer-addressed block I/O over PoolClient, shared by the FastDeploy and Mooncake-API adapters.
+
+Engines written against Mooncake register pinned host buffers up front, then hand over raw pointers
+into them and expect one integer status per key. `HostIO` turns (pointer, size) into zero-copy numpy
+views of the registered buffers, moves the bytes through a `PoolClient`, and turns every pool failure
+into a status (logged once per outage), so the engine never sees an exception from the pool.
+"""
+from __future__ import annotations
+
+import bisect
+import ctypes
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from kvpool.core.client import PoolClient
+from kvpool.core.errors import CapacityError, KVPoolError, PoolUnavailable
+from kvpool.core.keys import key_bytes
+
+T = TypeVar("T")
+
+
+class Status(enum.IntEnum):
+    """Mooncake's status codes (mooncake-store `types.h`): what Mooncake-style engines test for."""
+
+    OK = 0
+    INTERNAL_ERROR = -1
+    NO_AVAILABLE_HANDLE = -200
+    """No room in the pool (every candidate block is leased or pinned)."""
+    INVALID_PARAMS = -600
+    """A bad key, a size <= 0, a block larger than the pool's max block, a destination smaller than
+    the block, or a pointer range that is not inside one registered buffer."""
+    OBJECT_NOT_FOUND = -704
+    """A miss."""
+    RPC_FAIL = -900
+    """The pool cannot be reached (worker down, no live worker, timeout)."""
+
+
+STATUS_OF_ERROR: tuple[tuple[type[BaseException], Status], ...] = (
+    (PoolUnavailable, Status.RPC_FAIL),  # includes PoolTimeout
+    (OSError, Status.RPC_FAIL),          # AuthError, and socket/shm errors not typed on the way up
+    (CapacityError, Status.NO_AVAILABLE_HANDLE),
+    (ValueError, Status.INVALID_PARAMS),  # InvalidKey, BlockTooLarge, BufferSizeError, ConfigError
+    (KVPoolError, Status.INTERNAL_ERROR),  # ProtocolError, PoolClosed, anything newer
+)
+"""How each pool error becomes a status; first match wins. Only errors of these types are caught."""
+
+
+def status_of(err: BaseException) -> Status:
+    """The status that reports `err` to an engine (INTERNAL_ERROR for anything unlisted)."""
+    return next((st for cls, st in STATUS_OF_ERROR if isinstance(err, cls)), Status.INTERNAL_ERROR)
+
+
+class HostBuffers:
+    """Host memory regions registered by the engine, each kept as one writable numpy view (no copy).
+
+    The engine owns the memory and keeps it alive while registered (FastDeploy and Mooncake users
+    allocate these pinned buffers once, for the life of the process).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bases: tuple[int, ...] = ()
+        self._arrays: tuple[np.ndarray, ...] = ()
+
+    def register(self, ptr: int, size: int) -> None:
+        """Make [ptr, ptr + size) addressable; re-registering a base address replaces its size."""
+        ptr, size = int(ptr), int(size)
+        if ptr <= 0 or size <= 0:
+            raise ValueError(f"cannot register buffer at {ptr:#x} of {size} bytes: need a non-null pointer and size > 0")
+        arr = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(ptr))
+        with self._lock:
+            regions = dict(zip(self._bases, self._arrays))
+            regions[ptr] = arr
+            self._bases = tuple(sorted(regions))
+            self._arrays = tuple(regions[b] for b in self._bases)
+
+    def unregister(self, ptr: int) -> bool:
+        """Forget the buffer registered at base address `ptr`; False if there was none."""
+        with self._lock:
+            regions = dict(zip(self._bases, self._arrays))
+            found = regions.pop(int(ptr), None) is not None
+            self._bases = tuple(sorted(regions))
+            self._arrays = tuple(regions[b] for b in self._bases)
+        return found
+
+    def view(self, ptr: int, size: int) -> np.ndarray | None:
+        """A uint8 view of [ptr, ptr + size), or None unless the whole range lies in one registered buffer."""
+        bases, arrays = self._bases, self._arrays  # one consistent snapshot, no lock on the hot path
+        i = bisect.bisect_right(bases, ptr) - 1
+        while i >= 0:  # overlapping registrations are rare: look further down only if the nearest is short
+            off = ptr - bases[i]
+            if off + size <= arrays[i].size:
+                return arrays[i][off:off + size]
+            i -= 1
+        return None
+
+    def __len__(self) -> int:
+        return len(self._bases)
+
+
+class HostIO:
+    """Block I/O between registered host buffers and the pool, with statuses instead of exceptions.
+
+    `connect()` builds the PoolClient. A ConfigError from it raises here (a misconfiguration should be
+    loud at start-up); an unreachable pool does not: it starts an outage. During an outage every call
+    reports RPC_FAIL / a miss at once, without touching the pool, for `retry_s` seconds; then the next
+    call tries again. The first failure of each outage logs a warning, recovery logs once more.
+    """
+
+    def __init__(self, connect: Callable[[], PoolClient] | None, *, logger: logging.Logger,
+                 retry_s: float = 1.0, buffers: HostBuffers | None = None) -> None:
+        self.buffers = buffers if buffers is not None else HostBuffers()
+        self.log = logger
+        self.retry_s = retry_s
+        self._connect = connect
+        self._client: PoolClient | None = None
+        self._lock = threading.Lock()
+        self._retry_at = 0.0 if connect is not None else float("inf")  # no connect: closed until replaced
+        self._outage = False
+        self._logged: set[str] = set()
+        self._started = False
+        self._pool()
+        self._started = True
+
+    @property
+    def closed(self) -> bool:
+        """True after close(), or when built without a way to connect: every call then fails."""
+        return self._retry_at == float("inf")
+
+    # ----- the fail-soft boundary ------------------------------------------------------------
+
+    def _pool(self) -> PoolClient | None:
+        """The client, or None during an outage's back-off."""
+        if self._client is not None and not self._outage:
+            return self._client
+        with self._lock:
+            if time.monotonic() < self._retry_at:
+                return None
+            if self._client is None and self._connect is not None:
+                try:
+                    self._client = self._connect()
+                except (KVPoolError, OSError) as e:
+                    if not self._started and status_of(e) != Status.RPC_FAIL:
+                        raise  # a misconfiguration (ConfigError, ...): loud, at start-up
+                    self._failed(e)
+                    self._retry_at = time.monotonic() + self.retry_s
+            return self._client
+
+    def _failed(self, err: BaseException) -> Status:
+        """Report `err` once; an unreachable pool starts (or extends) an outage."""
+        st = status_of(err)
+        why = str(err)  # log text, not the error: a record must not keep its traceback (and sockets) alive
+        if st == Status.RPC_FAIL:
+            self._retry_at = time.monotonic() + self.retry_s
+            if not self._outage:
+                self._outage = True
+                self.log.warning("kvpool unavailable (%s): reporting misses, retrying every %.1f s", why, self.retry_s)
+            else:
+                self.log.debug("kvpool still unavailable: %s", why)
+        else:
+            self.once(type(err).__name__, "kvpool %s: %s (reported as %s; later ones are logged at debug level)",
+                      type(err).__name__, why, st.name)
+        return st
+
+    def _ok(self) -> None:
+        if self._outage:
+            self._outage = False
+            self.log.info("kvpool reachable again")
+
+    def once(self, kind: str, msg: str, *args: Any) -> None:
+        """Log `msg` as a warning the first time for `kind`, at debug level after that."""
+        level = logging.DEBUG if kind in self._logged else logging.WARNING
+        self._logged.add(kind)
+        self.log.log(level, msg, *args)
+
+    def call(self, fn: Callable[[PoolClient], T], fallback: Callable[[Status], T]) -> T:
+        """`fn(client)`, or `fallback(status)` when the pool is unavailable or answers with an error."""
+        pool = self._pool()
+        if pool is None:
+            return fallback(Status.RPC_FAIL)
+        try:
+            result = fn(pool)
+        except (KVPoolError, OSError) as e:
+            return fallback(self._failed(e))
+        self._ok()
+        return result
+
+    # ----- pointer-addressed batches ---------------------------------------------------------
+
+    def _resolve(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
+                 out: list[int]) -> tuple[list[int], list[bytes], list[np.ndarray]]:
+        """(indices, keys, views) of the well-formed items; the others get INVALID_PARAMS in `out`."""
+        idx: list[int] = []
+        raw: list[bytes] = []
+        views: list[np.ndarray] = []
+        for i, (key, ptr, size) in enumerate(zip(keys, ptrs, sizes)):
+            try:
+                k = key_bytes(key)
+            except KVPoolError as e:
+                self.once("bad key", "kvpool: %s", str(e))
+                out[i] = Status.INVALID_PARAMS
+                continue
+            if size <= 0:
+                self.once("bad size", "kvpool: key %r has size %d; sizes must be > 0", key, size)
+                out[i] = Status.INVALID_PARAMS
+                continue
+            view = self.buffers.view(int(ptr), int(size))
+            if view is None:
+                self.once("bad pointer", "kvpool: %d bytes at %#x (key %r) are not inside a registered buffer "
+                          "(%d registered); call register_buffer(ptr, size) first", size, ptr, key, len(self.buffers))
+                out[i] = Status.INVALID_PARAMS
+                continue
+            idx.append(i)
+            raw.append(k)
+            views.append(view)
+        return idx, raw, views
+
+    def put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """Store `sizes[i]` bytes at `ptrs[i]` under `keys[i]`: OK or a negative Status per key."""
+        out: list[int] = [Status.OK] * len(keys)
+        idx, raw, views = self._resolve(keys, ptrs, sizes, out)
+        if not idx:
+            return out
+        st = self.call(lambda c: c.batch_put(raw, views), lambda s: s)
+        if st is None:
+            return out
+        for n, i in enumerate(idx):
+            # one bad block fails the whole batch: redo them singly so each key gets its own status
+            out[i] = Status.RPC_FAIL if st == Status.RPC_FAIL else self._put_one(raw[n], views[n])
+        return out
+
+    def _put_one(self, key: bytes, view: np.ndarray) -> int:
+        st = self.call(lambda c: c.batch_put([key], [view]), lambda s: s)
+        return Status.OK if st is None else st
+
+    def get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """Copy each block to `ptrs[i]` (at most `sizes[i]` bytes): bytes read, or a negative Status per
+        key (OBJECT_NOT_FOUND on a miss, INVALID_PARAMS when the block is larger than `sizes[i]`)."""
+        out: list[int] = [Status.OK] * len(keys)
+        idx, raw, views = self._resolve(keys, ptrs, sizes, out)
+        if not idx:
+            return out
+        got = self.call(lambda c: c.batch_get_into(raw, views), lambda s: s)
+        for n, i in enumerate(idx):
+            if isinstance(got, list):
+                out[i] = got[n] if got[n] >= 0 else Status.OBJECT_NOT_FOUND
+            else:
+                out[i] = Status.RPC_FAIL if got == Status.RPC_FAIL else self._get_one(raw[n], views[n])
+        return out
+
+    def _get_one(self, key: bytes, view: np.ndarray) -> int:
+        n = self.call(lambda c: c.batch_get_into([key], [view])[0], lambda s: s)
+        return n if isinstance(n, Status) or n >= 0 else Status.OBJECT_NOT_FOUND
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Presence of each key; all False when the pool cannot answer."""
+        if not keys:
+            return []
+        return self.call(lambda c: c.exists(keys), lambda st: [False] * len(keys))
+
+    def remove(self, keys: Sequence[str]) -> list[int]:
+        """OK where a block was removed, OBJECT_NOT_FOUND where none was, RPC_FAIL when unreachable."""
+        if not keys:
+            return []
+        return self.call(lambda c: [Status.OK if f else Status.OBJECT_NOT_FOUND for f in c.remove(keys)],
+                         lambda st: [st] * len(keys))
+
+    def clear(self) -> int:
+        """Remove every block of the pool; the number of blocks the pool held before (best effort:
+        a block held by two tiers counts twice), or a negative Status."""
+        def clear_all(c: PoolClient) -> int:
+            n = _block_count(c.stats())
+            c.clear()
+            return n
+        return self.call(clear_all, lambda st: int(st))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+            self._retry_at = float("inf")  # closed: every later call reports RPC_FAIL
+
+
+def _block_count(stats: dict[str, Any]) -> int:
+    """Blocks in DRAM + SSD from PoolClient.stats() (embedded: flat; workers: {id: {"stats": ...}})."""
+    if "dram_blocks" in stats:
+        return int(stats.get("dram_blocks", 0)) + int(stats.get("ssd_blocks", 0))
+    return sum(_block_count(s.get("stats", {})) for s in stats.values() if isinstance(s, dict))

@@ -1,0 +1,235 @@
+"""A drop-in for `mooncake.store.MooncakeDistributedStore` that keeps the blocks in kvpool.
+
+Integrations written against Mooncake Store (FastDeploy's and SGLang's `mooncake_store.py`, vLLM's
+and LMCache's Mooncake connectors) call `setup(...)`, `register_buffer`, `batch_put_from`,
+`batch_get_into`, `batch_is_exist`, `put` / `get`, `remove`, ... and test Mooncake's integer status
+codes. With `PYTHONPATH=$(kvpool mooncake-shim)` their `from mooncake.store import
+MooncakeDistributedStore` resolves to this class, so they run on kvpool unchanged.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from kvpool.core.buffers import readable
+from kvpool.core.client import PoolClient
+from kvpool.core.errors import KVPoolError
+
+from ._hostio import HostBuffers, HostIO, Status
+from .mooncake_shim import shim_path
+
+log = logging.getLogger("kvpool.backends.mooncake")
+
+__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "Status", "pool_options", "shim_path"]
+
+_MIN_EMBEDDED_BYTES = 16 << 20
+"""Smallest embedded pool that `global_segment_size` may size (one DRAM slab)."""
+
+
+def pool_options(master_server_addr: str | None, metadata_server: str | None = None,
+                 global_segment_size: int = 0, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The `PoolClient` options that Mooncake's `setup` addresses mean.
+
+    The first of `master_server_addr`, `metadata_server` that names a kvpool pool decides:
+    - `nats://...` or `tls://...`   -> cluster mode at that NATS server (`kvpool up` prints it)
+    - `/path/to/worker.sock`        -> local mode, that worker through shared memory
+    - `host:port`                   -> local mode, that worker over TCP
+    - `embedded`                    -> a pool inside this process
+    Anything else (empty, `kvpool`, `P2PHANDSHAKE`, `http://...` / `etcd://...` metadata servers) names
+    no pool: then the `KVPOOL_*` variables decide, and with none set the pool is embedded.
+    In embedded mode `global_segment_size` (the memory a Mooncake client contributes) sizes the DRAM
+    arena, unless `KVPOOL_DRAM_BYTES` is set. Other KVPOOL_* options (token, timeout, replication)
+    always come from the environment.
+    """
+    env = dict(os.environ) if env is None else env
+    opts: dict[str, Any] = {}
+    for addr in (master_server_addr, metadata_server):
+        a = (addr or "").strip()
+        if a.startswith(("nats://", "tls://")):
+            opts = {"mode": "cluster", "nats_url": a}
+        elif a == "embedded":
+            opts = {"mode": "embedded"}
+        elif a.startswith("/") or _is_host_port(a):
+            opts = {"mode": "local", "worker": a}
+        else:
+            continue
+        break
+    mode = opts.get("mode", env.get("KVPOOL_MODE", "embedded"))
+    if mode == "embedded" and global_segment_size >= _MIN_EMBEDDED_BYTES and "KVPOOL_DRAM_BYTES" not in env:
+        opts["dram_bytes"] = int(global_segment_size)
+    return opts
+
+
+def _is_host_port(addr: str) -> bool:
+    host, sep, port = addr.rpartition(":")
+    return bool(sep and host and port.isdigit()) and "://" not in addr
+
+
+class ReplicateConfig:
+    """Accepted wherever Mooncake takes one, and ignored: copies per block are the pool's setting
+    (`KVPOOL_REPLICATION` in cluster mode)."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.replica_num = 1
+        self.__dict__.update(fields)
+
+
+class MooncakeDistributedStore:
+    """Mooncake Store's client API on a kvpool `PoolClient`.
+
+    Statuses are Mooncake's (`Status`): 0 ok, -600 INVALID_PARAMS, -704 OBJECT_NOT_FOUND (a miss),
+    -900 RPC_FAIL (pool unreachable). Differences from Mooncake, all in the safe direction:
+    - a put of an existing key replaces it (Mooncake keeps the first); both return 0;
+    - there are no leases to wait for: `remove` right after a `get` succeeds;
+    - `is_exist` / `batch_is_exist` report 0, not -1, when the pool cannot answer (callers that test
+      truthiness, as FastDeploy's `query` does, would read -1 as present);
+    - `protocol`, `rdma_devices`, `local_buffer_size` and `ReplicateConfig` are accepted and ignored.
+    As in Mooncake, `batch_put_from` / `batch_get_into` pointers must lie inside a buffer given to
+    `register_buffer` (INVALID_PARAMS otherwise).
+    """
+
+    def __init__(self) -> None:
+        self._hostname = ""
+        self._buffers = HostBuffers()  # kept across setup() calls
+        self._io = HostIO(None, logger=log, buffers=self._buffers)  # until setup(): every call fails
+
+    def setup(self, local_hostname: str | dict[str, Any] = "", metadata_server: str = "",
+              global_segment_size: int = 16 << 20, local_buffer_size: int = 16 << 20,
+              protocol: str = "tcp", rdma_devices: str = "", master_server_addr: str = "",
+              *args: Any, **kwargs: Any) -> int:
+        """Connect to the pool that `master_server_addr` / `metadata_server` name (see `pool_options`).
+
+        Also accepts Mooncake's `setup(config: dict)` form. Returns 0, or INVALID_PARAMS (-600) for a
+        configuration kvpool rejects (logged). An unreachable pool is not an error here: calls report
+        misses until it answers.
+        """
+        if isinstance(local_hostname, dict):
+            cfg = local_hostname
+            return self.setup(str(cfg.get("local_hostname", "")), str(cfg.get("metadata_server", "")),
+                              int(cfg.get("global_segment_size", 16 << 20)),
+                              int(cfg.get("local_buffer_size", 16 << 20)), str(cfg.get("protocol", "tcp")),
+                              str(cfg.get("rdma_devices", "")), str(cfg.get("master_server_addr", "")))
+        opts = pool_options(master_server_addr, metadata_server, global_segment_size)
+        self._io.close()
+        try:
+            self._io = HostIO(lambda: PoolClient(**opts), logger=log, buffers=self._buffers)
+        except (KVPoolError, ValueError) as e:  # Mooncake reports a failed setup as a status
+            log.error("kvpool: setup(master_server_addr=%r, metadata_server=%r) failed: %s",
+                      master_server_addr, metadata_server, e)
+            self._io = HostIO(None, logger=log, buffers=self._buffers)
+            return int(Status.INVALID_PARAMS)
+        self._hostname = local_hostname
+        log.info("kvpool Mooncake-API store: %s", opts or "KVPOOL_* settings")
+        return 0
+
+    # ----- registered buffers -------------------------------------------------------------------
+
+    def register_buffer(self, buffer_ptr: int, size: int) -> int:
+        """Make [buffer_ptr, buffer_ptr + size) usable by the pointer calls: 0, or INVALID_PARAMS."""
+        try:
+            self._io.buffers.register(buffer_ptr, size)
+        except ValueError as e:
+            log.error("kvpool: %s", e)
+            return int(Status.INVALID_PARAMS)
+        return 0
+
+    def unregister_buffer(self, buffer_ptr: int) -> int:
+        """0, or INVALID_PARAMS when no buffer is registered at `buffer_ptr`."""
+        return 0 if self._io.buffers.unregister(buffer_ptr) else int(Status.INVALID_PARAMS)
+
+    # ----- pointer batches ----------------------------------------------------------------------
+
+    def batch_put_from(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int],
+                       config: ReplicateConfig | None = None) -> list[int]:
+        """Store `sizes[i]` bytes at `buffer_ptrs[i]` under `keys[i]`: 0 or a negative status per key."""
+        if not len(keys) == len(buffer_ptrs) == len(sizes):
+            return [int(Status.INVALID_PARAMS)] * len(keys)
+        return [int(s) for s in self._io.put_from(keys, buffer_ptrs, sizes)] if keys else []
+
+    batch_upsert_from = batch_put_from
+
+    def batch_get_into(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """Copy each object to `buffer_ptrs[i]` (room for `sizes[i]` bytes): bytes read, -704 on a miss,
+        -600 when the object is larger than the room, -900 when the pool is unreachable."""
+        if not len(keys) == len(buffer_ptrs) == len(sizes):
+            return [int(Status.INVALID_PARAMS)] * len(keys)
+        return [int(s) for s in self._io.get_into(keys, buffer_ptrs, sizes)] if keys else []
+
+    def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
+        return self.batch_put_from([key], [buffer_ptr], [size])[0]
+
+    def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
+        return self.batch_get_into([key], [buffer_ptr], [size])[0]
+
+    # ----- bytes --------------------------------------------------------------------------------
+
+    def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
+        """Store a bytes-like `value` (copied): 0, or a negative status (-600 for an empty value)."""
+        if readable(value).nbytes == 0:
+            return int(Status.INVALID_PARAMS)
+        return int(self._io.call(lambda c: c.put(key, value) or Status.OK, lambda st: st))
+
+    upsert = put
+
+    def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None) -> int:
+        """Store the concatenation of `parts` under `key`."""
+        return self.put(key, b"".join(readable(p) for p in parts), config)
+
+    def put_batch(self, keys: Sequence[str], values: Sequence[Any], config: ReplicateConfig | None = None) -> int:
+        """Store each value: 0, or the first negative status."""
+        if len(keys) != len(values):
+            return int(Status.INVALID_PARAMS)
+        codes = [self.put(k, v) for k, v in zip(keys, values)]
+        return next((c for c in codes if c < 0), 0)
+
+    def get(self, key: str) -> bytes:
+        """The object's bytes; b"" on a miss or when the pool is unreachable (as Mooncake)."""
+        return self._io.call(lambda c: c.get(key) or b"", lambda st: b"")
+
+    def get_batch(self, keys: Sequence[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def get_size(self, key: str) -> int:
+        """The object's size in bytes, -704 on a miss, another negative status on failure."""
+        def size(c: PoolClient) -> int:
+            with c.lease([key]) as views:
+                return views[0].nbytes if views[0] is not None else int(Status.OBJECT_NOT_FOUND)
+        return int(self._io.call(size, lambda st: st))
+
+    # ----- existence and removal ----------------------------------------------------------------
+
+    def is_exist(self, key: str) -> int:
+        """1 if present, else 0."""
+        return self.batch_is_exist([key])[0]
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
+        """1 / 0 per key (0 also when the pool cannot answer)."""
+        return [int(f) for f in self._io.exists(keys)]
+
+    def remove(self, key: str, force: bool = False) -> int:
+        """0 if removed, -704 if absent, -900 when the pool is unreachable."""
+        return self.batch_remove([key], force)[0]
+
+    def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
+        return [int(s) for s in self._io.remove(keys)]
+
+    def remove_all(self, force: bool = False) -> int:
+        """Remove every object of the pool; how many there were, or a negative status."""
+        return self._io.clear()
+
+    # ----- lifecycle ----------------------------------------------------------------------------
+
+    def health_check(self) -> int:
+        """0 healthy, 1 not set up or closed, 2 pool unreachable or without workers (Mooncake's meanings)."""
+        if self._io.closed:
+            return 1
+        return 0 if self._io.call(lambda c: bool(c.stats()), lambda st: False) else 2
+
+    def get_hostname(self) -> str:
+        return self._hostname
+
+    def close(self) -> int:
+        self._io.close()
+        return 0
