@@ -1,4 +1,4 @@
-"""The `kvpool` command line: bench, worker, up, status."""
+"""The `kvpool` command line: bench, worker, up, status, streams, fastdeploy, mooncake-shim."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,9 @@ import signal
 import sys
 import threading
 from typing import Any
+
+from kvpool.backends import fastdeploy_patch, mooncake_shim
+from kvpool.streams.cli import add_parser as add_streams_parser
 
 from . import bench
 
@@ -119,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token", default=None)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_status)
+    fastdeploy_patch.add_parser(sub)
+    mooncake_shim.add_parser(sub)
+    add_streams_parser(sub)
     return parser
 
 

@@ -1,1 +1,20 @@
-"""Publish/subscribe of KV blocks and notifications between instances, on NATS JetStream."""
+"""Publish/subscribe of KV blocks and notifications between instances, on NATS JetStream.
+
+`Producer` publishes (large payloads by reference through the pool), `Consumer` (and its asyncio twin
+`AsyncConsumer`) receives with acks, replay, fan-out or groups; `HandoffReceiver.iter_layers` is the decode side of a prefill/decode handoff.
+"""
+from .aio import AsyncConsumer, AsyncMessage
+from .admin import StreamConfig, create_stream, delete_stream, list_streams, stream_info
+from .consumer import Consumer
+from .errors import (HandoffTimeout, PayloadError, StreamError, StreamFull, StreamNotFound, StreamTimeout,
+                     StreamUnavailable)
+from .handoff import HandoffReceiver
+from .message import Message
+from .producer import INLINE_MAX, Producer
+
+__all__ = [
+    "Producer", "Consumer", "AsyncConsumer", "Message", "AsyncMessage", "HandoffReceiver", "StreamConfig", "INLINE_MAX",
+    "create_stream", "delete_stream", "list_streams", "stream_info",
+    "StreamError", "StreamFull", "StreamNotFound", "StreamTimeout", "StreamUnavailable", "PayloadError",
+    "HandoffTimeout",
+]

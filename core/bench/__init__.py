@@ -12,6 +12,7 @@ SUITES: dict[str, str] = {
     "core": "kvpool.core.bench.core_suite",
     "cache": "kvpool.core.bench.cache_suite",
     "transport": "kvpool.core.bench.transport_suite",
+    "streams": "kvpool.core.bench.streams_suite",
 }
 
 

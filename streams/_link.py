@@ -1,0 +1,88 @@
+"""One NATS connection for synchronous callers, and the one place NATS exceptions become stream errors.
+
+nats-py is asyncio-only; `Link` runs it on a private loop thread (`kvpool.core.aio.LoopThread`) so
+Producer/Consumer can offer a blocking API. `translate` maps every nats-py exception to `StreamError`s.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import nats
+import nats.errors
+import nats.js.errors
+
+from kvpool.core.aio import LoopThread
+
+from .errors import StreamError, StreamFull, StreamNotFound, StreamTimeout, StreamUnavailable
+
+T = TypeVar("T")
+
+# nats-server's descriptions of a publish refused by a full discard=new stream, by the limit hit.
+_FULL = {"maximum messages": "max_msgs", "maximum bytes": "max_bytes", "maximum messages per subject":
+         "max_msgs_per_subject"}
+_NOT_FOUND_CODES = {10059}
+
+
+def translate(err: BaseException, what: str) -> BaseException:
+    """The stream error for a nats-py exception raised while doing `what`; other exceptions unchanged."""
+    if isinstance(err, StreamError):
+        return err
+    if isinstance(err, nats.js.errors.APIError):
+        code, desc = err.err_code or 0, err.description or ""
+        limit = next((name for text, name in sorted(_FULL.items(), reverse=True) if desc.startswith(text)), None)
+        if limit:
+            return StreamFull(f"{what}: stream is full ({desc}); it refuses new messages at its {limit} "
+                              "limit until consumers ack or retention drops some")
+        if code in _NOT_FOUND_CODES or isinstance(err, nats.js.errors.NotFoundError):
+            return StreamNotFound(f"{what}: {err.description or 'not found'}")
+        return StreamError(f"{what}: JetStream error {code}: {desc}")
+    if isinstance(err, nats.js.errors.NoStreamResponseError):
+        return StreamNotFound(f"{what}: no stream takes this subject")
+    if isinstance(err, (nats.errors.TimeoutError, asyncio.TimeoutError, TimeoutError)):
+        return StreamTimeout(f"{what}: timed out")
+    if isinstance(err, (nats.errors.NoServersError, nats.errors.ConnectionClosedError, OSError,
+                        nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError)):
+        return StreamUnavailable(f"{what}: NATS unavailable: {err!r}")
+    if isinstance(err, nats.errors.Error):
+        return StreamError(f"{what}: {err!r}")
+    return err
+
+
+async def connect(url: str, timeout_s: float) -> Any:
+    """A nats-py connection that, once up, reconnects forever (a restarted server is picked up again);
+    the first connection must succeed within `timeout_s` seconds."""
+    try:
+        return await asyncio.wait_for(nats.connect(url, connect_timeout=timeout_s, allow_reconnect=True,
+                                                   max_reconnect_attempts=-1, reconnect_time_wait=0.5), timeout_s)
+    except Exception as e:
+        raise translate(e, f"connect to {url}") from e
+
+
+class Link:
+    """A NATS connection plus JetStream context on a private loop; `call` blocks for a coroutine."""
+
+    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
+        self.url, self.timeout_s = url, timeout_s
+        self.io = LoopThread("kvpool-streams")
+        try:
+            self.nc = self.call(connect(url, timeout_s), f"connect to {url}")
+        except BaseException:
+            self.io.stop()
+            raise
+        self.js = self.nc.jetstream(timeout=timeout_s)
+
+    def call(self, coro: Coroutine[Any, Any, T], what: str, timeout: float | None = None) -> T:
+        """Run `coro` on the loop; NATS errors come back as stream errors."""
+        try:
+            return self.io.run(coro, (timeout if timeout is not None else self.timeout_s) + 2)
+        except Exception as e:
+            raise translate(e, what) from e
+
+    def close(self) -> None:
+        try:
+            self.io.run(self.nc.close(), 5)
+        except Exception:  # closing a connection whose server is gone: nothing left to release
+            pass
+        self.io.stop()

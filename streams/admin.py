@@ -1,0 +1,121 @@
+"""Stream definition and management: create, describe, list and delete JetStream streams.
+
+A kvpool stream NAME is the JetStream stream `NAME` holding the subjects `kvpool.stream.NAME.>`.
+Limits (age in seconds, bytes, message count) bound what it retains; with `discard="new"` a full
+stream refuses publishes (`StreamFull`) instead of dropping old messages: producer backpressure.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from nats.js import api
+
+from kvpool.core.errors import ConfigError
+
+from ._link import Link
+
+SUBJECT_PREFIX = "kvpool.stream"
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+RETENTIONS = ("limits", "interest", "workqueue")
+DISCARDS = ("old", "new")
+
+
+def check_token(value: str, what: str) -> str:
+    """`value` if it is usable as one NATS subject token (letters, digits, `_`, `-`; 1-64 chars)."""
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ConfigError(f"{what} {value!r} must be 1-64 characters of letters, digits, '_' or '-'")
+    return value
+
+
+def subject(stream: str, *tokens: str) -> str:
+    """The subject `kvpool.stream.<stream>.<tokens...>` (`>` for all of the stream)."""
+    return ".".join((SUBJECT_PREFIX, stream, *tokens))
+
+
+@dataclasses.dataclass
+class StreamConfig:
+    """Retention and limits of a stream. 0 means unlimited; ages in seconds, sizes in bytes."""
+
+    max_age_s: float = 0.0
+    max_bytes: int = 0
+    max_msgs: int = 0
+    discard: str = "old"
+    """what a full stream does: 'old' drops its oldest messages, 'new' refuses publishes (StreamFull)."""
+    retention: str = "limits"
+    """'limits' keeps messages until a limit drops them; 'interest' drops one once every consumer acked it;
+    'workqueue' drops one once any consumer acked it."""
+    memory: bool = False
+    """keep messages in memory instead of the server's file store."""
+
+    def __post_init__(self) -> None:
+        if self.discard not in DISCARDS:
+            raise ConfigError(f"discard {self.discard!r} is not one of {', '.join(DISCARDS)}")
+        if self.retention not in RETENTIONS:
+            raise ConfigError(f"retention {self.retention!r} is not one of {', '.join(RETENTIONS)}")
+        for name in ("max_age_s", "max_bytes", "max_msgs"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} is {getattr(self, name)}; it must be >= 0 (0 = unlimited)")
+
+    def to_nats(self, name: str) -> api.StreamConfig:
+        return api.StreamConfig(
+            name=check_token(name, "stream name"), subjects=[subject(name, ">")],
+            retention=api.RetentionPolicy(self.retention), discard=api.DiscardPolicy(self.discard),
+            max_age=self.max_age_s or None, max_bytes=self.max_bytes or -1, max_msgs=self.max_msgs or -1,
+            storage=api.StorageType.MEMORY if self.memory else api.StorageType.FILE)
+
+
+def create_stream(nats_url: str, name: str, config: StreamConfig | None = None) -> dict[str, Any]:
+    """Create stream `name` (or update its limits if it exists); returns its info (see `stream_info`)."""
+    link = Link(nats_url)
+    try:
+        cfg = (config or StreamConfig()).to_nats(name)
+        try:
+            link.call(link.js.stream_info(name), f"look up stream {name!r}")
+            info = link.call(link.js.update_stream(cfg), f"update stream {name!r}")
+        except LookupError:
+            info = link.call(link.js.add_stream(cfg), f"create stream {name!r}")
+        return _describe(info)
+    finally:
+        link.close()
+
+
+def stream_info(nats_url: str, name: str) -> dict[str, Any]:
+    """Messages, bytes, first/last sequence, limits and consumer count of stream `name`.
+
+    Raises StreamNotFound if there is none."""
+    link = Link(nats_url)
+    try:
+        return _describe(link.call(link.js.stream_info(name), f"stream {name!r}"))
+    finally:
+        link.close()
+
+
+def list_streams(nats_url: str) -> list[dict[str, Any]]:
+    """Info of every kvpool stream on the server (JetStream streams of other users are left out)."""
+    link = Link(nats_url)
+    try:
+        infos = link.call(link.js.streams_info(), "list streams")
+        return [_describe(i) for i in infos
+                if any(s.startswith(SUBJECT_PREFIX + ".") for s in (i.config.subjects or []))]
+    finally:
+        link.close()
+
+
+def delete_stream(nats_url: str, name: str) -> None:
+    """Delete stream `name` and its consumers. Raises StreamNotFound if there is none. Pool blocks that its
+    messages referenced are left to the pool's eviction."""
+    link = Link(nats_url)
+    try:
+        link.call(link.js.delete_stream(name), f"delete stream {name!r}")
+    finally:
+        link.close()
+
+
+def _describe(info: Any) -> dict[str, Any]:
+    c, s = info.config, info.state
+    return {"name": c.name, "messages": s.messages, "bytes": s.bytes, "first_seq": s.first_seq,
+            "last_seq": s.last_seq, "consumers": s.consumer_count, "max_age_s": c.max_age or 0,
+            "max_bytes": max(c.max_bytes or 0, 0), "max_msgs": max(c.max_msgs or 0, 0),
+            "discard": getattr(c.discard, "value", c.discard), "retention": getattr(c.retention, "value", c.retention)}

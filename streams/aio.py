@@ -1,0 +1,115 @@
+"""AsyncConsumer: the asyncio form of `Consumer`, on the caller's event loop.
+
+    async with AsyncConsumer("events", url) as c:
+        async for msg in c:
+            ...
+            await msg.ack()
+
+Same semantics as `Consumer` (groups, start, acks, bounds); by-reference payloads are fetched from the
+pool in a worker thread so the loop never blocks on bulk reads.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import nats.errors
+
+from kvpool.core.client import PoolClient
+
+from . import envelope as env
+from ._link import connect, translate
+from .admin import check_token, subject
+from .consumer import Start, consumer_config, decode
+from .message import Message
+
+
+class AsyncMessage(Message):
+    """A Message whose ack/nak/term are coroutines (they run on the consumer's loop)."""
+
+    _raw: Any = None
+
+    async def ack(self) -> None:  # type: ignore[override]  # the asyncio twin of Message.ack
+        await self._op("ack")
+
+    async def nak(self, delay_s: float = 0.0) -> None:  # type: ignore[override]
+        await self._op("nak", delay_s)
+
+    async def term(self) -> None:  # type: ignore[override]
+        await self._op("term")
+
+    async def _op(self, op: str, delay_s: float = 0.0) -> None:
+        try:
+            await (self._raw.nak(delay=delay_s or None) if op == "nak" else getattr(self._raw, op)())
+        except Exception as e:
+            raise translate(e, f"{op} message {self.seq}") from e
+
+
+class AsyncConsumer:
+    """Receives from stream `stream` on the running event loop; see `Consumer` for the options."""
+
+    def __init__(self, stream: str, nats_url: str, *, group: str | None = None, start: Start = "all",
+                 pool: PoolClient | None = None, topic: str = ">", ack_wait_s: float = 30.0,
+                 max_ack_pending: int = 1000, fetch: bool = True, timeout_s: float = 5.0) -> None:
+        self.stream, self.group, self.pool, self.fetch = check_token(stream, "stream name"), group, pool, fetch
+        if group is not None:
+            check_token(group, "group")
+        self._cfg = consumer_config(start, ack_wait_s, max_ack_pending)
+        self._filter = subject(stream, ">" if topic == ">" else check_token(topic, "topic"))
+        self._url, self._timeout_s = nats_url, timeout_s
+        self._nc: Any = None
+        self._sub: Any = None
+
+    async def open(self) -> AsyncConsumer:
+        """Connect and create (or join) the JetStream consumer."""
+        self._nc = await connect(self._url, self._timeout_s)
+        if self.group is None:
+            self._cfg.inactive_threshold = 60.0
+        try:
+            self._sub = await self._nc.jetstream(timeout=self._timeout_s).pull_subscribe(
+                self._filter, durable=self.group, stream=self.stream, config=self._cfg)
+        except Exception as e:
+            await self._nc.close()
+            raise translate(e, f"subscribe to stream {self.stream!r}") from e
+        return self
+
+    async def receive(self, timeout: float = 1.0, into: Any = None) -> AsyncMessage | None:
+        """The next message, or None if none arrives within `timeout` seconds (see Consumer.receive)."""
+        try:
+            (raw,) = await self._sub.fetch(1, timeout=timeout)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            return None
+        except Exception as e:
+            raise translate(e, f"receive from stream {self.stream!r}") from e
+        msg = AsyncMessage(0, "", "", b"", {}, 0, 0.0)
+        msg._raw = raw
+        if env.kind_of(raw.headers) in (env.REF, env.KV) and self.fetch:
+            return await asyncio.to_thread(decode, raw, self.stream, self.pool, into, self.fetch, msg)
+        return decode(raw, self.stream, self.pool, into, self.fetch, msg)
+
+    def __aiter__(self) -> AsyncConsumer:
+        return self
+
+    async def __anext__(self) -> AsyncMessage:
+        while True:
+            msg = await self.receive(1.0)
+            if msg is not None:
+                return msg
+
+    async def close(self) -> None:
+        """Disconnect; a private consumer is deleted, a group's durable consumer stays."""
+        if self._nc is None:
+            return
+        try:
+            if self.group is None and self._sub is not None:
+                await self._nc.jetstream().delete_consumer(self.stream, self._sub._consumer)
+        except (ConnectionError, nats.errors.Error):
+            pass  # the server already dropped it, or is gone: nothing to release
+        await self._nc.close()
+        self._nc = None
+
+    async def __aenter__(self) -> AsyncConsumer:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

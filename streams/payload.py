@@ -1,0 +1,65 @@
+"""Payloads by reference: put bytes into the pool in chunks, and fetch them back verified.
+
+The producer writes a payload as blocks of at most `CHUNK_BYTES` (so any worker's max block fits) and
+publishes only their keys, sizes and checksums; the consumer reads them straight into one buffer and
+checks every size and checksum, so a missing or corrupt block is a `PayloadError`, never wrong bytes.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvpool.core.blocks import checksum
+from kvpool.core.buffers import readable
+from kvpool.core.client import PoolClient
+from kvpool.core.errors import BufferSizeError
+from kvpool.core.keys import Key
+
+from .envelope import Ref
+from .errors import PayloadError
+
+CHUNK_BYTES = 4 << 20
+"""Largest block a by-reference payload is split into, in bytes."""
+
+
+def put_blocks(pool: PoolClient, keys: Sequence[Key], buffers: Sequence[Any], *, request: str = "",
+               layer: int = -1) -> Ref:
+    """Store each buffer under its key; the reference to publish."""
+    views = [readable(b) for b in buffers]
+    pool.batch_put(list(keys), views)
+    return Ref(list(keys), [len(v) for v in views], [checksum(v) for v in views], request, layer)
+
+
+def put_payload(pool: PoolClient, key_prefix: str, data: Any) -> Ref:
+    """Store `data` as blocks `key_prefix/0`, `key_prefix/1`, ... of at most CHUNK_BYTES each."""
+    view = readable(data)
+    chunks = [view[i:i + CHUNK_BYTES] for i in range(0, len(view), CHUNK_BYTES)] or [view]
+    return put_blocks(pool, [f"{key_prefix}/{i}" for i in range(len(chunks))], chunks)
+
+
+def fetch(pool: PoolClient, ref: Ref, into: Any = None, *,
+          what: str = "payload") -> tuple[memoryview, list[memoryview]]:
+    """Read the blocks of `ref` into `into` (writable, at least `ref.total` bytes) or a new bytearray.
+
+    Returns a view of the whole payload and one per block (consecutive in it). Raises PayloadError on a missing block or a
+    size/checksum mismatch."""
+    buf = memoryview(bytearray(ref.total) if into is None else into).cast("B")
+    if buf.readonly or len(buf) < ref.total:
+        raise PayloadError(f"{what}: buffer of {len(buf)} bytes (readonly={buf.readonly}) cannot take "
+                           f"{ref.total} bytes")
+    views, at = [], 0
+    for size in ref.sizes:
+        views.append(buf[at:at + size])
+        at += size
+    try:
+        got = pool.batch_get_into(ref.keys, views)
+    except BufferSizeError as e:
+        raise PayloadError(f"{what}: a block's size disagrees with the message: {e}") from e
+    for key, size, want, n, view in zip(ref.keys, ref.sizes, ref.checksums, got, views):
+        if n < 0:
+            raise PayloadError(f"{what}: block {key!r} ({size} bytes) is missing from the pool")
+        if n != size:
+            raise PayloadError(f"{what}: block {key!r} is {n} bytes; the message says {size}")
+        if checksum(view) != want:
+            raise PayloadError(f"{what}: block {key!r} fails its checksum")
+    return buf[:ref.total], views

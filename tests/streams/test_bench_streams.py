@@ -1,0 +1,17 @@
+"""`kvpool bench streams` runs end to end and prints its JSON contract as the last line."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from kvpool.core.bench import SUITES
+from kvpool.core.bench import streams_suite
+
+
+def test_bench_streams_quick_json(capsys):
+    assert SUITES["streams"] == "kvpool.core.bench.streams_suite"
+    assert streams_suite.run(argparse.Namespace(quick=True, json=True, requests=1)) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["suite"] == "streams"
+    assert set(last["ratios"]) == {"handoff_vs_raw_socket", "handoff_vs_nats_inline"}
+    assert last["metrics"]["notify_p50_us"] > 0 and last["metrics"]["handoff_gbps"] > 0

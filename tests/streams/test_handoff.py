@@ -1,0 +1,100 @@
+"""Across processes, through a real worker: payloads by reference and the prefill/decode KV handoff."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from kvpool.core.client import PoolClient
+from kvpool.streams import Consumer, HandoffReceiver, HandoffTimeout, stream_info
+
+LAYERS, BLOCKS, BLOCK = 8, 2, 512 << 10
+
+
+def _layer(request: str, layer: int) -> list[np.ndarray]:
+    rng = np.random.default_rng([sum(request.encode()), layer])
+    return [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(BLOCKS)]
+
+
+def _prefill(nats_url: str, stream: str, request: str, layers: int, end: bool) -> subprocess.Popen:
+    """A child process that hands off `layers` layers of `request` and then ends it or hangs."""
+    code = textwrap.dedent(f"""
+        import sys, time
+        import numpy as np
+        from kvpool.core.client import PoolClient
+        from kvpool.streams import Producer
+        pool = PoolClient(mode="cluster", nats_url={nats_url!r})
+        assert pool._cluster.membership.wait_for(lambda m: len(m) == 1, 15)
+        with Producer({stream!r}, {nats_url!r}, pool=pool, inline_max=64 << 10) as p:
+            p.publish(bytes(range(256)) * 8192)  # 2 MiB by reference
+            for layer in range({layers}):
+                rng = np.random.default_rng([{sum(request.encode())}, layer])
+                blocks = [rng.integers(0, 256, {BLOCK}, dtype=np.uint8) for _ in range({BLOCKS})]
+                p.publish_kv({request!r}, layer, [f"{request}/L{{layer}}/b{{i}}" for i in range({BLOCKS})], blocks)
+            if {end}:
+                p.end_request({request!r}, {layers})
+            else:
+                print("published", flush=True)
+                time.sleep(600)
+        pool.close()
+    """)
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def _reap(child: subprocess.Popen) -> None:
+    child.kill()
+    child.wait()
+    child.stdout.close()
+
+
+@pytest.fixture
+def pool(nats, worker):
+    with PoolClient(mode="cluster", nats_url=nats.url) as c:
+        assert c._cluster.membership.wait_for(lambda m: len(m) == 1, 15)
+        yield c
+
+
+def test_handoff_delivers_every_layer_identical_and_nats_never_carries_the_bulk(nats, make_stream, pool):
+    s = make_stream()
+    child = _prefill(nats.url, s, "req-1", LAYERS, end=True)
+    try:
+        with HandoffReceiver(s, nats.url, pool) as rx:
+            got = list(rx.iter_layers("req-1", timeout=20))
+        assert child.wait(20) == 0
+    finally:
+        _reap(child)
+    assert [layer for layer, _, _ in got] == list(range(LAYERS))
+    for layer, keys, bufs in got:
+        assert keys == [f"req-1/L{layer}/b{i}" for i in range(BLOCKS)]
+        assert [bytes(b) for b in bufs] == [a.tobytes() for a in _layer("req-1", layer)]
+    info = stream_info(nats.url, s)
+    assert info["messages"] == LAYERS + 2
+    assert info["bytes"] < 1024 * (LAYERS + 2)  # references only: ~10 MiB of blocks went through the pool
+    with Consumer(s, nats.url, pool=pool, topic="msg") as c:
+        m = c.receive(5)
+        assert (m.kind, bytes(m.data)) == ("ref", bytes(range(256)) * 8192)
+
+
+def test_producer_killed_mid_request_is_a_handoff_timeout_not_a_hang(nats, make_stream, pool):
+    s = make_stream()
+    child = _prefill(nats.url, s, "req-2", 3, end=False)
+    try:
+        assert child.stdout.readline().strip() == "published"
+        child.kill()
+        child.wait()
+        layers = []
+        t = time.monotonic()
+        with HandoffReceiver(s, nats.url, pool) as rx:
+            with pytest.raises(HandoffTimeout, match="after 3 layer") as err:
+                for layer, _, bufs in rx.iter_layers("req-2", timeout=1.0):
+                    layers.append(layer)
+                    assert [bytes(b) for b in bufs] == [a.tobytes() for a in _layer("req-2", layer)]
+        assert layers == [0, 1, 2]
+        assert isinstance(err.value, TimeoutError)
+        assert time.monotonic() - t < 5
+    finally:
+        _reap(child)
