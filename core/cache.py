@@ -614,7 +614,10 @@ class TieredCache:
             size = self._ssd_sizes.get(k)
             if size is None:
                 return None
-            offset = self._alloc(size)
+            try:
+                offset = self._alloc(size)
+            except CapacityError:
+                return None  # DRAM is all leased or pinned: a miss now, not an error
 
         def into_slot(meta: BlockMeta, payload: memoryview) -> BlockMeta | None:
             if meta.size != size or (meta.expires and meta.expires <= now):
@@ -630,8 +633,18 @@ class TieredCache:
                     self._ssd_forget(k)
                     self._stale_ssd.append(k)
             return None
-        b = self._commit(_Block(k, offset, size, meta.checksum, meta.expires, on_ssd=True), leased=True)
         with self._lock:
+            current = self._dram.get(k)
+            if current is not None or k not in self._ssd_sizes:
+                # Put, removed or promoted by another reader while this one read SSD: what was
+                # read may be outdated, so it must not replace what is there now.
+                self.arena.free(offset)
+                if current is None:
+                    return None
+                current.leases += 1
+                self.stats_.hits_dram += 1
+                return current
+            b = self._commit(_Block(k, offset, size, meta.checksum, meta.expires, on_ssd=True), leased=True)
             self._ssd_order.touch(k)
             self.stats_.hits_ssd += 1
             self.stats_.promotions += 1

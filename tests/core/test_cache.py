@@ -383,6 +383,38 @@ def test_capacity_error_when_everything_is_pinned(make_cache: Make) -> None:
     assert not cache.exists("p1")
 
 
+def test_an_ssd_hit_is_a_miss_not_an_error_when_dram_is_all_pinned(make_cache: Make, ssd_dir: str) -> None:
+    cache = make_cache(dram_bytes=4 * MiB, dram_slab_size=1 * MiB, ssd_path=ssd_dir, **SYNC_EVICTION)
+    cache.put("cold", payload("cold", 512 * KiB))
+    cache.flush()
+    for i in range(8):  # evicts "cold" (it stays on SSD) and leaves no evictable slot
+        cache.put(f"p{i}", payload(f"p{i}", 512 * KiB), pin=True)
+    assert cache.exists("cold")
+    assert cache.get("cold") is None  # promotion has no room: a miss
+    cache.pin("p0", False)
+    assert cache.get("cold") == payload("cold", 512 * KiB)
+
+
+def test_a_put_during_promotion_is_not_replaced_by_the_older_ssd_copy(make_cache: Make, ssd_dir: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = make_cache(ssd_path=ssd_dir, **SYNC_EVICTION)
+    cache.put("k", payload("old", 1000))
+    cache.flush()
+    assert cache.ssd is not None
+    cache._drop_dram(b"k")  # only the SSD copy is left
+    read = cache.ssd.read
+
+    def read_then_put(key: bytes, into: Any) -> Any:  # a writer replaces k while a reader promotes it
+        meta = read(key, into)
+        cache.put("k", payload("new", 1000))
+        return meta
+
+    monkeypatch.setattr(cache.ssd, "read", read_then_put)
+    assert cache.get("k") == payload("new", 1000)
+    monkeypatch.undo()
+    assert cache.get("k") == payload("new", 1000)
+
+
 def test_demoter_does_not_spin_when_nothing_is_evictable(make_cache: Make) -> None:
     cache = make_cache(dram_bytes=4 * MiB, dram_slab_size=1 * MiB)
     for i in range(8):  # 100% full, above the high watermark, all pinned
