@@ -194,7 +194,10 @@ class TieredCache:
                 found.append(hit)
             gone = [k for k, f in zip(raw_keys, found) if f]
             if self.ssd is not None and gone:
-                self.ssd.delete(gone)
+                try:
+                    self.ssd.delete(gone)
+                except CapacityError:
+                    self._stale_ssd.extend(gone)  # a full disk: the demoter retries
         return found
 
     def pin(self, key: Key, pinned: bool = True) -> bool:
@@ -503,18 +506,16 @@ class TieredCache:
         """Background: keep DRAM under the high watermark by demoting LRU blocks in batches."""
         cfg = self.config
         stuck = False  # the last pass found nothing evictable: wait for the next commit, not spin
+        stale_stuck = False  # the last deletion failed (a full disk): retry after a wake-up, not spin
         while True:
             with self._lock:
-                while not self._closed and not self._stale_ssd and \
+                while not self._closed and (not self._stale_ssd or stale_stuck) and \
                         (stuck or self.arena.used_bytes <= cfg.high_watermark * self.arena.size):
                     self._wake.wait()
-                    stuck = False
+                    stuck = stale_stuck = False
                 if self._closed:
                     break
-                if self._stale_ssd and self.ssd is not None:
-                    # under the lock: a block written and indexed meantime must not lose its copy
-                    self.ssd.delete(self._stale_ssd)
-                self._stale_ssd = []
+                stale_stuck = not self._delete_stale()
                 victims = self._lru_victims(self.arena.used_bytes - cfg.low_watermark * self.arena.size)
                 stuck = not victims
                 for b in victims:
@@ -531,8 +532,19 @@ class TieredCache:
                             self.stats_.evictions += 1
                     self._ssd_writes -= 1
                     self._ssd_written.notify_all()
+        with self._lock:
+            self._delete_stale()
+
+    def _delete_stale(self) -> bool:
+        """Delete outdated SSD copies; False if the disk refused (they stay queued). Caller holds the
+        lock: a block written and indexed meantime must not lose its copy."""
         if self._stale_ssd and self.ssd is not None:
-            self.ssd.delete(self._stale_ssd)
+            try:
+                self.ssd.delete(self._stale_ssd)
+            except CapacityError:
+                return False
+        self._stale_ssd = []
+        return True
 
     def _lru_victims(self, nbytes: float) -> list[_Block]:
         out: list[_Block] = []

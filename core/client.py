@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from .cluster import Membership, rank
 from .config import CacheConfig, default_state_dir, load
 from .errors import ConfigError, PoolUnavailable
 from .keys import Key, key_bytes
+from .pins import PinTable
 from .transport import ShmTransport, TcpTransport, connect
 
 log = logging.getLogger("kvpool.client")
@@ -72,10 +74,12 @@ class PoolClient:
         if rest and cfg.mode != "embedded":
             raise ConfigError(f"cache options {sorted(rest)} apply only to embedded mode (mode is {cfg.mode})")
         self._embedded: TieredCache | None = None
+        self._embedded_pins: PinTable | None = None
         self._cluster: _Cluster | None = None
         self._single: TcpTransport | ShmTransport | None = None
         if cfg.mode == "embedded":
             self._embedded = TieredCache(cache if cache is not None else load(CacheConfig, **rest))
+            self._embedded_pins = PinTable(self._embedded)
         elif cfg.mode == "local":
             address = cfg.worker or str(default_state_dir() / "worker-7461.sock")
             self._single = connect(address, cfg.token, cfg.timeout_s)
@@ -90,18 +94,43 @@ class PoolClient:
         """Store `data` (bytes-like, numpy, torch) under `key`."""
         self.batch_put([key], [data])
 
-    def batch_put(self, keys: Sequence[Key], buffers: Sequence[Any]) -> None:
-        """Store each buffer under its key; raises on bad input or when no worker takes the block."""
+    def batch_put(self, keys: Sequence[Key], buffers: Sequence[Any], *, pin_s: float = 0.0) -> None:
+        """Store each buffer under its key; raises on bad input or when no worker takes the block.
+
+        `pin_s` > 0: the blocks are pinned (kept in DRAM, never evicted) for that many seconds, on every
+        replica, from before they become visible; see `pin`."""
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         if self._embedded is not None:
-            return self._embedded.batch_put(keys, buffers)
+            pins = self._pins()
+            pins.expire()  # as a worker does: expired pins are evictable before this put looks for room
+            if pin_s > 0:
+                pins.pin([key_bytes(k) for k in keys], pin_s)
+            return self._embedded.batch_put(keys, buffers, pin=pin_s > 0)
         raw = [key_bytes(k) for k in keys]
         views = [readable(b) for b in buffers]
         if self._single is not None:
-            return self._single.put_many(raw, views)
+            return self._single.put_many(raw, views, pin_s)
         assert self._cluster is not None
-        return self._cluster.put_many(raw, views)
+        return self._cluster.put_many(raw, views, pin_s)
+
+    def pin(self, keys: Sequence[Key], seconds: float) -> None:
+        """Keep blocks in DRAM (never evicted) for `seconds` from now, renewing earlier pins; `seconds`
+        <= 0 unpins them. A pin lasts at most `kvpool.core.pins.MAX_PIN_S` unless renewed, so a client
+        that dies holding pins does not hold the memory forever. In cluster mode every current owner
+        (replica) of each key is told; the call does not wait for the workers."""
+        raw = [key_bytes(k) for k in keys]
+        if self._embedded is not None:
+            self._pins().pin(raw, seconds)
+        elif self._single is not None:
+            self._single.pin(raw, seconds)
+        else:
+            assert self._cluster is not None
+            self._cluster.pin(raw, seconds)
+
+    def _pins(self) -> PinTable:
+        assert self._embedded_pins is not None
+        return self._embedded_pins
 
     def get(self, key: Key) -> bytes | None:
         """The block's bytes, or None on a miss."""
@@ -239,23 +268,28 @@ class _Cluster:
         self.membership.watch()
         self._transports: dict[str, TcpTransport | ShmTransport] = {}
         self._suspect: dict[str, float] = {}
+        self._lock = threading.Lock()  # guards the two dicts: one client serves many threads
 
     def _live(self) -> dict[str, dict[str, Any]]:
         now = time.monotonic()
-        return {w: i for w, i in self.membership.members().items() if self._suspect.get(w, 0) <= now}
+        members = self.membership.members()
+        with self._lock:
+            return {w: i for w, i in members.items() if self._suspect.get(w, 0) <= now}
 
     def _transport(self, worker_id: str, info: dict[str, Any]) -> TcpTransport | ShmTransport:
-        t = self._transports.get(worker_id)
-        if t is None:
-            same_node = info.get("node_id") == self.node_id and os.path.exists(info.get("unix", ""))
-            t = connect(info["unix"] if same_node else info["tcp"], self.cfg.token, self.cfg.timeout_s)
-            self._transports[worker_id] = t
-        return t
+        with self._lock:  # one transport per worker, however many threads ask at once
+            t = self._transports.get(worker_id)
+            if t is None:
+                same_node = info.get("node_id") == self.node_id and os.path.exists(info.get("unix", ""))
+                t = connect(info["unix"] if same_node else info["tcp"], self.cfg.token, self.cfg.timeout_s)
+                self._transports[worker_id] = t
+            return t
 
     def _failed(self, worker_id: str, err: Exception) -> None:
         log.warning("worker %s failed (%s); treating it as down for %.0f s", worker_id, err, _SUSPECT_S)
-        self._suspect[worker_id] = time.monotonic() + _SUSPECT_S
-        t = self._transports.pop(worker_id, None)
+        with self._lock:
+            self._suspect[worker_id] = time.monotonic() + _SUSPECT_S
+            t = self._transports.pop(worker_id, None)
         if t is not None:
             t.close()
 
@@ -290,13 +324,13 @@ class _Cluster:
     def max_block(self) -> int:
         return max((int(i.get("max_block", 0)) for i in self._live().values()), default=16 << 20)
 
-    def put_many(self, keys: list[bytes], views: list[memoryview]) -> None:
+    def put_many(self, keys: list[bytes], views: list[memoryview], pin_s: float) -> None:
         live = self._live()
         if not live:
             raise PoolUnavailable(f"no live workers in the cluster at {self.cfg.nats_url}")
         stored = [0] * len(keys)
         groups = self._replica_groups(self._owners(keys, live))
-        put = lambda t, idx: t.put_many([keys[i] for i in idx], [views[i] for i in idx])  # noqa: E731
+        put = lambda t, idx: t.put_many([keys[i] for i in idx], [views[i] for i in idx], pin_s)  # noqa: E731
         for idx, _ in self._each(live, groups, put):
             for i in idx:
                 stored[i] += 1
@@ -327,6 +361,12 @@ class _Cluster:
                     out[i] = f
         return out
 
+    def pin(self, keys: list[bytes], seconds: float) -> None:
+        live = self._live()
+        groups = self._replica_groups(self._owners(keys, live))
+        for _ in self._each(live, groups, lambda t, idx: t.pin([keys[i] for i in idx], seconds)):
+            pass
+
     def remove(self, keys: list[bytes]) -> list[bool]:
         live = self._live()
         out = [False] * len(keys)
@@ -355,7 +395,9 @@ class _Cluster:
         return out
 
     def close(self) -> None:
-        for t in self._transports.values():
+        with self._lock:
+            transports = list(self._transports.values())
+            self._transports.clear()
+        for t in transports:
             t.close()
-        self._transports.clear()
         self.membership.close()

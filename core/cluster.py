@@ -43,10 +43,13 @@ class Membership:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._registered: str | None = None
+        self._lost_at: float | None = None  # when the NATS connection dropped; members do not age meanwhile
+        self._watcher: Any = None
 
         async def _connect() -> Any:
             return await nats.connect(nats_url, connect_timeout=connect_timeout, max_reconnect_attempts=-1,
-                                      reconnect_time_wait=0.5, allow_reconnect=True)
+                                      reconnect_time_wait=0.5, allow_reconnect=True,
+                                      disconnected_cb=self._disconnected, reconnected_cb=self._reconnected)
         try:
             self._nc = self._io.run(_connect(), timeout=connect_timeout + 2)
             self._kv = self._io.run(self._bucket(), timeout=connect_timeout + 2)
@@ -95,9 +98,9 @@ class Membership:
         ready = threading.Event()
 
         async def follow() -> None:
-            while True:
+            while True:  # an iteration ends when `_reconnected` stops the watcher: watch afresh
                 try:
-                    watcher = await self._kv.watchall()
+                    self._watcher = watcher = await self._kv.watchall()
                     async for entry in watcher:
                         if entry is None:
                             ready.set()
@@ -129,10 +132,32 @@ class Membership:
             self._changed.notify_all()
 
     def members(self) -> dict[str, dict[str, Any]]:
-        """Live workers (heard from within `ttl_s`) by worker id."""
-        now = time.monotonic()
+        """Live workers (heard from within `ttl_s`) by worker id. While NATS is unreachable this is the
+        last list seen: silence then says nothing about the workers, and data does not go through NATS."""
         with self._lock:
+            now = self._lost_at if self._lost_at is not None else time.monotonic()
             return {w: info for w, (seen, info) in self._members.items() if now - seen <= self.ttl_s}
+
+    async def _disconnected(self) -> None:
+        with self._lock:
+            if self._lost_at is None:
+                self._lost_at = time.monotonic()
+
+    async def _reconnected(self) -> None:
+        """Members resume ageing where they stopped: each has what was left of its TTL to be heard again.
+        The watch restarts at once (its consumer may be gone with the old server; waiting for it to
+        notice missed heartbeats would leave joins and leaves unseen for seconds)."""
+        with self._lock:
+            if self._lost_at is not None:
+                gap = time.monotonic() - self._lost_at
+                self._members = {w: (seen + gap, info) for w, (seen, info) in self._members.items()}
+                self._lost_at = None
+                self._changed.notify_all()
+        if self._watcher is not None:
+            try:
+                await self._watcher.stop()
+            except Exception as e:
+                log.debug("stopping the member watch after a reconnect: %s", e)
 
     def wait_for(self, predicate: Callable[[dict[str, dict[str, Any]]], bool], timeout: float) -> bool:
         deadline = time.monotonic() + timeout

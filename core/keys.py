@@ -15,8 +15,8 @@ from .errors import InvalidKey
 
 Key = Union[str, bytes]
 
-MAX_KEY_BYTES = 512
-"""Longest key accepted, in bytes (UTF-8 for str keys)."""
+MAX_KEY_BYTES = 511
+"""Longest key accepted, in bytes (UTF-8 for str keys): LMDB's largest key, so every key fits every tier."""
 
 
 def key_bytes(key: Key) -> bytes:

@@ -22,6 +22,8 @@ class WorkerMetrics:
                                  registry=self.registry)
         self.protocol_errors = Counter("kvpool_protocol_errors", "Connections closed for malformed frames",
                                        registry=self.registry)
+        self.corrupt_blocks = Counter("kvpool_corrupt_blocks", "Blocks put that arrived with a wrong checksum "
+                                      "(not stored)", registry=self.registry)
         self.registry.register(_CacheCollector(cache_stats))
 
     def serve(self, host: str, port: int) -> None:

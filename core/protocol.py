@@ -23,6 +23,7 @@ import numpy as np
 import xxhash
 
 from .errors import PoolUnavailable, ProtocolError
+from .keys import MAX_KEY_BYTES
 
 MAGIC = b"KVPW"
 VERSION = 1
@@ -30,6 +31,7 @@ HEADER = struct.Struct("<4sBBHIIQII")
 MAX_META = 16 << 20
 MAX_DATA = 8 << 30
 MAX_BATCH = 1 << 16
+_META_STEP = 1 << 20
 
 
 class Op(IntEnum):
@@ -47,6 +49,7 @@ class Op(IntEnum):
     ABORT = 12    # same node: raw offsets -> (no reply)
     LEASE = 13    # same node: keys -> lease ids, offsets, sizes, checksums
     RELEASE = 14  # same node: raw lease ids -> (no reply)
+    PIN = 15      # keys + seconds f8 (<= 0: unpin) -> (no reply); a put that follows it commits pinned
 
 
 class Status(IntEnum):
@@ -96,11 +99,22 @@ def recv_frame(sock: socket.socket) -> Frame:
         raise ProtocolError(f"protocol version {version}; this side speaks {VERSION}")
     if meta_len > MAX_META or data_len > MAX_DATA:
         raise ProtocolError(f"frame of {meta_len} meta / {data_len} data bytes exceeds {MAX_META} / {MAX_DATA}")
-    meta = bytearray(meta_len)
-    recv_exactly(sock, memoryview(meta))
+    meta = _recv_meta(sock, meta_len)
     if xxhash.xxh32_intdigest(meta) != meta_crc:
         raise ProtocolError("metadata checksum mismatch")
-    return Frame(op, status, req_id, bytes(meta), data_len)
+    return Frame(op, status, req_id, meta, data_len)
+
+
+def _recv_meta(sock: socket.socket, n: int) -> bytes:
+    """`n` bytes, buffered in steps as they arrive: memory follows what a peer sends, not what its
+    header claims (16 MiB per connection before authentication, otherwise)."""
+    parts = []
+    while n:
+        part = bytearray(min(n, _META_STEP))
+        recv_exactly(sock, memoryview(part))
+        parts.append(part)
+        n -= len(part)
+    return b"".join(parts)
 
 
 def send_frame(sock: socket.socket, op: int, meta: bytes = b"", *, status: int = 0, req_id: int = 0,
@@ -126,11 +140,15 @@ def pack_json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def unpack_json(meta: bytes) -> Any:
+def unpack_json(meta: bytes) -> dict[str, Any]:
+    """A JSON object; anything else (bad JSON, a list, nesting too deep to parse) is a ProtocolError."""
     try:
-        return json.loads(meta) if meta else {}
-    except ValueError as e:
+        obj = json.loads(meta) if meta else {}
+    except (ValueError, RecursionError) as e:
         raise ProtocolError(f"bad JSON metadata: {e}") from e
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"JSON metadata is a {type(obj).__name__}; expected an object")
+    return obj
 
 
 def pack_batch(keys: list[bytes], *columns: np.ndarray) -> bytes:
@@ -152,8 +170,8 @@ def unpack_batch(meta: bytes, *dtypes: str) -> tuple[list[bytes], list[np.ndarra
         pos += 2 * n
         keys = []
         for ln in lens.tolist():
-            if ln == 0:
-                raise ProtocolError("empty key in batch")
+            if not 0 < ln <= MAX_KEY_BYTES:
+                raise ProtocolError(f"key of {ln} bytes in batch; keys are 1 to {MAX_KEY_BYTES} bytes")
             keys.append(meta[pos:pos + ln])
             pos += ln
         cols = []

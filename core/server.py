@@ -24,8 +24,9 @@ import xxhash
 from . import protocol as P
 from .cache import TieredCache
 from .config import CacheConfig, WorkerConfig, default_state_dir
-from .errors import BlockTooLarge, CapacityError, ConfigError, ProtocolError
+from .errors import BlockTooLarge, CapacityError, ConfigError, KVPoolError, ProtocolError
 from .metrics import WorkerMetrics
+from .pins import PinTable
 
 log = logging.getLogger("kvpool.worker")
 
@@ -66,6 +67,7 @@ class Worker:
         self.worker_id = cfg.worker_id or secrets.token_hex(4)
         self.node_id = cfg.node_id or socket.gethostname()
         self.cache = TieredCache(cache if cache is not None else load(CacheConfig))
+        self.pins = PinTable(self.cache)
         self.metrics = WorkerMetrics(self.cache.stats)
         self._stopping = threading.Event()
         self._conns: set[_Conn] = set()
@@ -90,7 +92,7 @@ class Worker:
             P.Op.EXISTS: self._exists, P.Op.PREFIX: self._prefix, P.Op.REMOVE: self._remove,
             P.Op.CLEAR: self._clear, P.Op.STATS: self._stats, P.Op.ALLOC: self._alloc,
             P.Op.COMMIT: self._commit, P.Op.ABORT: self._abort, P.Op.LEASE: self._lease,
-            P.Op.RELEASE: self._release,
+            P.Op.RELEASE: self._release, P.Op.PIN: self._pin,
         }
 
     # ----- lifecycle --------------------------------------------------------------------------
@@ -186,6 +188,8 @@ class Worker:
         except ProtocolError as e:
             self.metrics.protocol_errors.inc()
             log.warning("closing %s connection: %s", conn.transport, e)
+        except KVPoolError as e:  # e.g. a full disk under REMOVE or CLEAR, or the cache closing under us
+            log.warning("closing %s connection: %s: %s", conn.transport, type(e).__name__, e)
         except (ConnectionError, OSError):
             pass  # the client went away
         finally:
@@ -242,11 +246,13 @@ class Worker:
 
     def _put(self, conn: _Conn, frame: P.Frame) -> None:
         keys, (sizes, csums) = P.unpack_batch(frame.meta, "<i8", "<u8")
-        if (sizes < 0).any() or int(sizes.sum()) != frame.data_len:
-            raise ProtocolError(f"PUT sizes sum to {int(sizes.sum())}; the frame carries {frame.data_len} bytes")
+        total = sum(sizes.tolist())  # Python ints: an int64 sum of huge sizes could wrap to data_len
+        if (sizes < 0).any() or total != frame.data_len:
+            raise ProtocolError(f"PUT sizes sum to {total}; the frame carries {frame.data_len} bytes")
         status = np.zeros(len(keys), dtype="<i1")
         arena = self.cache.arena
         scratch: bytearray | None = None
+        self.pins.expire()  # expired pins are evictable again before this put looks for room
         for i, (key, size, csum) in enumerate(zip(keys, sizes.tolist(), csums.tolist())):
             try:
                 offset = self.cache.reserve(size)
@@ -261,17 +267,20 @@ class Worker:
                 self.cache.abort(offset)
                 raise
             if ok:
-                self.cache.commit(key, offset, size, csum)
+                self.cache.commit(key, offset, size, csum, pin=self.pins.holds(key))
             else:
                 self.cache.abort(offset)
+                self.metrics.corrupt_blocks.inc()
                 status[i] = P.ITEM_CORRUPT
         self.metrics.bytes.labels("in").inc(frame.data_len)
         self._reply(conn, frame, status.tobytes())
 
     def _get(self, conn: _Conn, frame: P.Frame) -> None:
         keys, _ = P.unpack_batch(frame.meta)
-        blocks = [self.cache.acquire(k) for k in keys]
+        blocks = []
         try:
+            for k in keys:
+                blocks.append(self.cache.acquire(k))
             sizes = np.array([b.size if b else P.ITEM_MISS for b in blocks], dtype="<i8")
             csums = np.array([b.checksum if b else 0 for b in blocks], dtype="<u8")
             arena = self.cache.arena
@@ -306,6 +315,7 @@ class Worker:
     def _alloc(self, conn: _Conn, frame: P.Frame) -> None:
         keys, (sizes,) = P.unpack_batch(frame.meta, "<i8")
         offsets = np.full(len(keys), P.ITEM_FULL, dtype="<i8")
+        self.pins.expire()  # expired pins are evictable again before this alloc looks for room
         for i, size in enumerate(sizes.tolist()):
             try:
                 offsets[i] = off = self.cache.reserve(size)
@@ -324,7 +334,7 @@ class Worker:
             if conn.reserved.get(off) != size:
                 raise ProtocolError(f"COMMIT of offset {off} ({size} bytes) that this connection did not reserve")
             del conn.reserved[off]
-            self.cache.commit(key, off, size, csum)
+            self.cache.commit(key, off, size, csum, pin=self.pins.holds(key))
         self.metrics.bytes.labels("in").inc(int(sizes.sum()))
         self._reply(conn, frame, np.zeros(len(keys), dtype="<i1").tobytes())
 
@@ -350,6 +360,11 @@ class Worker:
             ids[i], offsets[i], sizes[i], csums[i] = lid, b.offset, b.size, b.checksum
         self.metrics.bytes.labels("out").inc(int(sizes[sizes > 0].sum()))
         self._reply(conn, frame, ids.tobytes() + offsets.tobytes() + sizes.tobytes() + csums.tobytes())
+
+    def _pin(self, conn: _Conn, frame: P.Frame) -> None:
+        keys, (seconds,) = P.unpack_batch(frame.meta, "<f8")
+        for key, s in zip(keys, seconds.tolist()):
+            self.pins.pin([key], s)
 
     def _release(self, conn: _Conn, frame: P.Frame) -> None:
         for lid in P.unpack_ids(frame.meta).tolist():

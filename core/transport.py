@@ -7,6 +7,7 @@ checksum and map socket failures to PoolUnavailable / PoolTimeout.
 """
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from collections.abc import Iterator, Sequence
@@ -22,6 +23,8 @@ from .errors import (AuthError, BlockTooLarge, BufferSizeError, CapacityError, K
                      PoolUnavailable, ProtocolError)
 from .tiers.dram import DramArena
 
+log = logging.getLogger("kvpool.transport")
+
 
 class _Connection:
     """A socket to one worker, one request at a time, reconnecting after a failure."""
@@ -33,6 +36,8 @@ class _Connection:
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self.info: dict[str, Any] = {}
+        self.checksum_failures = 0
+        """Blocks received from this worker whose bytes failed their checksum (each served as a miss)."""
 
     def _connect(self) -> socket.socket:
         try:
@@ -109,6 +114,11 @@ class _Connection:
     def clear(self) -> None:
         self.call(P.Op.CLEAR)
 
+    def pin(self, keys: Sequence[bytes], seconds: float) -> None:
+        """Pin blocks for `seconds` (<= 0: unpin). One way: nothing waits for the worker."""
+        with self._session() as sock:
+            _send_pin(sock, keys, seconds)
+
     def stats(self) -> dict[str, Any]:
         return dict(P.unpack_json(self.call(P.Op.STATS).meta))
 
@@ -122,13 +132,22 @@ def _raise_item(status: int, key: bytes, size: int, max_block: int) -> None:
         raise PoolUnavailable(f"block {key[:24]!r} arrived corrupt at the worker (checksum mismatch)")
 
 
+def _send_pin(sock: socket.socket, keys: Sequence[bytes], seconds: float) -> None:
+    """A PIN frame; the worker handles a connection's frames in order, so a put sent after it on the
+    same connection commits its blocks pinned."""
+    P.send_frame(sock, P.Op.PIN, P.pack_batch(list(keys), np.full(len(keys), seconds, dtype="<f8")))
+
+
 class TcpTransport(_Connection):
     """Blocks over TCP frames (any node)."""
 
-    def put_many(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
+    def put_many(self, keys: Sequence[bytes], views: Sequence[memoryview], pin_s: float = 0.0) -> None:
+        """Store blocks; with `pin_s` > 0, pinned for that many seconds (see `pin`)."""
         sizes = np.array([v.nbytes for v in views], dtype="<i8")
         csums = np.array([checksum(v) for v in views], dtype="<u8")
-        with self._session():
+        with self._session() as sock:
+            if pin_s > 0:
+                _send_pin(sock, keys, pin_s)
             reply = self._roundtrip(P.Op.PUT, P.pack_batch(list(keys), sizes, csums), list(views))
         for key, st, size in zip(keys, np.frombuffer(reply.meta, dtype="<i1").tolist(), sizes.tolist()):
             _raise_item(st, key, size, self.info.get("max_block", 0))
@@ -159,7 +178,12 @@ class TcpTransport(_Connection):
                     continue
                 view = dest.view[:size]
                 P.recv_exactly(sock, view)
-                out.append(size if checksum(view) == csum else -1)
+                if checksum(view) == csum:
+                    out.append(size)
+                else:
+                    out.append(-1)
+                    self.checksum_failures += 1
+                    log.warning("block %r from worker %s failed its checksum; served as a miss", key[:24], self.address)
         if too_small:
             raise BufferSizeError(f"block {too_small[0][:24]!r} is {too_small[1]} bytes; the destination holds {too_small[2]}")
         for size, dest in zip(out, dests):
@@ -177,15 +201,18 @@ class ShmTransport(_Connection):
     @property
     def arena(self) -> memoryview:
         if self._arena is None:
-            with self._session():
-                pass  # connecting fills self.info
-            self._arena = DramArena.attach(self.info["arena"], int(self.info["arena_size"]))
+            with self._session():  # connecting fills self.info; a failure to map is the worker's, typed
+                if self._arena is None:
+                    self._arena = DramArena.attach(self.info["arena"], int(self.info["arena_size"]))
         return self._arena
 
-    def put_many(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> None:
+    def put_many(self, keys: Sequence[bytes], views: Sequence[memoryview], pin_s: float = 0.0) -> None:
+        """Store blocks; with `pin_s` > 0, pinned for that many seconds (see `pin`)."""
         arena = self.arena
         sizes = np.array([v.nbytes for v in views], dtype="<i8")
-        with self._session():
+        with self._session() as sock:
+            if pin_s > 0:
+                _send_pin(sock, keys, pin_s)
             offsets = np.frombuffer(self._roundtrip(P.Op.ALLOC, P.pack_batch(list(keys), sizes)).meta, dtype="<i8")
             if (offsets < 0).any():
                 held = offsets[offsets >= 0]

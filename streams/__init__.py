@@ -1,9 +1,10 @@
 """Publish/subscribe of KV blocks and notifications between instances, on NATS JetStream.
 
-`Producer` publishes (large payloads by reference through the pool), `Consumer` (and its asyncio twin
-`AsyncConsumer`) receives with acks, replay, fan-out or groups; `HandoffReceiver.iter_layers` is the decode side of a prefill/decode handoff.
+`Producer` publishes (large payloads by reference through the pool, pinned there until consumed),
+`Consumer` (and its asyncio twin `AsyncConsumer`, an async iterator or a callback) receives with acks,
+replay, fan-out or groups; `HandoffReceiver.iter_layers` is the decode side of a prefill/decode handoff.
 """
-from .aio import AsyncConsumer, AsyncMessage
+from .aio import AsyncConsumer, AsyncMessage, Consuming
 from .admin import StreamConfig, create_stream, delete_stream, list_streams, stream_info
 from .consumer import Consumer
 from .errors import (HandoffTimeout, PayloadError, StreamError, StreamFull, StreamNotFound, StreamTimeout,
@@ -13,7 +14,7 @@ from .message import Message
 from .producer import INLINE_MAX, Producer
 
 __all__ = [
-    "Producer", "Consumer", "AsyncConsumer", "Message", "AsyncMessage", "HandoffReceiver", "StreamConfig", "INLINE_MAX",
+    "Producer", "Consumer", "AsyncConsumer", "Consuming", "Message", "AsyncMessage", "HandoffReceiver", "StreamConfig", "INLINE_MAX",
     "create_stream", "delete_stream", "list_streams", "stream_info",
     "StreamError", "StreamFull", "StreamNotFound", "StreamTimeout", "StreamUnavailable", "PayloadError",
     "HandoffTimeout",

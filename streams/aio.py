@@ -1,9 +1,15 @@
-"""AsyncConsumer: the asyncio form of `Consumer`, on the caller's event loop.
+"""AsyncConsumer: the asyncio form of `Consumer`, on the caller's event loop, as an async iterator or
+with a callback.
 
     async with AsyncConsumer("events", url) as c:
         async for msg in c:
             ...
             await msg.ack()
+
+    async with AsyncConsumer("events", url) as c:
+        handle = await c.consume(on_message)   # acked when it returns, redelivered when it raises
+        ...
+        await handle.stop()
 
 Same semantics as `Consumer` (groups, start, acks, bounds); by-reference payloads are fetched from the
 pool in a worker thread so the loop never blocks on bulk reads.
@@ -11,6 +17,9 @@ pool in a worker thread so the loop never blocks on bulk reads.
 from __future__ import annotations
 
 import asyncio
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats.errors
@@ -21,13 +30,20 @@ from . import envelope as env
 from ._link import connect, translate
 from .admin import check_token, subject
 from .consumer import Start, consumer_config, decode
+from .errors import PayloadError, StreamError, StreamUnavailable
 from .message import Message
+
+log = logging.getLogger("kvpool.streams")
+
+_RETRY_S = 0.5
+"""Pause before `consume` asks again after NATS was unreachable (the connection reconnects by itself)."""
 
 
 class AsyncMessage(Message):
     """A Message whose ack/nak/term are coroutines (they run on the consumer's loop)."""
 
     _raw: Any = None
+    _settled = False
 
     async def ack(self) -> None:  # type: ignore[override]  # the asyncio twin of Message.ack
         await self._op("ack")
@@ -39,10 +55,35 @@ class AsyncMessage(Message):
         await self._op("term")
 
     async def _op(self, op: str, delay_s: float = 0.0) -> None:
+        self._settled = True
         try:
             await (self._raw.nak(delay=delay_s or None) if op == "nak" else getattr(self._raw, op)())
         except Exception as e:
             raise translate(e, f"{op} message {self.seq}") from e
+
+
+Callback = Callable[[AsyncMessage], Awaitable[None] | None]
+"""What `AsyncConsumer.consume` calls per message: a coroutine function or a plain function."""
+
+
+class Consuming:
+    """A running `AsyncConsumer.consume`. `await stop()` ends it; a message whose callback is still
+    running then is not acked, so it is redelivered (at least once)."""
+
+    def __init__(self, task: asyncio.Task[None]) -> None:
+        self._task = task
+
+    @property
+    def running(self) -> bool:
+        return not self._task.done()
+
+    async def stop(self) -> None:
+        """End the loop; raises the error that ended it first, if one did (e.g. StreamNotFound)."""
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
 
 
 class AsyncConsumer:
@@ -86,6 +127,51 @@ class AsyncConsumer:
         if env.kind_of(raw.headers) in (env.REF, env.KV) and self.fetch:
             return await asyncio.to_thread(decode, raw, self.stream, self.pool, into, self.fetch, msg)
         return decode(raw, self.stream, self.pool, into, self.fetch, msg)
+
+    async def consume(self, callback: Callback, *, nak_delay_s: float = 1.0) -> Consuming:
+        """Call `callback(msg)` for each message, in stream order, from a task on the running loop.
+
+        A message the callback leaves unsettled is acked when it returns. If the callback raises, the
+        error is logged and the message is nak'ed (redelivered after `nak_delay_s` seconds): one bad
+        message never stops the loop. A payload that cannot be delivered intact (PayloadError) is
+        termed and logged; while NATS is unreachable the loop waits for it to come back. Returns the
+        handle that stops it."""
+        return Consuming(asyncio.get_running_loop().create_task(self._consume(callback, nak_delay_s)))
+
+    async def _consume(self, callback: Callback, nak_delay_s: float) -> None:
+        while True:
+            try:
+                msg = await self.receive(1.0)
+            except PayloadError as e:
+                log.error("stream %r: %s; terminating it", self.stream, e)
+                if isinstance(e.message, AsyncMessage):
+                    await e.message.term()
+                continue
+            except StreamUnavailable as e:
+                log.warning("stream %r: %s; retrying", self.stream, e)
+                await asyncio.sleep(_RETRY_S)
+                continue
+            if msg is not None:
+                await self._handle(callback, msg, nak_delay_s)
+
+    async def _handle(self, callback: Callback, msg: AsyncMessage, nak_delay_s: float) -> None:
+        try:
+            result = callback(msg)
+            if inspect.isawaitable(result):
+                await result
+        except Exception:
+            log.exception("stream %r: callback failed on message %d; it will be redelivered", self.stream, msg.seq)
+            await self._settle(msg, "nak", nak_delay_s)
+            return
+        await self._settle(msg, "ack", 0.0)
+
+    async def _settle(self, msg: AsyncMessage, op: str, delay_s: float) -> None:
+        if msg._settled:
+            return
+        try:
+            await msg._op(op, delay_s)
+        except StreamError as e:  # NATS away: unsettled, the message comes back after the ack wait
+            log.warning("stream %r: %s", self.stream, e)
 
     def __aiter__(self) -> AsyncConsumer:
         return self

@@ -7,7 +7,6 @@ redelivered after `ack_wait_s` seconds. By-reference payloads are fetched throug
 """
 from __future__ import annotations
 
-import collections
 import datetime
 from collections.abc import Iterator
 from typing import Any, TypeVar, Union
@@ -79,16 +78,12 @@ def decode(raw: Any, stream: str, pool: PoolClient | None, into: Any, fetch_payl
 
 
 class Subscription:
-    """A pull subscription on an open `Link`: pulls up to `prefetch` messages per request to the server
-    and hands them out (payload fetched and verified) one at a time."""
+    """A pull subscription on an open `Link`: pulls one message per request to the server (a group's
+    other members may take the next ones) and hands it out with its payload fetched and verified."""
 
     def __init__(self, link: Link, stream: str, filter_subject: str, group: str | None,
-                 config: api.ConsumerConfig, pool: PoolClient | None, fetch: bool = True, prefetch: int = 1) -> None:
-        if prefetch < 1:
-            raise ConfigError(f"prefetch is {prefetch}; it must be >= 1 message")
+                 config: api.ConsumerConfig, pool: PoolClient | None, fetch: bool = True) -> None:
         self._link, self.stream, self.group, self.pool, self.fetch = link, stream, group, pool, fetch
-        self._prefetch = prefetch
-        self._ready: collections.deque[Any] = collections.deque()
         if group is None:
             config.inactive_threshold = 60.0  # an abandoned ephemeral consumer is dropped by the server
         self._sub = link.call(link.js.pull_subscribe(filter_subject, durable=group, stream=stream, config=config),
@@ -97,13 +92,12 @@ class Subscription:
 
     def receive(self, timeout: float, into: Any = None) -> Message | None:
         """The next message, or None if none arrives within `timeout` seconds."""
-        if not self._ready:
-            try:
-                self._ready.extend(self._link.call(self._sub.fetch(self._prefetch, timeout=timeout),
-                                                   f"receive from stream {self.stream!r}", timeout=timeout))
-            except TimeoutError:
-                return None
-        return self._decode(self._ready.popleft(), into)
+        try:
+            (raw,) = self._link.call(self._sub.fetch(1, timeout=timeout), f"receive from stream {self.stream!r}",
+                                     timeout=timeout)
+        except TimeoutError:
+            return None
+        return self._decode(raw, into)
 
     def _decode(self, raw: Any, into: Any) -> Message:
         return decode(raw, self.stream, self.pool, into, self.fetch,

@@ -23,43 +23,60 @@ CHUNK_BYTES = 4 << 20
 
 
 def put_blocks(pool: PoolClient, keys: Sequence[Key], buffers: Sequence[Any], *, request: str = "",
-               layer: int = -1) -> Ref:
-    """Store each buffer under its key; the reference to publish."""
+               layer: int = -1, pin_s: float = 0.0) -> Ref:
+    """Store each buffer under its key (pinned for `pin_s` seconds if > 0); the reference to publish."""
     views = [readable(b) for b in buffers]
-    pool.batch_put(list(keys), views)
+    pool.batch_put(list(keys), views, pin_s=pin_s)
     return Ref(list(keys), [len(v) for v in views], [checksum(v) for v in views], request, layer)
 
 
-def put_payload(pool: PoolClient, key_prefix: str, data: Any) -> Ref:
+def put_payload(pool: PoolClient, key_prefix: str, data: Any, *, pin_s: float = 0.0) -> Ref:
     """Store `data` as blocks `key_prefix/0`, `key_prefix/1`, ... of at most CHUNK_BYTES each."""
     view = readable(data)
     chunks = [view[i:i + CHUNK_BYTES] for i in range(0, len(view), CHUNK_BYTES)] or [view]
-    return put_blocks(pool, [f"{key_prefix}/{i}" for i in range(len(chunks))], chunks)
+    return put_blocks(pool, [f"{key_prefix}/{i}" for i in range(len(chunks))], chunks, pin_s=pin_s)
 
 
 def fetch(pool: PoolClient, ref: Ref, into: Any = None, *,
           what: str = "payload") -> tuple[memoryview, list[memoryview]]:
     """Read the blocks of `ref` into `into` (writable, at least `ref.total` bytes) or a new bytearray.
 
-    Returns a view of the whole payload and one per block (consecutive in it). Raises PayloadError on a missing block or a
-    size/checksum mismatch."""
-    buf = memoryview(bytearray(ref.total) if into is None else into).cast("B")
-    if buf.readonly or len(buf) < ref.total:
-        raise PayloadError(f"{what}: buffer of {len(buf)} bytes (readonly={buf.readonly}) cannot take "
-                           f"{ref.total} bytes")
-    views, at = [], 0
-    for size in ref.sizes:
-        views.append(buf[at:at + size])
-        at += size
+    Returns a view of the whole payload and one per block (consecutive in it). Raises PayloadError on a
+    missing block or a size/checksum mismatch."""
+    return fetch_many(pool, [ref], [into], [what])[0]
+
+
+def fetch_many(pool: PoolClient, refs: Sequence[Ref], intos: Sequence[Any], whats: Sequence[str]) \
+        -> list[tuple[memoryview, list[memoryview]]]:
+    """`fetch` for several payloads in one pool request (one round trip per worker, not per payload)."""
+    bufs, views, keys, sizes, sums, labels = [], [], [], [], [], []
+    for ref, into, what in zip(refs, intos, whats):
+        buf = memoryview(bytearray(ref.total) if into is None else into).cast("B")
+        if buf.readonly or len(buf) < ref.total:
+            raise PayloadError(f"{what}: buffer of {len(buf)} bytes (readonly={buf.readonly}) cannot take "
+                               f"{ref.total} bytes")
+        bufs.append(buf[:ref.total])
+        at = 0
+        for size in ref.sizes:
+            views.append(buf[at:at + size])
+            at += size
+        keys += ref.keys
+        sizes += ref.sizes
+        sums += ref.checksums
+        labels += [what] * len(ref.keys)
     try:
-        got = pool.batch_get_into(ref.keys, views)
+        got = pool.batch_get_into(keys, views)
     except BufferSizeError as e:
-        raise PayloadError(f"{what}: a block's size disagrees with the message: {e}") from e
-    for key, size, want, n, view in zip(ref.keys, ref.sizes, ref.checksums, got, views):
+        raise PayloadError(f"{whats[0]}: a block's size disagrees with its message: {e}") from e
+    for key, size, want, n, view, what in zip(keys, sizes, sums, got, views, labels):
         if n < 0:
             raise PayloadError(f"{what}: block {key!r} ({size} bytes) is missing from the pool")
         if n != size:
             raise PayloadError(f"{what}: block {key!r} is {n} bytes; the message says {size}")
         if checksum(view) != want:
             raise PayloadError(f"{what}: block {key!r} fails its checksum")
-    return buf[:ref.total], views
+    out, at = [], 0
+    for buf, ref in zip(bufs, refs):
+        out.append((buf, views[at:at + len(ref.keys)]))
+        at += len(ref.keys)
+    return out

@@ -2,7 +2,8 @@
 
 Payloads of at most `inline_max` bytes travel inside the NATS message. Larger ones are put in the pool
 (PoolClient) and the message carries only their keys, sizes and checksums, so NATS never carries bulk
-bytes. The prefill side of a KV handoff uses `publish_kv` per layer and `end_request` when done.
+bytes; their blocks stay pinned in the pool while the message may still be read (`pins.PinKeeper`).
+The prefill side of a KV handoff uses `publish_kv` per layer and `end_request` when done.
 """
 from __future__ import annotations
 
@@ -19,27 +20,35 @@ from kvpool.core.keys import Key
 from . import envelope as env
 from ._link import Link
 from .admin import check_token, subject
+from .announcer import Announcer
 from .payload import put_blocks, put_payload
+from .pins import PinKeeper
 
 INLINE_MAX = 256 << 10
 """Default largest payload sent inline, in bytes."""
+PIN_TTL_S = 60.0
+"""Default bound, in seconds, on how long a by-reference payload's pins outlive its producer."""
 
 
 class Producer:
     """Publishes to stream `stream` (which must exist: `create_stream`). Not thread-safe.
 
-    `pool` is needed only for payloads larger than `inline_max` bytes and for `publish_kv`.
+    `pool` is needed only for payloads larger than `inline_max` bytes and for `publish_kv`. Their blocks
+    are pinned until every consumer has acked the message or retention drops it, while this producer
+    lives, and for at most `pin_ttl_s` seconds after it closes or dies (0: no pins).
     A publish to a full stream with discard=new raises `StreamFull`; one to a missing stream raises
     `StreamNotFound`.
     """
 
     def __init__(self, stream: str, nats_url: str, pool: PoolClient | None = None, *,
-                 inline_max: int = INLINE_MAX, timeout_s: float = 5.0) -> None:
+                 inline_max: int = INLINE_MAX, pin_ttl_s: float = PIN_TTL_S, timeout_s: float = 5.0) -> None:
         self.stream = check_token(stream, "stream name")
-        if inline_max < 0:
-            raise ConfigError(f"inline_max is {inline_max}; it must be >= 0 bytes")
-        self.pool, self.inline_max = pool, inline_max
+        if inline_max < 0 or pin_ttl_s < 0:
+            raise ConfigError(f"inline_max={inline_max} bytes and pin_ttl_s={pin_ttl_s} must be >= 0")
+        self.pool, self.inline_max, self.pin_ttl_s = pool, inline_max, pin_ttl_s
         self._link = Link(nats_url, timeout_s)
+        self._pins: PinKeeper | None = None
+        self._announcer: Announcer | None = None
 
     def publish(self, data: Any, *, topic: str = "msg", headers: dict[str, str] | None = None) -> int:
         """Publish a dict/list (as JSON) or a bytes-like/numpy/torch payload; returns its stream sequence.
@@ -56,24 +65,49 @@ class Producer:
         if len(view) <= self.inline_max:
             return self._send(subj, bytes(view), {**hdrs, env.KIND: env.INLINE})
         ref = put_payload(self._need_pool(f"a payload of {len(view)} bytes"),
-                          f"kvpool.stream/{self.stream}/{uuid.uuid4().hex}", view)
-        return self._send_ref(subj, ref, {**hdrs, env.KIND: env.REF}, drop_on_failure=True)
+                          f"kvpool.stream/{self.stream}/{uuid.uuid4().hex}", view, pin_s=self.pin_ttl_s)
+        return self._send_ref(subj, ref, {**hdrs, env.KIND: env.REF})
 
-    def publish_kv(self, request_id: str, layer: int, block_keys: Sequence[Key], tensors: Sequence[Any]) -> int:
+    def publish_kv(self, request_id: str, layer: int, block_keys: Sequence[Key], tensors: Sequence[Any]) -> None:
         """Put one layer's KV blocks in the pool under `block_keys` and announce them to the decode side.
 
-        `tensors`: one buffer (bytes-like, numpy, torch) per key. Returns the message's stream sequence."""
+        `tensors`: one buffer (bytes-like, numpy, torch) per key. Returns once the blocks are in the pool
+        and the announcement is sent, without waiting for JetStream to acknowledge it, so that the next
+        layer's put overlaps this one's publish; `end_request` waits for the acknowledgements. An
+        announcement the stream refused (e.g. StreamFull) raises from the next call."""
         if len(block_keys) != len(tensors):
             raise ValueError(f"{len(block_keys)} block keys but {len(tensors)} tensors")
         subj = subject(self.stream, "req", check_token(request_id, "request id"))
-        ref = put_blocks(self._need_pool("publish_kv"), block_keys, tensors, request=request_id, layer=layer)
-        return self._send_ref(subj, ref, {env.KIND: env.KV}, drop_on_failure=False)
+        pool = self._need_pool("publish_kv")
+        if self._announcer is None:
+            self._announcer = Announcer(self._link, self.stream, self._stored, self._unpin)
+        self._announcer.ready()
+        ref = put_blocks(pool, block_keys, tensors, request=request_id, layer=layer, pin_s=self.pin_ttl_s)
+        self._announcer.send(subj, ref.encode(), ref.keys)
 
     def end_request(self, request_id: str, layers: int | None = None) -> int:
-        """Tell the decode side that request `request_id` has no more layers."""
+        """Tell the decode side that request `request_id` has no more layers, once JetStream has stored
+        every layer announced before; raises the error of any it refused. Returns the end's sequence."""
+        if self._announcer is not None:
+            self._announcer.flush()
         body = json.dumps({"request": request_id, "layers": layers}).encode()
         return self._send(subject(self.stream, "req", check_token(request_id, "request id")), body,
                           {env.KIND: env.END, env.TYPE: "json"})
+
+    def _stored(self, seq: int, subj: str, keys: Sequence[Key]) -> None:
+        """JetStream stored kv announcement `seq`: its blocks stay pinned until it is consumed."""
+        if self.pin_ttl_s and self.pool is not None:
+            self._keeper(self.pool).add(seq, subj, keys)
+
+    def _unpin(self, keys: Sequence[Key]) -> None:
+        """A kv announcement was refused: nothing will read its blocks through the stream."""
+        if self.pin_ttl_s and self.pool is not None:
+            self.pool.pin(keys, 0)
+
+    def _keeper(self, pool: PoolClient) -> PinKeeper:
+        if self._pins is None:
+            self._pins = PinKeeper(self._link, self.stream, pool, self.pin_ttl_s)
+        return self._pins
 
     def _need_pool(self, what: str) -> PoolClient:
         if self.pool is None:
@@ -81,15 +115,18 @@ class Producer:
                               "needs a PoolClient: Producer(..., pool=PoolClient(...))")
         return self.pool
 
-    def _send_ref(self, subj: str, ref: env.Ref, headers: dict[str, str], *, drop_on_failure: bool) -> int:
-        """Publish a reference; if that fails, blocks under keys we made up are removed (nobody can
-        ever learn their names), while the caller's own KV block keys are left alone."""
+    def _send_ref(self, subj: str, ref: env.Ref, headers: dict[str, str]) -> int:
+        """Publish a reference to blocks under keys we made up and keep them pinned while it may be
+        read; if the publish fails, they are removed (nobody can ever learn their names)."""
+        pool = self._need_pool("a reference")
         try:
-            return self._send(subj, ref.encode(), headers)
+            seq = self._send(subj, ref.encode(), headers)
         except BaseException:
-            if drop_on_failure and self.pool is not None:
-                self.pool.remove(ref.keys)
+            pool.remove(ref.keys)
             raise
+        if self.pin_ttl_s:
+            self._keeper(pool).add(seq, subj, ref.keys)
+        return seq
 
     def _send(self, subj: str, body: bytes, headers: dict[str, str]) -> int:
         ack = self._link.call(self._link.js.publish(subj, body, stream=self.stream, headers=headers),
@@ -97,8 +134,16 @@ class Producer:
         return int(ack.seq)
 
     def close(self) -> None:
-        """Disconnect from NATS (the pool client is the caller's to close)."""
-        self._link.close()
+        """Wait until JetStream stored every kv announcement (raising any refusal), release the pins of
+        messages already done (the others expire within `pin_ttl_s`) and disconnect from NATS (the pool
+        client is the caller's to close)."""
+        try:
+            if self._announcer is not None:
+                self._announcer.flush()
+        finally:
+            if self._pins is not None:
+                self._pins.close()
+            self._link.close()
 
     def __enter__(self) -> Producer:
         return self

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -58,13 +59,21 @@ class SsdTier:
         return self._env
 
     def scan(self) -> Iterator[tuple[bytes, BlockMeta]]:
-        """(key, meta) of every stored block, read from headers only (payloads are not verified)."""
+        """(key, meta) of every stored block, read from headers only (payloads are not verified).
+
+        A value whose header is corrupt is skipped, counted and (once the scan is done) deleted."""
+        bad = []
         with self.env.begin(buffers=True) as txn:
             for key, value in txn.cursor():
                 try:
-                    yield bytes(key), decode_header(value)
+                    meta = decode_header(value)
                 except CorruptBlock:
+                    bad.append(bytes(key))
                     continue
+                yield bytes(key), meta
+        if bad:
+            self.corrupt += len(bad)
+            self._delete_corrupt(bad)
 
     def put_many(self, items: Iterable[tuple[bytes, BlockMeta, memoryview]]) -> int:
         """Write blocks in one transaction; return bytes written. Raises CapacityError when full.
@@ -73,19 +82,29 @@ class SsdTier:
         """
         written = 0
         staging = bytearray()
+        with self._write() as txn:
+            for key, meta, data in items:
+                n = HEADER_SIZE + meta.size
+                if len(staging) < n:
+                    staging = bytearray(n)
+                staging[:HEADER_SIZE] = encode_header(meta)
+                staging[HEADER_SIZE:n] = data
+                txn.put(key, memoryview(staging)[:n])
+                written += meta.size
+        return written
+
+    @contextmanager
+    def _write(self) -> Iterator[lmdb.Transaction]:
+        """A write transaction, with LMDB's failures translated here, in one place. A transaction that
+        fails writes nothing. A full map, and a failed write (LMDB reports the short write of a full
+        disk or an exceeded quota as EIO), are CapacityError: the caller drops what it wanted stored."""
         try:
             with self.env.begin(write=True) as txn:
-                for key, meta, data in items:
-                    n = HEADER_SIZE + meta.size
-                    if len(staging) < n:
-                        staging = bytearray(n)
-                    staging[:HEADER_SIZE] = encode_header(meta)
-                    staging[HEADER_SIZE:n] = data
-                    txn.put(key, memoryview(staging)[:n])
-                    written += meta.size
+                yield txn
         except lmdb.MapFullError as e:
             raise CapacityError(f"SSD tier at {self.path} is full (map_size {self.map_size} bytes)") from e
-        return written
+        except lmdb.Error as e:
+            raise CapacityError(f"SSD tier at {self.path} could not write: {e} (disk full or over quota?)") from e
 
     def read(self, key: bytes, sink: Callable[[BlockMeta, memoryview], T]) -> T | None:
         """Call `sink(meta, payload)` with a verified zero-copy view of the block; None on a miss.
@@ -103,20 +122,28 @@ class SsdTier:
             else:
                 return sink(meta, payload)
         self.corrupt += 1
-        self.delete([key])
+        self._delete_corrupt([key])
         return None
+
+    def _delete_corrupt(self, keys: list[bytes]) -> None:
+        """Delete corrupt values if the disk lets us; a later read or scan finds them corrupt again."""
+        try:
+            self.delete(keys)
+        except CapacityError:
+            pass
 
     def contains(self, key: bytes) -> bool:
         with self.env.begin(buffers=True) as txn:
             return txn.get(key) is not None
 
     def delete(self, keys: Iterable[bytes]) -> None:
-        with self.env.begin(write=True) as txn:
+        """Delete blocks; CapacityError if the disk cannot take even that (deletes write pages too)."""
+        with self._write() as txn:
             for key in keys:
                 txn.delete(key)
 
     def clear(self) -> None:
-        with self.env.begin(write=True) as txn:
+        with self._write() as txn:
             txn.drop(self.env.open_db(txn=txn), delete=False)
 
     def data_file(self) -> Path:

@@ -52,3 +52,40 @@ def test_async_group_members_split_the_messages(nats, make_stream):
 
     a, b = asyncio.run(asyncio.wait_for(both(), 20))
     assert sorted(a + b) == list(range(10)) and a and b
+
+
+def test_callback_form_acks_on_return_redelivers_on_error_and_stops(nats, make_stream):
+    s = make_stream()
+    with Producer(s, nats.url) as p:
+        for i in range(4):
+            p.publish({"i": i})
+
+    async def run() -> list:
+        seen: list = []
+        all_in = asyncio.Event()
+
+        async def on_message(msg) -> None:
+            seen.append((msg.json()["i"], msg.delivered))
+            if len(seen) == 5:
+                all_in.set()
+            if seen[-1] == (1, 1):
+                raise RuntimeError("a bad message must not stop the loop")
+
+        async with AsyncConsumer(s, nats.url, ack_wait_s=1.0) as c:
+            handle = await c.consume(on_message, nak_delay_s=0.2)
+            await asyncio.wait_for(all_in.wait(), 10)
+            await handle.stop()
+            assert not handle.running
+            assert await c.receive(1.5) is None  # every message acked: nothing comes back after ack_wait
+            with Producer(s, nats.url) as p:
+                p.publish({"i": 4})
+            plain: list = []
+            handle = await c.consume(lambda m: plain.append(m.json()["i"]))  # a plain function works too
+            while not plain:
+                await asyncio.sleep(0.05)
+            await handle.stop()
+            assert plain == [4]
+        return seen
+
+    seen = asyncio.run(asyncio.wait_for(run(), 30))
+    assert seen == [(0, 1), (1, 1), (2, 1), (3, 1), (1, 2)]

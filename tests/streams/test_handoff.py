@@ -62,8 +62,12 @@ def test_handoff_delivers_every_layer_identical_and_nats_never_carries_the_bulk(
     s = make_stream()
     child = _prefill(nats.url, s, "req-1", LAYERS, end=True)
     try:
+        got, during = [], {}
+        kv = np.zeros((LAYERS, BLOCKS * BLOCK), dtype=np.uint8)  # the decode side's own KV memory
         with HandoffReceiver(s, nats.url, pool) as rx:
-            got = list(rx.iter_layers("req-1", timeout=20))
+            for layer in rx.iter_layers("req-1", timeout=20, into=lambda layer, nbytes: kv[layer]):
+                got.append(layer)
+                during = stream_info(nats.url, s)
         assert child.wait(20) == 0
     finally:
         _reap(child)
@@ -71,9 +75,11 @@ def test_handoff_delivers_every_layer_identical_and_nats_never_carries_the_bulk(
     for layer, keys, bufs in got:
         assert keys == [f"req-1/L{layer}/b{i}" for i in range(BLOCKS)]
         assert [bytes(b) for b in bufs] == [a.tobytes() for a in _layer("req-1", layer)]
+        assert kv[layer].tobytes() == b"".join(a.tobytes() for a in _layer("req-1", layer))
+    assert during["messages"] >= LAYERS + 1  # the payload and every layer, maybe the end
+    assert during["bytes"] < 1024 * during["messages"]  # references only: ~10 MiB went through the pool
     info = stream_info(nats.url, s)
-    assert info["messages"] == LAYERS + 2
-    assert info["bytes"] < 1024 * (LAYERS + 2)  # references only: ~10 MiB of blocks went through the pool
+    assert (info["last_seq"], info["messages"]) == (LAYERS + 2, 1)  # the finished request was purged
     with Consumer(s, nats.url, pool=pool, topic="msg") as c:
         m = c.receive(5)
         assert (m.kind, bytes(m.data)) == ("ref", bytes(range(256)) * 8192)

@@ -1,0 +1,144 @@
+"""Pins on the pool blocks that a producer's by-reference messages name, held while those messages may
+still be read.
+
+The producer puts a payload's blocks pinned for `ttl_s` seconds and records the message here once
+JetStream has stored it. A reconciler thread compares the recorded messages with JetStream's state every
+`min(1, ttl_s / 4)` seconds. A message is done when it is gone from the stream (retention dropped it:
+a limit, or under interest/workqueue retention the acks; or it was purged, as a finished handoff is; seen
+as its sequence below the stream's first, or no message left on its subject) or
+when every consumer whose filter takes its subject has acked past it (ack floor >= its sequence; with
+no such consumer yet, it waits; consumers that never ack, like a handoff's, do not count: delivery is
+not the end of their reading). Done messages' blocks are unpinned; the others' pins are renewed every
+`ttl_s / 2`. Nothing else renews them: if the producer or this thread dies, or NATS stays unreachable,
+the workers drop the pins `ttl_s` later, so a pin never outlives its producer by more than that.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from nats.js import api
+
+from kvpool.core.client import PoolClient
+from kvpool.core.errors import KVPoolError
+from kvpool.core.keys import Key
+
+from ._link import Link
+from .admin import subject
+from .errors import StreamError
+
+log = logging.getLogger("kvpool.streams.pins")
+
+_PAGE = 256
+"""Consumers per JetStream CONSUMER.LIST page."""
+_PIN_BATCH = 4096
+"""Keys per pin request (a worker takes at most 65536 keys per frame)."""
+
+
+def subject_matches(filt: str, subj: str) -> bool:
+    """Whether NATS subject filter `filt` (tokens, `*` for one, `>` for the rest) takes subject `subj`."""
+    want, have = filt.split("."), subj.split(".")
+    for i, tok in enumerate(want):
+        if tok == ">":
+            return len(have) > i
+        if i >= len(have) or (tok != "*" and tok != have[i]):
+            return False
+    return len(want) == len(have)
+
+
+class _StreamState:
+    """What decides whether a message is done: the stream's first sequence and live subjects, and the
+    consumers' ack floors."""
+
+    def __init__(self, info: dict[str, Any], consumers: list[Any]) -> None:
+        state = info.get("state", {})
+        self.first_seq = int(state.get("first_seq", 0))
+        subjects = state.get("subjects") or {}
+        # a paged (partial) subject list cannot tell that a subject is empty
+        self.subjects: dict[str, int] | None = subjects if len(subjects) >= int(info.get("total", 0)) else None
+        self.floors = [((c.config.filter_subjects or []) + ([c.config.filter_subject] if c.config.filter_subject else []),
+                        int(c.ack_floor.stream_seq if c.ack_floor else 0))
+                       for c in consumers if c.config.ack_policy != api.AckPolicy.NONE]
+
+    def done(self, seq: int, subj: str) -> bool:
+        if seq < self.first_seq or (self.subjects is not None and subj not in self.subjects):
+            return True
+        floors = [floor for filters, floor in self.floors if not filters or any(subject_matches(f, subj) for f in filters)]
+        return bool(floors) and min(floors) >= seq
+
+
+class PinKeeper:
+    """Renews or drops the pins of one producer's messages on stream `stream` (see the module doc)."""
+
+    def __init__(self, link: Link, stream: str, pool: PoolClient, ttl_s: float) -> None:
+        self._link, self.stream, self._pool, self.ttl_s = link, stream, pool, ttl_s
+        self._messages: dict[int, tuple[str, Sequence[Key]]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._renewed = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name=f"kvpool-pins-{stream}", daemon=True)
+        self._thread.start()
+
+    def add(self, seq: int, subj: str, keys: Sequence[Key]) -> None:
+        """Message `seq` (on `subj`) names blocks `keys`, put pinned just before it was published."""
+        with self._lock:
+            self._messages[seq] = (subj, keys)
+
+    def reconcile(self) -> None:
+        """One pass: unpin the blocks of done messages; renew the rest if half their time is gone."""
+        with self._lock:
+            held = dict(self._messages)
+        if not held:
+            return
+        state = self._link.call(self._state(), f"state of stream {self.stream!r}")
+        done = [seq for seq, (subj, _) in held.items() if state is None or state.done(seq, subj)]
+        with self._lock:
+            for seq in done:
+                del self._messages[seq]
+            needed = {k for _, keys in self._messages.values() for k in keys}
+        self._pin(list({k for seq in done for k in held[seq][1]} - needed), 0)
+        if needed and time.monotonic() - self._renewed >= self.ttl_s / 2:
+            self._pin(list(needed), self.ttl_s)
+            self._renewed = time.monotonic()
+
+    def _pin(self, keys: list[Key], seconds: float) -> None:
+        for i in range(0, len(keys), _PIN_BATCH):
+            self._pool.pin(keys[i:i + _PIN_BATCH], seconds)
+
+    async def _state(self) -> _StreamState | None:
+        """The stream's state (None: the stream is gone, and every message with it)."""
+        nc, js = self._link.nc, self._link.js
+        ask = json.dumps({"subjects_filter": subject(self.stream, ">")}).encode()
+        reply = await nc.request(f"$JS.API.STREAM.INFO.{self.stream}", ask, timeout=self._link.timeout_s)
+        info = json.loads(reply.data)
+        if "error" in info:
+            if info["error"].get("code") == 404:
+                return None
+            raise StreamError(f"stream {self.stream!r}: {info['error'].get('description', info['error'])}")
+        consumers: list[Any] = []
+        while True:
+            page = await js.consumers_info(self.stream, offset=len(consumers))
+            consumers += page
+            if len(page) < _PAGE:
+                return _StreamState(info, consumers)
+
+    def _run(self) -> None:
+        period = min(1.0, self.ttl_s / 4)
+        while not self._stop.wait(period):
+            try:
+                self.reconcile()
+            except (KVPoolError, OSError) as e:  # NATS or a worker away: the pins' TTL is the fallback
+                log.warning("pins of stream %r not reconciled: %s", self.stream, e)
+
+    def close(self) -> None:
+        """Stop, after a last pass that releases what is done; the rest expire within `ttl_s`."""
+        self._stop.set()
+        self._thread.join()
+        try:
+            self.reconcile()
+        except (KVPoolError, OSError) as e:
+            log.warning("pins of stream %r left to expire: %s", self.stream, e)

@@ -1,0 +1,115 @@
+"""Corruption at rest and in flight: a damaged LMDB value (payload or header) and a flipped byte on
+the wire (block data or frame metadata, either direction). Each is caught by a checksum, counted, and
+costs a miss or a typed error for that block only; the pool serves everything else."""
+from __future__ import annotations
+
+import urllib.request
+
+import numpy as np
+import pytest
+
+from kvpool.core import PoolUnavailable
+from kvpool.core import protocol as P
+from kvpool.core.blocks import BlockMeta, checksum, encode_header
+from kvpool.core.client import PoolClient
+from kvpool.core.nats_server import free_port
+from kvpool.core.procs import WorkerProcess
+
+from faulthelp import block, read_all
+from flipproxy import FlipProxy
+
+SIZE = 64 << 10
+KEYS = [f"c{i}" for i in range(8)]
+
+
+def _flip_in_file(path, needle: bytes, at: int) -> None:
+    """Invert the byte `at` bytes into the one occurrence of `needle` in the file: bit rot."""
+    raw = bytearray(path.read_bytes())
+    pos = raw.find(needle)
+    assert pos >= 0 and raw.find(needle, pos + 1) < 0, "needle not found exactly once"
+    raw[pos + at] ^= 0xFF
+    path.write_bytes(raw)
+
+
+def test_corrupt_lmdb_values_are_counted_misses_after_restart(tmp_path):
+    state = tmp_path / "w"
+    w = WorkerProcess(state, ssd=True, dram_bytes="64MiB").wait_ready()
+    try:
+        with PoolClient(mode="local", worker=w.address) as c:
+            c.batch_put(KEYS, [block(k, SIZE) for k in KEYS])
+    finally:
+        assert w.stop() == 0  # SIGTERM flushes DRAM to the SSD tier
+    data = state / "ssd" / "data.mdb"
+    _flip_in_file(data, block("c3", SIZE)[1000:1064], 10)  # a payload byte
+    c5 = block("c5", SIZE)
+    _flip_in_file(data, encode_header(BlockMeta(SIZE, checksum(c5))), 0)  # the header's magic
+    w = WorkerProcess(state, ssd=True, dram_bytes="64MiB").wait_ready()
+    try:
+        with PoolClient(mode="local", worker=w.address) as c:
+            _, misses = read_all(c, dict.fromkeys(KEYS, SIZE))
+            assert sorted(misses) == ["c3", "c5"]
+            stats = next(iter(c.stats().values()))["stats"]
+            assert stats["checksum_failures"] == 2
+            assert c.exists(["c3", "c5"]) == [False, False]  # deleted, not served again
+            c.batch_put(["c3", "c5"], [block("c3", SIZE), c5])
+            assert read_all(c, dict.fromkeys(KEYS, SIZE))[1] == []
+    finally:
+        w.stop()
+
+
+@pytest.fixture
+def proxied(spawn):
+    """(proxy, a client through the proxy, a client straight to the worker, the worker's metrics port)."""
+    port = free_port()
+    w = spawn(extra=["--metrics-port", str(port)])
+    proxy = FlipProxy(("127.0.0.1", w.port))
+    with PoolClient(mode="local", worker=proxy.address, timeout_s=5) as via, \
+            PoolClient(mode="local", worker=w.address, timeout_s=5) as direct:
+        via.exists(["warm-up"])  # connect (HELLO) before anything is armed
+        yield proxy, via, direct, port
+    proxy.close()
+
+
+def _metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_a_flipped_byte_in_a_get_reply_is_a_counted_miss(proxied):
+    proxy, via, direct, _ = proxied
+    direct.batch_put(KEYS, [block(k, SIZE) for k in KEYS])
+    proxy.arm("down", P.HEADER.size + 16 * len(KEYS) + 3 * SIZE + 100)  # into c3's bytes
+    bufs = [bytearray(SIZE) for _ in KEYS]
+    sizes = via.batch_get_into(KEYS, bufs)
+    assert proxy.flipped == 1
+    assert sizes == [SIZE] * 3 + [-1] + [SIZE] * 4
+    assert all(bytes(bufs[i]) == block(k, SIZE) for i, k in enumerate(KEYS) if i != 3)
+    assert via._single.checksum_failures == 1  # type: ignore[union-attr]
+    assert read_all(via, dict.fromkeys(KEYS, SIZE))[1] == []  # in sync, and the stored block is fine
+
+
+def test_a_flipped_byte_in_put_data_stores_nothing_wrong(proxied):
+    proxy, via, direct, port = proxied
+    blocks = [block(k, SIZE) for k in KEYS]
+    meta = P.pack_batch([k.encode() for k in KEYS], *[np.zeros(len(KEYS), "<i8")] * 2)  # sizes, checksums
+    proxy.arm("up", P.HEADER.size + len(meta) + 5 * SIZE + 7)  # into c5's bytes
+    with pytest.raises(PoolUnavailable, match="arrived corrupt"):
+        via.batch_put(KEYS, blocks)
+    assert proxy.flipped == 1
+    assert direct.exists(KEYS) == [True] * 5 + [False] + [True] * 2
+    assert _metric(port, "kvpool_corrupt_blocks_total") == 1
+    via.batch_put(KEYS, blocks)  # the connection is still in sync
+    assert read_all(direct, dict.fromkeys(KEYS, SIZE))[1] == []
+
+
+def test_a_flipped_byte_in_frame_metadata_drops_only_that_connection(proxied):
+    proxy, via, direct, port = proxied
+    direct.batch_put(KEYS, [block(k, SIZE) for k in KEYS])
+    proxy.arm("down", P.HEADER.size + 3)  # into the GET reply's sizes
+    with pytest.raises(PoolUnavailable, match="checksum"):
+        via.batch_get_into(KEYS, [bytearray(SIZE) for _ in KEYS])
+    proxy.arm("up", P.HEADER.size + 2)  # into a request's key lengths: the worker refuses it
+    with pytest.raises(PoolUnavailable):
+        via.exists(KEYS)
+    assert _metric(port, "kvpool_protocol_errors_total") == 1
+    assert read_all(via, dict.fromkeys(KEYS, SIZE))[1] == []  # reconnected

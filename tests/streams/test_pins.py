@@ -1,0 +1,192 @@
+"""Pinned until acked: a by-reference payload's blocks survive eviction pressure while its message may
+still be read, and become evictable once every consumer acked it, retention dropped it, or its
+producer died and the pin's TTL ran out."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from kvpool.core.client import PoolClient
+from kvpool.core.pins import PinTable
+from kvpool.streams import Consumer, HandoffReceiver, PayloadError, Producer, StreamFull
+from kvpool.streams.pins import _StreamState, subject_matches
+
+MiB = 1 << 20
+PAYLOAD = bytes(range(256)) * (32 * 1024)  # 8 MiB: two 4 MiB blocks
+
+
+@pytest.fixture
+def pool(nats, spawn):
+    """A pool of one 32 MiB worker without SSD: an evicted block is gone."""
+    spawn(nats_url=nats.url, dram_bytes="32MiB")
+    with PoolClient(mode="cluster", nats_url=nats.url) as c:
+        assert c._cluster.membership.wait_for(lambda m: len(m) == 1, 15)
+        yield c
+
+
+def squeeze(pool: PoolClient, rounds: int = 12) -> None:
+    """Put more 4 MiB blocks than the arena holds: every unpinned older block gets evicted."""
+    for i in range(rounds):
+        pool.put(f"filler/{i}", bytes([i]) * (4 * MiB))
+
+
+def payload_keys(pool: PoolClient, stream: str, nats_url: str) -> list:
+    with Consumer(stream, nats_url, pool=pool, fetch=False) as c:
+        return c.receive(5).ref.keys
+
+
+def wait_until(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_unpinned_payload_is_lost_to_eviction_pressure(nats, make_stream, pool):
+    s = make_stream()
+    with Producer(s, nats.url, pool=pool, pin_ttl_s=0) as p:
+        p.publish(PAYLOAD)
+    squeeze(pool)
+    with Consumer(s, nats.url, pool=pool) as c, pytest.raises(PayloadError, match="missing"):
+        c.receive(5)
+
+
+def test_payload_survives_pressure_until_the_group_acks_then_is_evictable(nats, make_stream, pool):
+    s = make_stream()
+    with Producer(s, nats.url, pool=pool, pin_ttl_s=8) as p:
+        with Consumer(s, nats.url, pool=pool, group="decode") as c:
+            p.publish(PAYLOAD)
+            keys = payload_keys(pool, s, nats.url)
+            squeeze(pool)
+            msg = c.receive(5)
+            assert bytes(msg.data) == PAYLOAD
+            squeeze(pool)  # delivered but not acked: still pinned
+            assert pool.exists(keys) == [True, True]
+            msg.ack()
+            assert wait_until(lambda: (squeeze(pool), pool.exists(keys))[1] == [False, False], timeout=5)
+
+
+def test_retention_dropping_the_message_releases_its_blocks(nats, make_stream, pool):
+    s = make_stream(max_msgs=1)
+    with Producer(s, nats.url, pool=pool, pin_ttl_s=8) as p:
+        p.publish(PAYLOAD)
+        old = payload_keys(pool, s, nats.url)
+        p.publish(PAYLOAD[::-1])  # max_msgs=1: the first message is dropped
+        new = payload_keys(pool, s, nats.url)
+        assert wait_until(lambda: (squeeze(pool), pool.exists(old))[1] == [False, False], timeout=5)
+        assert pool.exists(new) == [True, True]
+
+
+def test_handoff_layers_stay_pinned_until_the_decode_side_has_read_the_request(nats, make_stream, pool):
+    s = make_stream()
+    keys = [f"req/L{i}" for i in range(2)]
+    with Producer(s, nats.url, pool=pool, pin_ttl_s=8) as p, HandoffReceiver(s, nats.url, pool) as rx:
+        for i, key in enumerate(keys):
+            p.publish_kv("req", i, [key], [bytes([i]) * (4 * MiB)])
+        p.end_request("req", 2)
+        squeeze(pool)
+        got = [(layer, bytes(bufs[0])) for layer, _, bufs in rx.iter_layers("req", timeout=5)]
+        assert got == [(i, bytes([i]) * (4 * MiB)) for i in range(2)]
+        assert wait_until(lambda: (squeeze(pool), pool.exists(keys))[1] == [False, False], timeout=5)
+
+
+def test_a_refused_kv_announcement_is_stream_full_and_its_blocks_are_unpinned(nats, make_stream, pool):
+    s = make_stream(max_msgs=2, discard="new")
+    keys = [f"r/L{i}" for i in range(3)]
+    with Producer(s, nats.url, pool=pool, pin_ttl_s=30) as p:
+        for i, key in enumerate(keys):
+            p.publish_kv("r", i, [key], [bytes([i]) * (4 * MiB)])  # the third does not fit in the stream
+        with pytest.raises(StreamFull):
+            p.end_request("r")
+        squeeze(pool)
+        assert pool.exists(keys) == [True, True, False]  # stored and unread: pinned; refused: evicted
+
+
+def test_pins_of_a_killed_producer_expire_after_their_ttl(nats, make_stream, pool):
+    s = make_stream()
+    code = textwrap.dedent(f"""
+        import time
+        from kvpool.core.client import PoolClient
+        from kvpool.streams import Producer
+        pool = PoolClient(mode="cluster", nats_url={nats.url!r})
+        assert pool._cluster.membership.wait_for(lambda m: len(m) == 1, 15)
+        p = Producer({s!r}, {nats.url!r}, pool=pool, pin_ttl_s=3)
+        p.publish(bytes(8 << 20))
+        print("published", flush=True)
+        time.sleep(600)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "published"
+        child.kill()
+        child.wait()
+    finally:
+        child.kill()
+        child.stdout.close()
+    keys = payload_keys(pool, s, nats.url)
+    t = time.monotonic()
+    squeeze(pool)
+    assert pool.exists(keys) == [True, True]  # nobody acked: pinned until the TTL ends
+    assert wait_until(lambda: (squeeze(pool), pool.exists(keys))[1] == [False, False], timeout=8)
+    assert time.monotonic() - t < 8
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_put_with_pin_over_each_transport_then_unpin(spawn, transport):
+    w = spawn(dram_bytes="32MiB")
+    with PoolClient(mode="local", worker=w.address if transport == "tcp" else w.unix_path) as c:
+        c.batch_put(["kept"], [bytes(4 * MiB)], pin_s=30)
+        squeeze(c)
+        assert c.exists(["kept"]) == [True]
+        c.pin(["kept"], 0)
+        squeeze(c)
+        assert c.exists(["kept"]) == [False]
+
+
+def test_pin_table_expires_renews_and_pins_keys_before_their_blocks():
+    with PoolClient(dram_bytes="32MiB") as c:
+        cache = c._embedded
+        table = PinTable(cache)
+        table.pin([b"later"], 0.3)
+        assert table.holds(b"later")
+        cache.put("later", bytes(4 * MiB), pin=table.holds(b"later"))
+        table.pin([b"later"], 0.6)  # renewed: the first deadline no longer counts
+        time.sleep(0.4)
+        table.expire()
+        squeeze(c)
+        assert c.exists(["later"]) == [True]
+        time.sleep(0.3)
+        table.expire()
+        assert not table.holds(b"later")
+        squeeze(c)
+        assert c.exists(["later"]) == [False]
+
+
+@pytest.mark.parametrize("filt,subj,ok", [
+    ("a.b", "a.b", True), ("a.*", "a.b", True), ("a.>", "a.b.c", True), ("a.>", "a", False),
+    ("a.*", "a.b.c", False), ("a.b", "a.c", False), ("a.b.c", "a.b", False),
+])
+def test_subject_matches(filt, subj, ok):
+    assert subject_matches(filt, subj) is ok
+
+
+def test_stream_state_decides_done_conservatively():
+    def consumer(filt: str, floor: int, ack: str = "explicit") -> SimpleNamespace:
+        return SimpleNamespace(config=SimpleNamespace(filter_subject=filt, filter_subjects=None, ack_policy=ack),
+                               ack_floor=SimpleNamespace(stream_seq=floor))
+
+    info = {"total": 1, "state": {"first_seq": 5, "subjects": {"k.s.msg": 3}}}
+    state = _StreamState(info, [consumer("k.s.msg", 6), consumer("k.s.req.*", 0, ack="none")])
+    assert state.done(4, "k.s.msg")  # retention dropped it
+    assert state.done(9, "k.s.req.r1")  # its subject holds nothing any more: purged
+    assert state.done(6, "k.s.msg") and not state.done(7, "k.s.msg")  # acked up to 6 by every group
+    assert not _StreamState(info, []).done(6, "k.s.msg")  # no consumer yet: wait for one
+    paged = _StreamState({"total": 2, "state": {"first_seq": 5, "subjects": {"k.s.msg": 3}}}, [])
+    assert not paged.done(9, "k.s.req.r1")  # a partial subject list proves nothing
