@@ -1,28 +1,52 @@
-"""`kvpool bench SUITE`: suites register here by name and are imported only when run.
+"""`kvpool bench SUITE`: suites register here by name; `kvpool bench compare A B` sets two runs side by side.
 
-Every suite shares the `--quick --json` contract: the last line printed under `--json` is one JSON
-object `{"suite", "metrics", "ratios"}`, each ratio measured against a baseline in the same run.
+Every suite shares the `--quick --json --report DIR` contract: the last line printed under `--json`
+is one JSON object `{"suite", "metrics", "ratios"}`, each ratio measured against a baseline in the
+same run; `--report` writes the results and plots (`report.py`). A suite adds its own options with
+`add_arguments(parser)` and ends its `run(args)` with `measure.emit()`.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import sys
+from collections.abc import Callable
+
+from ..errors import ConfigError, PoolUnavailable
+from . import compare, report
 
 SUITES: dict[str, str] = {
     "core": "kvpool.core.bench.core_suite",
     "cache": "kvpool.core.bench.cache_suite",
     "transport": "kvpool.core.bench.transport_suite",
     "streams": "kvpool.core.bench.streams_suite",
+    "backends": "kvpool.core.bench.backends_suite",
 }
 
 
-def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    bench = sub.add_parser("bench", help="run a benchmark suite")
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench = sub.add_parser("bench", help="run a benchmark suite, or compare two runs")
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for name, module in SUITES.items():
         mod = importlib.import_module(module)
         p = suites.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0])
         p.add_argument("--quick", action="store_true", help="a short run (under 45 s on 2 cores)")
         p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+        p.add_argument("--report", metavar="DIR",
+                       help="write results.json and PNG plots to DIR (pip install 'kvpool[report]')")
         mod.add_arguments(p)
-        p.set_defaults(func=mod.run)
+        p.set_defaults(func=functools.partial(_run, mod.run))
+    compare.add_parser(suites)
+    suites.choices["compare"].set_defaults(func=functools.partial(_run, compare.run))
+
+
+def _run(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a bench command with its --report honoured. A bad option or an unreachable pool is one
+    line on stderr and exit status 2, not a traceback."""
+    try:
+        with report.requested(getattr(args, "report", None)):
+            return command(args)
+    except (ConfigError, PoolUnavailable, report.ReportUnavailable) as e:
+        print(f"kvpool bench {args.suite}: {e}", file=sys.stderr)
+        return 2

@@ -1,15 +1,42 @@
 """The raw-socket baseline: a process that receives or sends N bytes with plain sendall/recv_into.
 
-Run as `python -m kvpool.core.bench.raw_socket PORT`. Each request is 9 bytes: op (b"P" to receive
-N bytes then answer one byte, b"G" to send N bytes) and N as u64.
+`server()` runs it as `python -m kvpool.core.bench.raw_socket PORT`. Each request is 9 bytes: op
+(b"P" to receive N bytes then answer one byte, b"G" to send N bytes) and N as u64.
 """
 from __future__ import annotations
 
 import socket
 import struct
+import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
+
+from ..nats_server import free_port
+
+
+@contextmanager
+def server(timeout: float = 20.0) -> Iterator[int]:
+    """The baseline in a child process (its own core, like a worker); yields its port once it listens."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool.core.bench.raw_socket", str(port)])
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"baseline server on port {port} did not start") from None
+                time.sleep(0.05)
+        yield port
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def serve(port: int) -> None:

@@ -1,37 +1,43 @@
 """Streams: notification latency, and a 32 x 1 MiB KV handoff vs a raw socket and vs NATS inline.
 
-One nats-server, one `kvpool worker` and a raw-socket process, all on loopback. Latency: publish to
-receive of one small JSON notification (p50/p99, microseconds). Handoff: the prefill side puts 32
-layers of one 1 MiB block each and publishes a reference per layer; the decode side (another thread)
-receives every layer with its bytes checked. Baselines move the same bytes through a raw socket server
-(put then get back) and inline through NATS JetStream in 512 KiB messages.
+One nats-server, one `kvpool worker`, a raw-socket server and a prefill process, all on loopback.
+Latency: publish to receive of one small JSON notification (p50/p99, microseconds). Handoff: the
+prefill process (its own PoolClient, as a prefill instance would have) puts 32 layers of one 1 MiB
+block each and publishes a reference per layer; this process, the decode side, receives every layer
+into its own buffer, each block checksum-verified, in the timed path. Both processes are on the
+worker's node, so the pool moves the bytes through its shared memory, as it would for any same-node
+pair. Baselines move the same bytes through a raw socket server (put then get back) and inline through
+JetStream in 512 KiB messages from the same prefill process. Every path compares the bytes it
+received with the source after its clock stops, and the three take turns request by request.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from typing import Any
+from collections.abc import Generator
+from typing import IO, Any, cast
 
 import numpy as np
 
 from ..client import PoolClient
-from ..nats_server import NatsServer, free_port
-from ..procs import WorkerProcess
 from . import raw_socket
-from .measure import emit, filled, gbps, percentiles_us
+from .bench_pool import local_cluster, wait_members
+from .measure import emit, filled, gbps
 
 _LAYERS, _BLOCK, _INLINE_CHUNK = 32, 1 << 20, 512 << 10
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=None, help="handoff requests to time (best is kept)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests timed per path, the paths taking turns (the best of each is kept)")
 
 
-def _latency(url: str, stream: str, n: int) -> dict[str, float]:
+def _latency(url: str, stream: str, n: int) -> list[float]:
     from kvpool.streams import Consumer, Producer
 
     samples = []
@@ -44,144 +50,172 @@ def _latency(url: str, stream: str, n: int) -> dict[str, float]:
             if m is None or m.json()["i"] != i:
                 raise AssertionError(f"notification {i} did not arrive in order")
             m.ack()
-    return percentiles_us(samples[10:])
+    return samples[10:]
 
 
-def _timed(produce: Any, consume: Any) -> float:
-    """Seconds from the producer's start until the consumer has everything (producer in a thread)."""
-    errors: list[BaseException] = []
+class _Prefill:
+    """The producing side in a process of its own, as a prefill instance would be: it hands off one
+    request (or publishes the inline chunks) per command line on its stdin and answers on stdout."""
 
-    def run() -> None:
+    def __init__(self, url: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__, url], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self._in, self._out = cast(IO[str], self.proc.stdin), cast(IO[str], self.proc.stdout)
+        self._expect("ready")
+
+    def start(self, command: str) -> None:
+        """Begin `kv STREAM REQUEST` or `inline STREAM`; returns at once (the caller times the receive)."""
+        self._in.write(command + "\n")
+        self._in.flush()
+
+    def done(self) -> None:
+        self._expect("done")
+
+    def _expect(self, word: str) -> None:
+        if self._out.readline().strip() != word:
+            raise RuntimeError(f"the bench's prefill process failed (exit status {self.proc.poll()})")
+
+    def close(self) -> None:
+        self._in.close()
         try:
-            produce()
-        except BaseException as e:  # re-raised below, in the caller's thread
-            errors.append(e)
-
-    t = time.perf_counter()
-    th = threading.Thread(target=run)
-    th.start()
-    consume()
-    elapsed = time.perf_counter() - t
-    th.join()
-    if errors:
-        raise errors[0]
-    return elapsed
+            self.proc.wait(10)
+        finally:
+            self.proc.kill()
+            self._out.close()
 
 
-def _handoff(url: str, stream: str, pool: PoolClient, layers: np.ndarray, requests: int) -> float:
-    from kvpool.streams import HandoffReceiver, Producer
+def _prefill_main(url: str) -> None:
+    """Body of the prefill process: the same `layers` bytes as the parent (same seed). Its producers
+    connect on their first command (the untimed warm-up) and stay connected."""
+    from kvpool.streams import Producer
 
-    best = float("inf")
-    with Producer(stream, url, pool=pool) as p, HandoffReceiver(stream, url, pool) as rx:
-        for r in range(requests + 1):
+    layers = filled(_LAYERS * _BLOCK, 7).reshape(_LAYERS, _BLOCK)
+    producers: dict[str, Producer] = {}
+    with PoolClient(mode="cluster", nats_url=url) as pool:
+        wait_members(pool, 1)
+        print("ready", flush=True)
+        try:
+            for line in sys.stdin:
+                what, stream, *rest = line.split()
+                if stream not in producers:
+                    producers[stream] = Producer(stream, url, pool=pool, inline_max=_INLINE_CHUNK)
+                p = producers[stream]
+                if what == "kv":
+                    for i in range(_LAYERS):
+                        p.publish_kv(rest[0], i, [f"bench/{rest[0]}/L{i}"], [layers[i]])
+                    p.end_request(rest[0], _LAYERS)
+                else:
+                    for ch in layers.reshape(-1, _INLINE_CHUNK):
+                        p.publish(ch)
+                print("done", flush=True)
+        finally:
+            for p in producers.values():
+                p.close()
+
+
+def _handoff_runs(url: str, pool: PoolClient, prefill: _Prefill, layers: np.ndarray) -> Generator[float, None, None]:
+    """Seconds per request, from asking the prefill process until every layer is here and verified
+    (checksums, in the timed path); the bytes are compared with the source after the clock stops."""
+    from kvpool.streams import HandoffReceiver
+
+    out = np.zeros_like(layers)
+    with HandoffReceiver("handoff", url, pool) as rx:
+        for r in itertools.count():
             rid = f"r{r}"
-            keys = [[f"bench/{rid}/L{i}"] for i in range(_LAYERS)]
-
-            def produce() -> None:
-                for i in range(_LAYERS):
-                    p.publish_kv(rid, i, keys[i], [layers[i]])
-                p.end_request(rid, _LAYERS)
-
-            def consume() -> None:
-                n = 0
-                for layer, _, bufs in rx.iter_layers(rid, timeout=30):
-                    if bytes(bufs[0]) != layers[layer].tobytes():
-                        raise AssertionError(f"request {rid} layer {layer}: bytes differ")
-                    n += 1
-                if n != _LAYERS:
-                    raise AssertionError(f"request {rid}: {n} of {_LAYERS} layers")
-
-            elapsed = _timed(produce, consume)
-            best = min(best, elapsed) if r else best  # the first request warms up
-            pool.remove([k for ks in keys for k in ks])
-    return gbps(layers.nbytes, best)
+            t = time.perf_counter()
+            prefill.start(f"kv handoff {rid}")
+            n = sum(1 for _ in rx.iter_layers(rid, timeout=30, into=lambda layer, nbytes: out[layer]))
+            elapsed = time.perf_counter() - t
+            prefill.done()
+            if n != _LAYERS or not np.array_equal(out, layers):
+                raise AssertionError(f"request {rid}: {n} of {_LAYERS} layers, or bytes differ")
+            out.fill(0)
+            pool.remove([f"bench/{rid}/L{i}" for i in range(_LAYERS)])
+            yield elapsed
 
 
-def _nats_inline(url: str, stream: str, layers: np.ndarray, requests: int) -> float:
-    from kvpool.streams import Consumer, Producer
+def _inline_runs(url: str, prefill: _Prefill, layers: np.ndarray) -> Generator[float, None, None]:
+    """The same bytes inline through JetStream in 512 KiB messages, from the same prefill process."""
+    from kvpool.streams import Consumer
 
-    chunks = layers.reshape(-1, _INLINE_CHUNK)
-    best = float("inf")
-    with Producer(stream, url, inline_max=_INLINE_CHUNK) as p, Consumer(stream, url, start="new") as c:
-        for r in range(requests + 1):
-            def produce() -> None:
-                for ch in chunks:
-                    p.publish(ch)
+    out = np.zeros_like(layers).reshape(-1, _INLINE_CHUNK)
+    with Consumer("inline", url, start="new") as c:
+        while True:
+            t = time.perf_counter()
+            prefill.start("inline inline")
+            for i in range(len(out)):
+                m = c.receive(30)
+                if m is None:
+                    raise AssertionError(f"inline chunk {i} missing")
+                out[i] = np.frombuffer(m.data, dtype=np.uint8)
+                m.ack()
+            elapsed = time.perf_counter() - t
+            prefill.done()
+            if not np.array_equal(out.reshape(layers.shape), layers):
+                raise AssertionError("inline bytes differ")
+            out.fill(0)
+            yield elapsed
 
-            def consume() -> None:
-                for i in range(len(chunks)):
-                    m = c.receive(30)
-                    if m is None or bytes(m.data) != chunks[i].tobytes():
-                        raise AssertionError(f"inline chunk {i} missing or different")
-                    m.ack()
 
-            elapsed = _timed(produce, consume)
-            best = min(best, elapsed) if r else best
-    return gbps(layers.nbytes, best)
-
-
-def _raw(port: int, layers: np.ndarray, requests: int) -> float:
+def _raw_runs(port: int, layers: np.ndarray) -> Generator[float, None, None]:
+    """The same bytes put to the raw socket server and got back."""
     import socket
 
     out = np.zeros_like(layers)
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    best = float("inf")
     with sock:
-        for r in range(requests + 1):
+        while True:
             t = time.perf_counter()
             raw_socket.put(sock, [memoryview(layers).cast("B")])
             raw_socket.get(sock, [memoryview(out).cast("B")])
-            best = min(best, time.perf_counter() - t) if r else best
-    if not np.array_equal(out, layers):
-        raise AssertionError("raw socket bytes differ")
-    return gbps(layers.nbytes, best)
+            elapsed = time.perf_counter() - t
+            if not np.array_equal(out, layers):
+                raise AssertionError("raw socket bytes differ")
+            out.fill(0)
+            yield elapsed
 
 
-def _wait_port(port: int, timeout: float = 20.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"baseline server on port {port} did not start")
+def _interleaved(runs: dict[str, Generator[float, None, None]], requests: int) -> dict[str, float]:
+    """The best seconds of each run over `requests` requests after one warm-up. Runs take turns request
+    by request, so load from elsewhere on a shared machine falls on all of them alike."""
+    best = {name: float("inf") for name in runs}
+    for r in range(requests + 1):
+        for name, run in runs.items():
+            elapsed = next(run)
+            if r:
+                best[name] = min(best[name], elapsed)
+    return best
 
 
 def run(args: argparse.Namespace) -> int:
     from kvpool.streams import StreamConfig, create_stream
 
-    requests = args.requests or (3 if args.quick else 10)
+    requests = args.requests or (8 if args.quick else 20)
     layers = filled(_LAYERS * _BLOCK, 7).reshape(_LAYERS, _BLOCK)
     metrics: dict[str, Any] = {"layers": _LAYERS, "block_bytes": _BLOCK, "inline_chunk_bytes": _INLINE_CHUNK,
                                "requests": requests}
-    raw_port = free_port()
-    raw_proc = subprocess.Popen([sys.executable, "-m", "kvpool.core.bench.raw_socket", str(raw_port)])
-    with tempfile.TemporaryDirectory(prefix="kvpool-bench-streams-") as state:
-        nats = NatsServer(f"{state}/nats", port=0).start()
-        worker = WorkerProcess(f"{state}/w0", nats_url=nats.url, dram_bytes="512MiB")
-        try:
-            worker.wait_ready()
-            _wait_port(raw_port)
-            for name in ("notes", "handoff", "inline"):  # in memory: the bench measures the path, not the disk
-                create_stream(nats.url, name, StreamConfig(memory=True))
-            metrics.update({f"notify_{k}_us": v for k, v in _latency(nats.url, "notes", 300 if args.quick else 3000).items()})
-            with PoolClient(mode="cluster", nats_url=nats.url) as pool:
-                if not pool._cluster or not pool._cluster.membership.wait_for(lambda m: len(m) == 1, 15):
-                    raise RuntimeError("the bench worker did not join the cluster")
-                handoff = _handoff(nats.url, "handoff", pool, layers, requests)
-            inline = _nats_inline(nats.url, "inline", layers, requests)
-            raw = _raw(raw_port, layers, requests)
-        finally:
-            worker.stop()
-            nats.stop()
-            raw_proc.kill()
-            raw_proc.wait()
-    metrics.update({"handoff_gbps": round(handoff, 3), "nats_inline_gbps": round(inline, 3),
-                    "raw_socket_gbps": round(raw, 3)})
-    emit("streams", metrics, {"handoff_vs_raw_socket": handoff / raw, "handoff_vs_nats_inline": handoff / inline},
-         args.json, notes="handoff: 32 layers x 1 MiB per request, bytes checked; raw socket: put + get back")
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-streams-") as state, raw_socket.server() as raw_port, \
+            local_cluster(state, 1, dram_bytes=512 << 20) as url, contextlib.ExitStack() as stack:
+        for name in ("notes", "handoff", "inline"):  # in memory: the bench measures the path, not the disk
+            create_stream(url, name, StreamConfig(memory=True))
+        notify = _latency(url, "notes", 300 if args.quick else 3000)
+        prefill = _Prefill(url)
+        stack.callback(prefill.close)
+        pool = stack.enter_context(PoolClient(mode="cluster", nats_url=url))
+        wait_members(pool, 1)
+        runs = {"handoff": _handoff_runs(url, pool, prefill, layers), "nats_inline": _inline_runs(url, prefill, layers),
+                "raw_socket": _raw_runs(raw_port, layers)}
+        for gen in runs.values():
+            stack.callback(gen.close)
+        best = _interleaved(runs, requests)
+    gb = {name: gbps(layers.nbytes, s) for name, s in best.items()}
+    metrics.update({f"{name}_gbps": round(v, 3) for name, v in gb.items()})
+    emit("streams", metrics, {"handoff_vs_raw_socket": gb["handoff"] / gb["raw_socket"],
+                              "handoff_vs_nats_inline": gb["handoff"] / gb["nats_inline"]},
+         args.json, notes="handoff: 32 layers x 1 MiB per request, bytes checked; raw socket: put + get back",
+         latencies={"notify": notify})
     return 0
+
+if __name__ == "__main__":
+    _prefill_main(sys.argv[1])

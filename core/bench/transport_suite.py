@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
@@ -18,10 +16,9 @@ from typing import Any
 import numpy as np
 
 from ..client import PoolClient
-from ..nats_server import free_port
 from ..procs import WorkerProcess
 from . import raw_socket
-from .measure import best_seconds, emit, filled, gbps, percentiles_us
+from .measure import best_seconds, emit, filled, gbps
 
 _BATCH = 64
 
@@ -74,29 +71,15 @@ def _raw(port: int, src: np.ndarray, dst: np.ndarray, repeat: int) -> tuple[floa
         return gbps(src.nbytes, best_seconds(put, repeat)), gbps(src.nbytes, best_seconds(get, repeat))
 
 
-def _wait_port(port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"baseline server on port {port} did not start")
-
-
 def run(args: argparse.Namespace) -> int:
     repeat = 3 if args.quick else 5
     total = 64 << 20 if args.quick else 256 << 20
     metrics: dict[str, Any] = {"batch": _BATCH, "bytes_per_measurement": total}
     ratios: dict[str, float] = {}
-    raw_port = free_port()
-    raw_proc = subprocess.Popen([sys.executable, "-m", "kvpool.core.bench.raw_socket", str(raw_port)])
-    with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as state:
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as state, raw_socket.server() as raw_port:
         worker = WorkerProcess(state, dram_bytes=str(4 * total + (256 << 20)))
         try:
             worker.wait_ready()
-            _wait_port(raw_port)
             shm = PoolClient(mode="local", worker=worker.unix_path)
             tcp = PoolClient(mode="local", worker=worker.address)
             for block, tag in ((1 << 20, ""), (64 << 10, "_64k")):
@@ -126,12 +109,10 @@ def run(args: argparse.Namespace) -> int:
                 t = time.perf_counter()
                 tcp.batch_get_into([f"tcp_64k-{i % 64}"], [one])
                 lat.append(time.perf_counter() - t)
-            metrics.update({f"tcp_get_64k_{k}_us": v for k, v in percentiles_us(lat).items()})
             shm.close()
             tcp.close()
         finally:
             worker.stop()
-            raw_proc.kill()
-            raw_proc.wait()
-    emit("transport", metrics, ratios, args.json, notes="ratios without a suffix are for 1 MiB blocks, batches of 64")
+    emit("transport", metrics, ratios, args.json, notes="ratios without a suffix are for 1 MiB blocks, batches of 64",
+         latencies={"tcp_get_64k": lat})
     return 0

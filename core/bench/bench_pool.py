@@ -1,0 +1,106 @@
+"""The pool a bench runs against: the embedded default, local workers it starts, or an existing cluster.
+
+Local workers are real `kvpool worker` processes registered at a nats-server of their own, so a
+`--workers N` run goes through the same placement, transports and membership as a deployment.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+from ..client import PoolClient
+from ..errors import PoolUnavailable
+from ..nats_server import NatsServer
+from ..procs import WorkerProcess
+
+_SLAB = 16 << 20
+_TOTALS = ("hits_device", "hits_dram", "hits_ssd", "misses", "evictions", "demotions", "promotions",
+           "dram_bytes", "dram_capacity", "ssd_bytes", "device_bytes")
+
+
+@contextmanager
+def local_cluster(state_dir: str | Path, workers: int, *, dram_bytes: int, ssd: bool = False) -> Iterator[str]:
+    """A nats-server and `workers` worker processes under `state_dir`; yields the NATS URL; stops all."""
+    state = Path(state_dir)
+    nats = NatsServer(state / "nats", port=0).start()
+    procs: list[WorkerProcess] = []
+    try:
+        procs += [WorkerProcess(state / f"w{i}", nats_url=nats.url, dram_bytes=str(dram_bytes), ssd=ssd)
+                  for i in range(workers)]
+        for w in procs:
+            w.wait_ready()
+        yield nats.url
+    finally:
+        for w in procs:
+            w.stop()
+        nats.stop()
+
+
+def wait_members(client: PoolClient, n: int, timeout: float = 15.0) -> None:
+    """Block until the client sees `n` live workers (membership arrives asynchronously over NATS)."""
+    deadline = time.monotonic() + timeout
+    while len(client.stats()) < n:
+        if time.monotonic() > deadline:
+            raise PoolUnavailable(f"{len(client.stats())} of {n} workers joined the cluster within {timeout} s")
+        time.sleep(0.05)
+
+
+def totals(stats: dict[str, Any]) -> dict[str, int]:
+    """Counters and tier fill summed over the pool, from `PoolClient.stats()` of any mode."""
+    per_cache = [stats] if "hits_dram" in stats else [w["stats"] for w in stats.values() if "stats" in w]
+    return {k: sum(int(s.get(k, 0)) for s in per_cache) for k in _TOTALS}
+
+
+class BenchPool:
+    """`client` reaches the pool; `other_client()` is a second, independent client of the same pool."""
+
+    def __init__(self, *, block_size: int, dram_bytes: int, workers: int = 0, cluster: str | None = None,
+                 ssd: bool = False) -> None:
+        self._stack = ExitStack()
+        self.url = cluster
+        try:
+            if workers:
+                state = self._stack.enter_context(tempfile.TemporaryDirectory(prefix="kvpool-bench-"))
+                self.url = self._stack.enter_context(local_cluster(state, workers, dram_bytes=dram_bytes, ssd=ssd))
+            if self.url:
+                self.where = f"{workers} local workers" if workers else f"cluster {self.url}"
+                self.client = self._stack.enter_context(self._cluster_client())
+                wait_members(self.client, max(workers, 1))
+            else:
+                self.where = "embedded pool"
+                ssd_opts: dict[str, Any] = {}
+                if ssd:
+                    ssd_dir = self._stack.enter_context(tempfile.TemporaryDirectory(prefix="kvpool-bench-ssd-"))
+                    ssd_opts = {"ssd_path": ssd_dir, "ssd_map_size": max(1 << 30, 4 * dram_bytes)}
+                slab = max(block_size, min(_SLAB, dram_bytes // 4))  # a small pool still gets a few slabs
+                self.client = self._stack.enter_context(PoolClient(
+                    mode="embedded", dram_bytes=dram_bytes, dram_slab_size=slab, **ssd_opts))
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _cluster_client(self) -> PoolClient:
+        return PoolClient(mode="cluster", nats_url=self.url)
+
+    @contextmanager
+    def other_client(self) -> Iterator[PoolClient]:
+        """A separate connection to the pool (the embedded pool has only the one client: that one)."""
+        if not self.url:
+            yield self.client
+            return
+        with self._cluster_client() as client:
+            wait_members(client, len(self.client.stats()))
+            yield client
+
+    def totals(self) -> dict[str, int]:
+        return totals(self.client.stats())
+
+    def __enter__(self) -> BenchPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
