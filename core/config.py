@@ -147,6 +147,9 @@ class WorkerConfig:
     """Unix socket for same-node clients; default `<state dir>/worker-<port>.sock`."""
     token: str | None = None
     """Shared secret; required for any non-loopback bind, and then checked on every TCP connection."""
+    auth_timeout_s: float = 10.0
+    """With a token: a TCP connection that has not authenticated within this many seconds is closed,
+    so idle strangers cannot hold the worker's connection threads."""
     node_id: str | None = None
     """Identifies the machine (clients with the same node id use shared memory); default hostname."""
     worker_id: str | None = None

@@ -167,6 +167,8 @@ class Worker:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
             conn = _Conn(sock, transport, authed=(transport == "shm" or not self.config.token))
+            if not conn.authed:
+                sock.settimeout(self.config.auth_timeout_s)  # lifted by a good AUTH
             t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name="kvpool-conn")
             with self._conns_lock:
                 self._conns.add(conn)
@@ -242,6 +244,7 @@ class Worker:
             self._reply(conn, frame, P.pack_json({"error": "bad token"}), status=P.Status.AUTH_FAILED)
             raise ProtocolError("authentication failed")
         conn.authed = True
+        conn.sock.settimeout(None)
         self._reply(conn, frame)
 
     def _put(self, conn: _Conn, frame: P.Frame) -> None:

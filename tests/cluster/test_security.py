@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 import pytest
 
@@ -35,6 +36,19 @@ def test_non_loopback_bind_needs_a_token(tmp_path):
             P.send_frame(s, P.Op.GET, P.pack_batch([b"a"]))
             reply = P.recv_frame(s)
             assert reply.status == P.Status.AUTH_REQUIRED
+    finally:
+        w.stop()
+
+
+def test_a_connection_that_does_not_authenticate_is_closed(tmp_path):
+    w = _worker(tmp_path, host="127.0.0.2", token="s3cret", auth_timeout_s=0.5).start()
+    try:
+        with socket.create_connection(("127.0.0.2", w.port), timeout=5) as idle:
+            assert idle.recv(1) == b""  # closed by the worker after its authentication window
+        with PoolClient(mode="local", worker=w.address, token="s3cret") as c:
+            c.put("a", b"ok")
+            time.sleep(1.0)  # authenticated: no window any more
+            assert c.get("a") == b"ok"
     finally:
         w.stop()
 
