@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import signal
@@ -47,6 +48,7 @@ def _stop_signal() -> threading.Event:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    faulthandler.enable()  # a worker that crashes or is sent SIGABRT leaves every thread's stack
     done = _stop_signal()
     worker = _build_worker(args).start()
     print(f"kvpool worker {worker.worker_id}: tcp {worker.address}, same-node {worker.unix_path}", flush=True)

@@ -15,7 +15,8 @@ from .tiers.dram import arena_names
 
 
 class WorkerProcess:
-    """`kvpool worker` in a child process with its own state dir; `stop()` is SIGTERM, `kill()` -9."""
+    """`kvpool worker` in a child process with its own state dir; `stop()` is SIGTERM (then SIGABRT,
+    which leaves the stuck worker's stacks in `log_path`), `kill()` -9."""
 
     def __init__(self, state_dir: str | os.PathLike[str], *, nats_url: str | None = None,
                  dram_bytes: str = "256MiB", ssd: bool = False, node_id: str | None = None,
@@ -46,7 +47,7 @@ class WorkerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise PoolUnavailable(f"worker exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+                raise PoolUnavailable(f"worker exited with {self.proc.returncode}: {self.log_tail(2000)}")
             if os.path.exists(self.unix_path):
                 try:
                     socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
@@ -63,10 +64,19 @@ class WorkerProcess:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                # SIGABRT first: the worker's faulthandler writes every thread's stack to its log
+                self.proc.send_signal(signal.SIGABRT)
+                try:
+                    self.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
         self._exited()
         return int(self.proc.returncode)
+
+    def log_tail(self, n: int = 3000) -> str:
+        """The end of the worker's output: what a failed check should show."""
+        return self.log_path.read_text(errors="replace")[-n:]
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -78,6 +78,6 @@ def test_graceful_leave_and_join_update_members(nats, spawn):
         _wait_members(c, 1)
         b = spawn(nats_url=nats.url)
         _wait_members(c, 2)
-        assert b.stop() == 0
+        assert b.stop() == 0, b.log_tail()
         _wait_members(c, 1)
         assert a.proc.poll() is None

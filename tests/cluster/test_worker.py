@@ -93,7 +93,7 @@ def test_sigterm_flushes_dram_to_ssd_and_restart_serves_it(tmp_path):
     w = WorkerProcess(tmp_path / "w", ssd=True).wait_ready()
     with PoolClient(mode="local", worker=w.address) as c:
         c.batch_put([f"p{i}" for i in range(10)], [_block(i) for i in range(10)])
-    assert w.stop() == 0
+    assert w.stop() == 0, w.log_tail()
     w2 = WorkerProcess(tmp_path / "w", ssd=True).wait_ready()
     try:
         with PoolClient(mode="local", worker=w2.address) as c:

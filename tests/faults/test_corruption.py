@@ -38,7 +38,7 @@ def test_corrupt_lmdb_values_are_counted_misses_after_restart(tmp_path):
         with PoolClient(mode="local", worker=w.address) as c:
             c.batch_put(KEYS, [block(k, SIZE) for k in KEYS])
     finally:
-        assert w.stop() == 0  # SIGTERM flushes DRAM to the SSD tier
+        assert w.stop() == 0, w.log_tail()  # SIGTERM flushes DRAM to the SSD tier
     data = state / "ssd" / "data.mdb"
     _flip_in_file(data, block("c3", SIZE)[1000:1064], 10)  # a payload byte
     c5 = block("c5", SIZE)

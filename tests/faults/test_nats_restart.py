@@ -30,7 +30,7 @@ def test_nats_restart_under_load(nats, spawn):
             joined = spawn(nats_url=nats.url, node_id="node2")
             wait_members(c, 3, timeout=5)
             load.wait_ops(10)
-            assert workers[0].stop() == 0  # a worker that leaves is dropped
+            assert workers[0].stop() == 0, workers[0].log_tail()  # a worker that leaves is dropped
             wait_members(c, 2, timeout=5)
             load.wait_ops(10)
         report = load.report

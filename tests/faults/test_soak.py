@@ -48,7 +48,7 @@ def test_soak_mixed_load_with_random_worker_kills(nats, tmp_path):
                 if rng.random() < 0.7:
                     workers[i].kill()
                 else:
-                    assert workers[i].stop() == 0
+                    assert workers[i].stop() == 0, workers[i].log_tail()
                 kills += 1
                 a.wait_ops(10, timeout=60)  # load while it is down
                 workers[i] = _start(tmp_path / nodes[i], nats.url, nodes[i])
