@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -39,3 +40,18 @@ class LoopThread:
             self._thread.join(5)
         if not self.loop.is_running():
             self.loop.close()
+
+
+def nats_error_logger(log: logging.Logger) -> Callable[[Exception], Awaitable[None]]:
+    """An `error_cb` for nats-py: one warning line per change of error. Its default logs a full
+    traceback on every reconnect attempt (twice a second while a server is down)."""
+    last = ""
+
+    async def on_error(e: Exception) -> None:
+        nonlocal last
+        line = f"{type(e).__name__}: {e}"
+        if line != last:
+            log.warning("nats: %s", line)
+            last = line
+
+    return on_error

@@ -16,7 +16,7 @@ from typing import Any
 
 import xxhash
 
-from .aio import LoopThread
+from .aio import LoopThread, nats_error_logger
 from .errors import PoolUnavailable
 
 log = logging.getLogger("kvpool.cluster")
@@ -49,7 +49,8 @@ class Membership:
         async def _connect() -> Any:
             return await nats.connect(nats_url, connect_timeout=connect_timeout, max_reconnect_attempts=-1,
                                       reconnect_time_wait=0.5, allow_reconnect=True,
-                                      disconnected_cb=self._disconnected, reconnected_cb=self._reconnected)
+                                      disconnected_cb=self._disconnected, reconnected_cb=self._reconnected,
+                                      error_cb=nats_error_logger(log))
         try:
             self._nc = self._io.run(_connect(), timeout=connect_timeout + 2)
             self._kv = self._io.run(self._bucket(), timeout=connect_timeout + 2)

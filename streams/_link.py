@@ -6,6 +6,7 @@ Producer/Consumer can offer a blocking API. `translate` maps every nats-py excep
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -13,7 +14,7 @@ import nats
 import nats.errors
 import nats.js.errors
 
-from kvpool.core.aio import LoopThread
+from kvpool.core.aio import LoopThread, nats_error_logger
 
 from .errors import StreamError, StreamFull, StreamNotFound, StreamTimeout, StreamUnavailable
 
@@ -23,6 +24,8 @@ T = TypeVar("T")
 _FULL = {"maximum messages": "max_msgs", "maximum bytes": "max_bytes", "maximum messages per subject":
          "max_msgs_per_subject"}
 _NOT_FOUND_CODES = {10059}
+
+log = logging.getLogger("kvpool.streams")
 
 
 def translate(err: BaseException, what: str) -> BaseException:
@@ -55,7 +58,8 @@ async def connect(url: str, timeout_s: float) -> Any:
     the first connection must succeed within `timeout_s` seconds."""
     try:
         return await asyncio.wait_for(nats.connect(url, connect_timeout=timeout_s, allow_reconnect=True,
-                                                   max_reconnect_attempts=-1, reconnect_time_wait=0.5), timeout_s)
+                                                   max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                                   error_cb=nats_error_logger(log)), timeout_s)
     except Exception as e:
         raise translate(e, f"connect to {url}") from e
 
