@@ -180,7 +180,11 @@ class PoolClient:
         assert self._cluster is not None
         return self._cluster.max_block()
 
-    def exists(self, keys: Sequence[Key]) -> list[bool]:
+    def exists(self, key: Key) -> bool:
+        """Whether `key` is present (in any tier, on any of its owners)."""
+        return self.batch_exists([key])[0]
+
+    def batch_exists(self, keys: Sequence[Key]) -> list[bool]:
         """Whether each key is present (in any tier, on any of its owners)."""
         if self._embedded is not None:
             return self._embedded.batch_exists(keys)
@@ -196,7 +200,7 @@ class PoolClient:
             return self._embedded.prefix_match(keys)
         if self._single is not None:
             return self._single.prefix_match([key_bytes(k) for k in keys])
-        flags = self.exists(keys)
+        flags = self.batch_exists(keys)
         return next((i for i, f in enumerate(flags) if not f), len(flags))
 
     def remove(self, keys: Sequence[Key]) -> list[bool]:

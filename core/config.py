@@ -147,6 +147,9 @@ class WorkerConfig:
     """Unix socket for same-node clients; default `<state dir>/worker-<port>.sock`."""
     token: str | None = None
     """Shared secret; required for any non-loopback bind, and then checked on every TCP connection."""
+    io_timeout_s: float = 30.0
+    """A request whose peer stops sending it or reading its reply for this long closes the connection
+    and frees what it held (slots, leases); a connection may idle between requests for any time."""
     auth_timeout_s: float = 10.0
     """With a token: a TCP connection that has not authenticated within this many seconds is closed,
     so idle strangers cannot hold the worker's connection threads."""

@@ -12,6 +12,7 @@ import logging
 import os
 import secrets
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -166,6 +167,9 @@ class Worker:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
+            io_timeout = struct.pack("ll", int(self.config.io_timeout_s), int(self.config.io_timeout_s % 1 * 1e6))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, io_timeout)  # see _next_frame
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, io_timeout)
             conn = _Conn(sock, transport, authed=(transport == "shm" or not self.config.token))
             if not conn.authed:
                 sock.settimeout(self.config.auth_timeout_s)  # lifted by a good AUTH
@@ -179,7 +183,7 @@ class Worker:
         self.metrics.connections.labels(conn.transport).inc()
         try:
             while not self._stopping.is_set():
-                frame = P.recv_frame(conn.sock)
+                frame = self._next_frame(conn)
                 conn.busy = True
                 t0 = time.perf_counter()
                 self._dispatch(conn, frame)
@@ -198,6 +202,20 @@ class Worker:
             conn.busy = False
             self._cleanup(conn)
             self.metrics.connections.labels(conn.transport).dec()
+
+    def _next_frame(self, conn: _Conn) -> P.Frame:
+        """Wait for the next request for as long as the client idles; from its first byte on, every
+        receive and send of the exchange must progress within io_timeout_s (the socket's SO_RCVTIMEO
+        and SO_SNDTIMEO) or the connection is dropped, so a stalled peer cannot hold slots or leases."""
+        while True:
+            try:
+                if not conn.sock.recv(1, socket.MSG_PEEK):
+                    raise ConnectionError("closed by the client")
+                break
+            except BlockingIOError:  # SO_RCVTIMEO while idle: keep waiting, unless stopping
+                if self._stopping.is_set():
+                    raise ConnectionError("worker stopping") from None
+        return P.recv_frame(conn.sock)
 
     def _cleanup(self, conn: _Conn) -> None:
         """Give back what a departed client held: reservations (never committed) and leases."""

@@ -87,7 +87,7 @@ def test_malformed_frames_close_only_that_connection(tmp_path):
             meta = P.pack_batch([b"half"], np.array([1 << 20], "<i8"), np.array([0], "<u8"))
             s.sendall(P.header(P.Op.PUT, 0, 1, meta, 1 << 20) + meta + b"y" * 1000)
             s.close()
-            assert good.exists(["half", "keep"]) == [False, True]
+            assert good.batch_exists(["half", "keep"]) == [False, True]
             assert w.metrics.protocol_errors._value.get() >= 4
     finally:
         w.stop()
@@ -102,5 +102,47 @@ def test_same_node_ops_are_refused_over_tcp(tmp_path):
         with _raw(w.port) as s:
             P.send_frame(s, P.Op.ALLOC, P.pack_batch([b"k"], np.array([100], "<i8")))
             assert s.recv(100) == b""  # closed
+    finally:
+        w.stop()
+
+
+def _leases(w: Worker) -> int:
+    with w.cache._lock:
+        return sum(b.leases for b in w.cache._dram.values())
+
+
+def _wait(cond, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_peer_that_stalls_mid_request_is_dropped_and_its_leases_freed(tmp_path):
+    w = _worker(tmp_path, io_timeout_s=0.5).start()
+    try:
+        keys = [f"b{i}".encode() for i in range(24)]
+        with PoolClient(mode="local", worker=w.address) as c:
+            c.batch_put(keys, [bytes([i]) * (1 << 20) for i in range(24)])
+            # a GET whose reply is never read: the worker cannot send 24 MiB into the buffers
+            reader = socket.socket()
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            reader.connect(("127.0.0.1", w.port))
+            P.send_frame(reader, P.Op.GET, P.pack_batch(keys))
+            assert _wait(lambda: _leases(w) > 0, 2.0) or True  # it may already be blocked in send
+            assert _wait(lambda: _leases(w) == 0), "a reader that stopped reading still holds leases"
+            # a PUT that stops sending its data: dropped, its slot given back
+            with _raw(w.port) as writer:
+                meta = P.pack_batch([b"stall"], __import__("numpy").array([1 << 20], "<i8"),
+                                    __import__("numpy").array([0], "<u8"))
+                writer.sendall(P.header(P.Op.PUT, 0, 1, meta, 1 << 20) + meta + b"x" * 1000)
+                writer.settimeout(5)
+                assert writer.recv(1) == b""  # closed by the worker
+            assert not c.exists("stall")
+            time.sleep(1.0)  # an idle connection outlives io_timeout_s
+            assert c.get("b3") == bytes([3]) * (1 << 20)
+            reader.close()
     finally:
         w.stop()
