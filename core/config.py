@@ -147,6 +147,8 @@ class WorkerConfig:
     """Unix socket for same-node clients; default `<state dir>/worker-<port>.sock`."""
     token: str | None = None
     """Shared secret; required for any non-loopback bind, and then checked on every TCP connection."""
+    max_connections: int = 1024
+    """Connections served at once (a thread each); further ones are closed at once, with a warning."""
     io_timeout_s: float = 30.0
     """A request whose peer stops sending it or reading its reply for this long closes the connection
     and frees what it held (slots, leases); a connection may idle between requests for any time."""

@@ -163,6 +163,13 @@ class Worker:
                 sock, _ = lsock.accept()
             except OSError:
                 return
+            with self._conns_lock:
+                full = len(self._conns) >= self.config.max_connections
+            if full:
+                log.warning("refusing a %s connection: %d connections already (max_connections)",
+                            transport, self.config.max_connections)
+                sock.close()
+                continue
             if transport == "tcp":
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)

@@ -146,3 +146,19 @@ def test_a_peer_that_stalls_mid_request_is_dropped_and_its_leases_freed(tmp_path
             reader.close()
     finally:
         w.stop()
+
+
+def test_connections_beyond_the_limit_are_closed_not_served(tmp_path):
+    w = _worker(tmp_path, max_connections=2).start()
+    try:
+        with PoolClient(mode="local", worker=w.address) as a, PoolClient(mode="local", worker=w.address) as b:
+            a.put("k", b"v")
+            assert b.get("k") == b"v"
+            with _raw(w.port) as third:
+                assert third.recv(1) == b""  # closed at once
+            assert a.get("k") == b"v"  # the served ones are unaffected
+        assert _wait(lambda: len(w._conns) == 0)
+        with PoolClient(mode="local", worker=w.address) as c:  # room again
+            assert c.get("k") == b"v"
+    finally:
+        w.stop()
