@@ -262,7 +262,7 @@ class HostIO:
         """Presence of each key; all False when the pool cannot answer."""
         if not keys:
             return []
-        return self.call(lambda c: c.batch_exists(keys), lambda st: [False] * len(keys))
+        return self.call(lambda c: c.exists(keys), lambda st: [False] * len(keys))
 
     def remove(self, keys: Sequence[str]) -> list[int]:
         """OK where a block was removed, OBJECT_NOT_FOUND where none was, RPC_FAIL when unreachable."""

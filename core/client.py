@@ -24,7 +24,7 @@ from .buffers import Destination, readable
 from .cache import TieredCache
 from .cluster import Membership, rank
 from .config import CacheConfig, default_state_dir, load
-from .errors import ConfigError, PoolUnavailable
+from .errors import ConfigError, InvalidKey, PoolUnavailable
 from .keys import Key, key_bytes
 from .pins import PinTable
 from .transport import ShmTransport, TcpTransport, connect
@@ -180,12 +180,10 @@ class PoolClient:
         assert self._cluster is not None
         return self._cluster.max_block()
 
-    def exists(self, key: Key) -> bool:
-        """Whether `key` is present (in any tier, on any of its owners)."""
-        return self.batch_exists([key])[0]
-
-    def batch_exists(self, keys: Sequence[Key]) -> list[bool]:
+    def exists(self, keys: Sequence[Key]) -> list[bool]:
         """Whether each key is present (in any tier, on any of its owners)."""
+        if isinstance(keys, (str, bytes)):
+            raise InvalidKey(f"exists takes a list of keys, not one key ({keys[:24]!r}); pass [key]")
         if self._embedded is not None:
             return self._embedded.batch_exists(keys)
         raw = [key_bytes(k) for k in keys]
@@ -200,7 +198,7 @@ class PoolClient:
             return self._embedded.prefix_match(keys)
         if self._single is not None:
             return self._single.prefix_match([key_bytes(k) for k in keys])
-        flags = self.batch_exists(keys)
+        flags = self.exists(keys)
         return next((i for i, f in enumerate(flags) if not f), len(flags))
 
     def remove(self, keys: Sequence[Key]) -> list[bool]:

@@ -215,10 +215,10 @@ def test_namespaces_keep_models_apart() -> None:
         assert a.batch_set(keys=["prefix_h_0_key"], target_locations=[buf.ptr], target_sizes=[4096]) == [0]
         assert a.exists(["prefix_h_0_key"]) == {"prefix_h_0_key": True}
         assert b.exists(["prefix_h_0_key"]) == {"prefix_h_0_key": False}
-        assert pool.exists("model-a/prefix_h_0_key")
+        assert pool.exists(["model-a/prefix_h_0_key"]) == [True]
         assert b.clear() and a.exists(["prefix_h_0_key"]) == {"prefix_h_0_key": False}  # clear is pool-wide
         a.close()
-        assert not pool.exists("x")  # a store does not close a client it was given
+        assert pool.exists(["x"]) == [False]  # a store does not close a client it was given
 
 
 def _assert_down_behaviour(store: KVPoolStore, lay: Layout, keys: list[list[str]]) -> None:

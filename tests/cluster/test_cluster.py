@@ -44,7 +44,7 @@ def test_replication_two_survives_kill_9_of_a_worker(nats, spawn):
         assert c.batch_get_into(keys, bufs) == [32 << 10] * 40
         assert time.monotonic() - t < 5
         assert [bytes(b) for b in bufs] == [_block(i) for i in range(40)]
-        assert c.batch_exists(keys) == [True] * 40
+        assert c.exists(keys) == [True] * 40
 
 
 def test_replication_one_dead_owner_is_a_miss_not_an_error(nats, spawn):

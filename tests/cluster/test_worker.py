@@ -63,7 +63,7 @@ def test_batch_ops(spawn, transport):
     with PoolClient(mode="local", worker=w.unix_path if transport == "shm" else w.address) as c:
         keys = [f"{transport}-{i}" for i in range(64)]
         c.batch_put(keys, [_block(i, 4096 + i) for i in range(64)])
-        assert c.batch_exists(keys[:3] + ["x"]) == [True, True, True, False]
+        assert c.exists(keys[:3] + ["x"]) == [True, True, True, False]
         assert c.prefix_match(keys + ["x"] + keys) == 64
         assert c.remove(keys[10:12] + ["x"]) == [True, True, False]
         assert c.prefix_match(keys) == 10
@@ -74,7 +74,7 @@ def test_batch_ops(spawn, transport):
         stats = next(iter(c.stats().values()))
         assert stats["stats"]["dram_blocks"] == 62
         c.clear()
-        assert c.batch_exists(keys[:1]) == [False]
+        assert c.exists(keys[:1]) == [False]
 
 
 def test_worker_gone_is_a_typed_error_in_local_mode(spawn):

@@ -47,7 +47,7 @@ def test_a_killed_client_gives_back_leases_and_half_written_slots(spawn):
             assert used() == 3 * MiB  # "held" plus two reserved slots
             c.put("held", block("held", MiB, version=1))  # the leased version stays while leased
             assert used() == 4 * MiB
-            assert c.batch_exists(["half"]) == [False]
+            assert c.exists(["half"]) == [False]
             child.send_signal(signal.SIGKILL)
             assert child.wait(10) == -signal.SIGKILL
         finally:
@@ -55,7 +55,7 @@ def test_a_killed_client_gives_back_leases_and_half_written_slots(spawn):
             child.wait()
             child.stdout.close()  # type: ignore[union-attr]
         assert poll(lambda: used() == MiB, 5), f"{used()} bytes still held after the client died"
-        assert c.batch_exists(["half", "held"]) == [False, True]
+        assert c.exists(["half", "held"]) == [False, True]
         assert c.get("held") == block("held", MiB, version=1)
         # the reclaimed slots are reused, and what lands in them is exactly what was put
         keys = [f"after{i}" for i in range(40)]

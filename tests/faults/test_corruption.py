@@ -50,7 +50,7 @@ def test_corrupt_lmdb_values_are_counted_misses_after_restart(tmp_path):
             assert sorted(misses) == ["c3", "c5"]
             stats = next(iter(c.stats().values()))["stats"]
             assert stats["checksum_failures"] == 2
-            assert c.batch_exists(["c3", "c5"]) == [False, False]  # deleted, not served again
+            assert c.exists(["c3", "c5"]) == [False, False]  # deleted, not served again
             c.batch_put(["c3", "c5"], [block("c3", SIZE), c5])
             assert read_all(c, dict.fromkeys(KEYS, SIZE))[1] == []
     finally:
@@ -65,7 +65,7 @@ def proxied(spawn):
     proxy = FlipProxy(("127.0.0.1", w.port))
     with PoolClient(mode="local", worker=proxy.address, timeout_s=5) as via, \
             PoolClient(mode="local", worker=w.address, timeout_s=5) as direct:
-        via.exists("warm-up")  # connect (HELLO) before anything is armed
+        via.exists(["warm-up"])  # connect (HELLO) before anything is armed
         yield proxy, via, direct, port
     proxy.close()
 
@@ -96,7 +96,7 @@ def test_a_flipped_byte_in_put_data_stores_nothing_wrong(proxied):
     with pytest.raises(PoolUnavailable, match="arrived corrupt"):
         via.batch_put(KEYS, blocks)
     assert proxy.flipped == 1
-    assert direct.batch_exists(KEYS) == [True] * 5 + [False] + [True] * 2
+    assert direct.exists(KEYS) == [True] * 5 + [False] + [True] * 2
     assert _metric(port, "kvpool_corrupt_blocks_total") == 1
     via.batch_put(KEYS, blocks)  # the connection is still in sync
     assert read_all(direct, dict.fromkeys(KEYS, SIZE))[1] == []
@@ -110,6 +110,6 @@ def test_a_flipped_byte_in_frame_metadata_drops_only_that_connection(proxied):
         via.batch_get_into(KEYS, [bytearray(SIZE) for _ in KEYS])
     proxy.arm("up", P.HEADER.size + 2)  # into a request's key lengths: the worker refuses it
     with pytest.raises(PoolUnavailable):
-        via.batch_exists(KEYS)
+        via.exists(KEYS)
     assert _metric(port, "kvpool_protocol_errors_total") == 1
     assert read_all(via, dict.fromkeys(KEYS, SIZE))[1] == []  # reconnected

@@ -30,7 +30,7 @@ def _fill_and_check(w: WorkerProcess, n: int) -> dict[str, int]:
         newest = {k: SIZE for k in names[-16:]}
         assert read_all(c, newest)[1] == []  # in DRAM
         for k in names:  # a block that is present reads back exactly (from SSD, or promoted)
-            if c.exists(k):
+            if c.exists([k]) == [True]:
                 assert c.get(k) == block(k, SIZE), k
         read_all(c, keys)  # exact or miss
         stats = _stats(c)

@@ -68,9 +68,9 @@ def test_payload_survives_pressure_until_the_group_acks_then_is_evictable(nats, 
             msg = c.receive(5)
             assert bytes(msg.data) == PAYLOAD
             squeeze(pool)  # delivered but not acked: still pinned
-            assert pool.batch_exists(keys) == [True, True]
+            assert pool.exists(keys) == [True, True]
             msg.ack()
-            assert wait_until(lambda: (squeeze(pool), pool.batch_exists(keys))[1] == [False, False], timeout=5)
+            assert wait_until(lambda: (squeeze(pool), pool.exists(keys))[1] == [False, False], timeout=5)
 
 
 def test_retention_dropping_the_message_releases_its_blocks(nats, make_stream, pool):
@@ -80,8 +80,8 @@ def test_retention_dropping_the_message_releases_its_blocks(nats, make_stream, p
         old = payload_keys(pool, s, nats.url)
         p.publish(PAYLOAD[::-1])  # max_msgs=1: the first message is dropped
         new = payload_keys(pool, s, nats.url)
-        assert wait_until(lambda: (squeeze(pool), pool.batch_exists(old))[1] == [False, False], timeout=5)
-        assert pool.batch_exists(new) == [True, True]
+        assert wait_until(lambda: (squeeze(pool), pool.exists(old))[1] == [False, False], timeout=5)
+        assert pool.exists(new) == [True, True]
 
 
 def test_handoff_layers_stay_pinned_until_the_decode_side_has_read_the_request(nats, make_stream, pool):
@@ -94,7 +94,7 @@ def test_handoff_layers_stay_pinned_until_the_decode_side_has_read_the_request(n
         squeeze(pool)
         got = [(layer, bytes(bufs[0])) for layer, _, bufs in rx.iter_layers("req", timeout=5)]
         assert got == [(i, bytes([i]) * (4 * MiB)) for i in range(2)]
-        assert wait_until(lambda: (squeeze(pool), pool.batch_exists(keys))[1] == [False, False], timeout=5)
+        assert wait_until(lambda: (squeeze(pool), pool.exists(keys))[1] == [False, False], timeout=5)
 
 
 def test_a_refused_kv_announcement_is_stream_full_and_its_blocks_are_unpinned(nats, make_stream, pool):
@@ -106,7 +106,7 @@ def test_a_refused_kv_announcement_is_stream_full_and_its_blocks_are_unpinned(na
         with pytest.raises(StreamFull):
             p.end_request("r")
         squeeze(pool)
-        assert pool.batch_exists(keys) == [True, True, False]  # stored and unread: pinned; refused: evicted
+        assert pool.exists(keys) == [True, True, False]  # stored and unread: pinned; refused: evicted
 
 
 def test_pins_of_a_killed_producer_expire_after_their_ttl(nats, make_stream, pool):
@@ -133,8 +133,8 @@ def test_pins_of_a_killed_producer_expire_after_their_ttl(nats, make_stream, poo
     keys = payload_keys(pool, s, nats.url)
     t = time.monotonic()
     squeeze(pool)
-    assert pool.batch_exists(keys) == [True, True]  # nobody acked: pinned until the TTL ends
-    assert wait_until(lambda: (squeeze(pool), pool.batch_exists(keys))[1] == [False, False], timeout=8)
+    assert pool.exists(keys) == [True, True]  # nobody acked: pinned until the TTL ends
+    assert wait_until(lambda: (squeeze(pool), pool.exists(keys))[1] == [False, False], timeout=8)
     assert time.monotonic() - t < 8
 
 
@@ -144,10 +144,10 @@ def test_put_with_pin_over_each_transport_then_unpin(spawn, transport):
     with PoolClient(mode="local", worker=w.address if transport == "tcp" else w.unix_path) as c:
         c.batch_put(["kept"], [bytes(4 * MiB)], pin_s=30)
         squeeze(c)
-        assert c.exists("kept")
+        assert c.exists(["kept"]) == [True]
         c.pin(["kept"], 0)
         squeeze(c)
-        assert not c.exists("kept")
+        assert c.exists(["kept"]) == [False]
 
 
 def test_pin_table_expires_renews_and_pins_keys_before_their_blocks():
@@ -161,12 +161,12 @@ def test_pin_table_expires_renews_and_pins_keys_before_their_blocks():
         time.sleep(0.4)
         table.expire()
         squeeze(c)
-        assert c.exists("later")
+        assert c.exists(["later"]) == [True]
         time.sleep(0.3)
         table.expire()
         assert not table.holds(b"later")
         squeeze(c)
-        assert not c.exists("later")
+        assert c.exists(["later"]) == [False]
 
 
 @pytest.mark.parametrize("filt,subj,ok", [
