@@ -71,10 +71,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise
     print(f"""kvpool is up: NATS {nats.url}, worker {worker.worker_id} at {worker.address}
 
-  Python clients:   KVPOOL_MODE=cluster KVPOOL_NATS_URL={nats.url}
+  Python clients:   KVPOOL_NATS_URL={nats.url}   (cluster mode)
   same-node only:   KVPOOL_MODE=local KVPOOL_WORKER={worker.unix_path}
   SGLang:           --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
-                    '{{"backend_name":"kvpool","module_path":"kvpool.backends.sglang","class_name":"KVPoolHiCacheStorage","nats_url":"{nats.url}"}}'
+                    '{{"backend_name":"kvpool","module_path":"kvpool.backends.sglang","class_name":"KVPoolHiCacheStorage","interface_v1":1,"nats_url":"{nats.url}"}}'
   status:           kvpool status --nats-url {nats.url}
 
 Ctrl-C stops both.""", flush=True)

@@ -38,7 +38,9 @@ MODES = ("embedded", "local", "cluster")
 class ClientConfig:
     """How a PoolClient reaches the pool (environment: `KVPOOL_MODE`, `KVPOOL_WORKER`, ...)."""
 
-    mode: str = "embedded"
+    mode: str | None = None
+    """`embedded`, `local` or `cluster`; unset: `cluster` when `nats_url` is given, `local` when
+    `worker` is, else `embedded`."""
     worker: str | None = None
     """local mode: a worker's Unix socket path or host:port; default the `kvpool worker` default socket."""
     nats_url: str | None = None
@@ -52,6 +54,8 @@ class ClientConfig:
     """this machine's id (workers with the same id are reached through shared memory); default hostname."""
 
     def __post_init__(self) -> None:
+        if self.mode is None:
+            self.mode = "cluster" if self.nats_url else "local" if self.worker else "embedded"
         if self.mode not in MODES:
             raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
         if self.replication < 1:

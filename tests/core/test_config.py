@@ -148,3 +148,16 @@ def test_a_failed_start_leaves_no_arena_behind(tmp_path: Path, make_cache: Calla
     assert arena_names() == before
     first.put("still", b"works")
     assert first.get("still") == b"works"
+
+
+def test_client_mode_follows_from_what_is_configured(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool.core.client import ClientConfig
+
+    assert ClientConfig().mode == "embedded"
+    assert ClientConfig(worker="/run/kvpool/worker.sock").mode == "local"
+    assert ClientConfig(nats_url="nats://127.0.0.1:4222").mode == "cluster"
+    assert ClientConfig(mode="embedded", nats_url="nats://127.0.0.1:4222").mode == "embedded"  # explicit wins
+    monkeypatch.setenv("KVPOOL_NATS_URL", "nats://127.0.0.1:4222")
+    assert load(ClientConfig).mode == "cluster"
+    with pytest.raises(ConfigError, match="mode 'remote'"):
+        ClientConfig(mode="remote")
