@@ -47,12 +47,20 @@ def _stop_signal() -> threading.Event:
     return done
 
 
+def _wait_for_stop(done: threading.Event) -> None:
+    """Block until `done`, waking twice a second: Python runs signal handlers in the main thread only,
+    and a signal the kernel delivers to another thread does not interrupt an unbounded wait, so a
+    SIGTERM could otherwise go unnoticed for ever."""
+    while not done.wait(0.5):
+        pass
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     faulthandler.enable()  # a worker that crashes or is sent SIGABRT leaves every thread's stack
     done = _stop_signal()
     worker = _build_worker(args).start()
     print(f"kvpool worker {worker.worker_id}: tcp {worker.address}, same-node {worker.unix_path}", flush=True)
-    done.wait()
+    _wait_for_stop(done)
     worker.stop()
     return 0
 
@@ -79,7 +87,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 Ctrl-C stops both.""", flush=True)
 
-    done.wait()
+    _wait_for_stop(done)
     worker.stop()
     nats.stop()
     return 0
