@@ -194,10 +194,8 @@ class TieredCache:
                 found.append(hit)
             gone = [k for k, f in zip(raw_keys, found) if f]
             if self.ssd is not None and gone:
-                try:
-                    self.ssd.delete(gone)
-                except CapacityError:
-                    self._stale_ssd.extend(gone)  # a full disk: the demoter retries
+                self._stale_ssd.extend(gone)
+                self._delete_stale()  # a full disk leaves them queued: the demoter retries
         return found
 
     def pin(self, key: Key, pinned: bool = True) -> bool:

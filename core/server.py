@@ -391,8 +391,9 @@ class Worker:
 
     def _pin(self, conn: _Conn, frame: P.Frame) -> None:
         keys, (seconds,) = P.unpack_batch(frame.meta, "<f8")
-        for key, s in zip(keys, seconds.tolist()):
-            self.pins.pin([key], s)
+        durations = seconds.tolist()
+        for s in set(durations):  # clients send one duration per frame: one call, not one per key
+            self.pins.pin([k for k, ks in zip(keys, durations) if ks == s], s)
 
     def _release(self, conn: _Conn, frame: P.Frame) -> None:
         for lid in P.unpack_ids(frame.meta).tolist():
