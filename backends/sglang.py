@@ -34,6 +34,9 @@ _ENGINE_KEYS = frozenset({"backend_name", "module_path", "class_name", "interfac
 
 _ADAPTER_KEYS = frozenset({"retry_s"})
 
+_PAGE = [".page"]
+"""The one part of a page in the tensor form (a flat page tensor is one object)."""
+
 
 def pool_options(extra_config: dict[str, Any] | None) -> dict[str, Any]:
     """The `PoolClient` options in SGLang's extra config: every key that is neither SGLang's nor the
@@ -123,7 +126,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.v1 = bool(extra.get("interface_v1", 0))
         self._shard = _shard_namespace(storage_config)
         self._prefix = self._shard  # completed with the layout once the host pool is registered
-        self._parts: list[str] = [".page"]
+        self._parts: list[str] = _PAGE  # the v1 path's parts replace it once the host pool is registered
         self._page_tokens = 0
         self._stats = _Recorder(per_batch=storage_config.enable_storage_metrics)
         opts = pool_options(extra)
@@ -224,7 +227,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                           len(keys), None if values is None else len(values))
             return False
         t = time.perf_counter()
-        names = self._names(keys)
+        names = self._names(keys, _PAGE)
         todo = [i for i, p in enumerate(self._io.exists(names)) if not p]
         ok = not todo or self._io.call(
             lambda c: c.batch_put([names[i] for i in todo], [values[i] for i in todo]) or True, lambda st: False)
@@ -244,7 +247,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 return [None] * len(keys)
             target_locations = [host.get_dummy_flat_data_page() for _ in keys]
         t = time.perf_counter()
-        names = self._names(keys)
+        names = self._names(keys, _PAGE)
         got = self._io.call(lambda c: c.batch_get_into(names, list(target_locations)), lambda st: [-1] * len(keys))
         out = [dst if n == _nbytes(dst) else None for dst, n in zip(target_locations, got)]
         hits = sum(o is not None for o in out)
@@ -291,9 +294,10 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     # ----- helpers --------------------------------------------------------------------------------
 
-    def _names(self, keys: Sequence[str]) -> list[str]:
-        p, parts = self._prefix, self._parts
-        return [f"{p}{k}{s}" for k in keys for s in parts]
+    def _names(self, keys: Sequence[str], parts: Sequence[str] | None = None) -> list[str]:
+        """Pool keys of `keys`' pages: one per part (`self._parts` unless given), page by page."""
+        p = self._prefix
+        return [f"{p}{k}{s}" for k in keys for s in (self._parts if parts is None else parts)]
 
     def _per_page(self, flags: list[bool], pages: int) -> list[bool]:
         n = len(self._parts)

@@ -112,6 +112,17 @@ def test_tensor_form(make: Make) -> None:
     assert page_bytes(host, int(dst[0])) == page_bytes(host, int(src[0]))
 
 
+def test_tensor_form_calls_on_a_v1_backend_use_whole_pages(make: Make) -> None:
+    host = host_pool("page_first")
+    backend = make(host, interface_v1=1)  # v1 stores a page as K and V parts; the tensor form as one
+    keys, src = _pages(host, 2)
+    pages = [host.get_data_page(int(src[i * PAGE]), flat=True) for i in range(2)]
+    assert backend.batch_set(keys, pages) is True
+    got = backend.batch_get(keys, [host.get_dummy_flat_data_page() for _ in keys])
+    for page, g in zip(pages, got):
+        assert g is not None and torch.equal(g.view(torch.uint8), page.contiguous().view(torch.uint8))
+
+
 def test_keys_are_namespaced_by_model_rank_and_layout(spawn: Any) -> None:
     worker = spawn()
     opts = {"mode": "local", "worker": worker.unix_path, "interface_v1": 1}
