@@ -146,7 +146,7 @@ class MooncakeDistributedStore:
         """Store `sizes[i]` bytes at `buffer_ptrs[i]` under `keys[i]`: 0 or a negative status per key."""
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [int(Status.INVALID_PARAMS)] * len(keys)
-        return [int(s) for s in self._io.put_from(keys, buffer_ptrs, sizes)] if keys else []
+        return [int(s) for s in self._io.put_from(keys, buffer_ptrs, sizes)]
 
     batch_upsert_from = batch_put_from
 
@@ -155,7 +155,7 @@ class MooncakeDistributedStore:
         -600 when the object is larger than the room, -900 when the pool is unreachable."""
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [int(Status.INVALID_PARAMS)] * len(keys)
-        return [int(s) for s in self._io.get_into(keys, buffer_ptrs, sizes)] if keys else []
+        return [int(s) for s in self._io.get_into(keys, buffer_ptrs, sizes)]
 
     def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
         return self.batch_put_from([key], [buffer_ptr], [size])[0]
@@ -167,9 +167,10 @@ class MooncakeDistributedStore:
 
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
         """Store a bytes-like `value` (copied): 0, or a negative status (-600 for an empty value)."""
-        if readable(value).nbytes == 0:
+        view = readable(value)  # once: a CUDA tensor or strided array is copied here, not again in put
+        if view.nbytes == 0:
             return int(Status.INVALID_PARAMS)
-        return int(self._io.call(lambda c: c.put(key, value) or Status.OK, lambda st: st))
+        return int(self._io.call(lambda c: c.put(key, view) or Status.OK, lambda st: st))
 
     upsert = put
 
