@@ -109,7 +109,7 @@ def _tail(args: argparse.Namespace) -> int:
 def _pub(args: argparse.Namespace) -> int:
     from kvpool.core.client import PoolClient
 
-    from .producer import INLINE_MAX, Producer
+    from .producer import INLINE_MAX, Producer, encode
 
     payload: Any
     if args.file:
@@ -118,7 +118,7 @@ def _pub(args: argparse.Namespace) -> int:
     else:
         text = args.data if args.data is not None else sys.stdin.read()
         payload = json.loads(text) if args.json else text.encode()
-    by_reference = isinstance(payload, bytes) and len(payload) > INLINE_MAX
+    by_reference = len(encode(payload)[0]) > INLINE_MAX
     pool = PoolClient(mode="cluster", nats_url=args.nats_url) if by_reference else None
     try:
         with Producer(args.name, args.nats_url, pool=pool) as p:

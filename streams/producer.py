@@ -30,6 +30,15 @@ PIN_TTL_S = 60.0
 """Default bound, in seconds, on how long a by-reference payload's pins outlive its producer."""
 
 
+def encode(data: Any) -> tuple[memoryview, str]:
+    """The bytes a message carries for `data` and their type: a dict/list as JSON, anything else as
+    its bytes (bytes-like, numpy, torch). Whether a payload goes inline or by reference is decided on
+    these bytes."""
+    if isinstance(data, (dict, list)):
+        return memoryview(json.dumps(data).encode()), "json"
+    return readable(data), "bytes"
+
+
 class Producer:
     """Publishes to stream `stream` (which must exist: `create_stream`). Not thread-safe.
 
@@ -54,13 +63,8 @@ class Producer:
         """Publish a dict/list (as JSON) or a bytes-like/numpy/torch payload; returns its stream sequence.
 
         `topic` is the last subject token (consumers may filter on it)."""
-        hdrs = dict(headers or {})
-        if isinstance(data, (dict, list)):
-            view = memoryview(json.dumps(data).encode())
-            hdrs[env.TYPE] = "json"
-        else:
-            view = readable(data)
-            hdrs[env.TYPE] = "bytes"
+        view, kind = encode(data)
+        hdrs = {**(headers or {}), env.TYPE: kind}
         subj = subject(self.stream, check_token(topic, "topic"))
         if len(view) <= self.inline_max:
             return self._send(subj, bytes(view), {**hdrs, env.KIND: env.INLINE})

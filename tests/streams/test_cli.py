@@ -50,3 +50,14 @@ def test_tail_stops_when_idle_and_shows_reference_sizes_without_fetching(nats, c
     assert _run(nats, "tail", "big", "--start", "1", "--idle-s", "0.3") == 0
     (line,) = capsys.readouterr().out.splitlines()
     assert json.loads(line) == {"seq": 1, "subject": "kvpool.stream.big.msg", "kind": "ref", "bytes": 5000}
+
+
+def test_pub_of_a_large_json_document_goes_by_reference(nats, spawn, capsys):
+    spawn(nats_url=nats.url)
+    _run(nats, "create", "docs")
+    doc = {"blob": "x" * (300 << 10)}  # over the inline limit once encoded
+    assert _run(nats, "pub", "docs", json.dumps(doc), "--json") == 0
+    capsys.readouterr()
+    assert _run(nats, "tail", "docs", "--start", "1", "--idle-s", "0.3") == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert json.loads(line)["kind"] == "ref"
