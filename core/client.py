@@ -225,6 +225,13 @@ class PoolClient:
             assert self._cluster is not None
             self._cluster.clear()
 
+    def wait_for_members(self, predicate: Callable[[dict[str, dict[str, Any]]], bool], timeout: float) -> bool:
+        """Cluster mode: wait until `predicate(live workers by id)` holds (membership arrives over NATS
+        asynchronously); False if it still does not after `timeout` seconds."""
+        if self._cluster is None:
+            raise ConfigError(f"members exist in cluster mode only (mode is {self.config.mode})")
+        return self._cluster.membership.wait_for(predicate, timeout)
+
     def stats(self) -> dict[str, Any]:
         """Embedded: the cache's counters. Otherwise {worker_id: that worker's info and counters}."""
         if self._embedded is not None:

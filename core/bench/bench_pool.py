@@ -6,7 +6,6 @@ Local workers are real `kvpool worker` processes registered at a nats-server of 
 from __future__ import annotations
 
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -42,11 +41,8 @@ def local_cluster(state_dir: str | Path, workers: int, *, dram_bytes: int, ssd: 
 
 def wait_members(client: PoolClient, n: int, timeout: float = 15.0) -> None:
     """Block until the client sees `n` live workers (membership arrives asynchronously over NATS)."""
-    deadline = time.monotonic() + timeout
-    while len(client.stats()) < n:
-        if time.monotonic() > deadline:
-            raise PoolUnavailable(f"{len(client.stats())} of {n} workers joined the cluster within {timeout} s")
-        time.sleep(0.05)
+    if not client.wait_for_members(lambda m: len(m) >= n, timeout):
+        raise PoolUnavailable(f"fewer than {n} workers joined the cluster within {timeout} s")
 
 
 def totals(stats: dict[str, Any]) -> dict[str, int]:

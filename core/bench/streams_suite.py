@@ -17,7 +17,6 @@ import contextlib
 import itertools
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Generator
 from typing import IO, Any, cast
@@ -26,7 +25,7 @@ import numpy as np
 
 from ..client import PoolClient
 from . import raw_socket
-from .bench_pool import local_cluster, wait_members
+from .bench_pool import BenchPool, wait_members
 from .measure import emit, filled, gbps
 
 _LAYERS, _BLOCK, _INLINE_CHUNK = 32, 1 << 20, 512 << 10
@@ -195,15 +194,15 @@ def run(args: argparse.Namespace) -> int:
     layers = filled(_LAYERS * _BLOCK, 7).reshape(_LAYERS, _BLOCK)
     metrics: dict[str, Any] = {"layers": _LAYERS, "block_bytes": _BLOCK, "inline_chunk_bytes": _INLINE_CHUNK,
                                "requests": requests}
-    with tempfile.TemporaryDirectory(prefix="kvpool-bench-streams-") as state, raw_socket.server() as raw_port, \
-            local_cluster(state, 1, dram_bytes=512 << 20) as url, contextlib.ExitStack() as stack:
+    with raw_socket.server() as raw_port, BenchPool(block_size=_BLOCK, dram_bytes=512 << 20, workers=1) as bench, \
+            contextlib.ExitStack() as stack:
+        url, pool = bench.url, bench.client
+        assert url is not None
         for name in ("notes", "handoff", "inline"):  # in memory: the bench measures the path, not the disk
             create_stream(url, name, StreamConfig(memory=True))
         notify = _latency(url, "notes", 300 if args.quick else 3000)
         prefill = _Prefill(url)
         stack.callback(prefill.close)
-        pool = stack.enter_context(PoolClient(mode="cluster", nats_url=url))
-        wait_members(pool, 1)
         runs = {"handoff": _handoff_runs(url, pool, prefill, layers), "nats_inline": _inline_runs(url, prefill, layers),
                 "raw_socket": _raw_runs(raw_port, layers)}
         for gen in runs.values():

@@ -14,7 +14,7 @@ def _block(i: int) -> bytes:
 
 
 def _wait_members(client: PoolClient, n: int, timeout: float = 15.0) -> None:
-    assert client._cluster.membership.wait_for(lambda m: len(m) == n, timeout), client._cluster.membership.members()
+    assert client.wait_for_members(lambda m: len(m) == n, timeout), client._cluster.membership.members()
 
 
 def test_join_and_leave_move_about_one_nth_of_the_keys():

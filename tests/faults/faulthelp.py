@@ -50,8 +50,8 @@ def poll(predicate: Callable[[], bool], timeout: float, every: float = 0.05) -> 
 
 
 def wait_members(client: PoolClient, n: int, timeout: float = 15.0) -> None:
-    membership = client._cluster.membership  # type: ignore[union-attr]
-    assert membership.wait_for(lambda m: len(m) == n, timeout), f"members: {sorted(membership.members())}"
+    assert client.wait_for_members(lambda m: len(m) == n, timeout), \
+        f"members: {sorted(client._cluster.membership.members())}"  # type: ignore[union-attr]
 
 
 def worker_id(w: WorkerProcess) -> str:
