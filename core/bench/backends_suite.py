@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..procs import WorkerProcess
-from .measure import emit, filled, gbps
+from .measure import best_in_turns, emit, filled, gbps
 
 _PAGES, _LAYERS, _PAGE_TOKENS, _HEAD_DIM = 64, 32, 64, 128
 _INSTALL_HINT = ("SGLang is not installed: from a kvpool checkout, `pip install --no-deps -r requirements/sglang.txt` "
@@ -39,16 +39,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _in_turns(ops: dict[str, Op], nbytes: int, repeat: int) -> dict[str, float]:
     """GB/s of the fastest of `repeat` timed calls of each op, the ops taking turns after one untimed
-    warm-up turn."""
-    best = dict.fromkeys(ops, float("inf"))
-    for turn in range(repeat + 1):
-        for name, (prepare, call) in ops.items():
-            if prepare is not None:
-                prepare()
-            t = time.perf_counter()
-            call()
-            if turn:
-                best[name] = min(best[name], time.perf_counter() - t)
+    warm-up turn (`measure.best_in_turns`)."""
+    def turn(prepare: Callable[[], Any] | None, call: Callable[[], Any]) -> float:
+        if prepare is not None:
+            prepare()
+        t = time.perf_counter()
+        call()
+        return time.perf_counter() - t
+
+    best = best_in_turns({name: functools.partial(turn, *op) for name, op in ops.items()}, repeat)
     return {name: gbps(nbytes, s) for name, s in best.items()}
 
 

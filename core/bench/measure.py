@@ -32,6 +32,19 @@ def best_seconds(fn: Callable[[], Any], repeat: int) -> float:
     return best
 
 
+def best_in_turns(turns: dict[str, Callable[[], float]], repeat: int) -> dict[str, float]:
+    """The fewest seconds of each of `turns` (each call times one turn and returns its seconds) over
+    `repeat` rounds after one warm-up round. They take turns round by round, so load from elsewhere on
+    a shared machine falls on all of them alike."""
+    best = dict.fromkeys(turns, float("inf"))
+    for r in range(repeat + 1):
+        for name, turn in turns.items():
+            elapsed = turn()
+            if r:
+                best[name] = min(best[name], elapsed)
+    return best
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 

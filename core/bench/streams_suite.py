@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import subprocess
 import sys
@@ -26,7 +27,7 @@ import numpy as np
 from ..client import PoolClient
 from . import raw_socket
 from .bench_pool import BenchPool, wait_members
-from .measure import emit, filled, gbps
+from .measure import best_in_turns, emit, filled, gbps
 
 _LAYERS, _BLOCK, _INLINE_CHUNK = 32, 1 << 20, 512 << 10
 
@@ -175,18 +176,6 @@ def _raw_runs(port: int, layers: np.ndarray) -> Generator[float, None, None]:
             yield elapsed
 
 
-def _interleaved(runs: dict[str, Generator[float, None, None]], requests: int) -> dict[str, float]:
-    """The best seconds of each run over `requests` requests after one warm-up. Runs take turns request
-    by request, so load from elsewhere on a shared machine falls on all of them alike."""
-    best = {name: float("inf") for name in runs}
-    for r in range(requests + 1):
-        for name, run in runs.items():
-            elapsed = next(run)
-            if r:
-                best[name] = min(best[name], elapsed)
-    return best
-
-
 def run(args: argparse.Namespace) -> int:
     from kvpool.streams import StreamConfig, create_stream
 
@@ -207,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
                 "raw_socket": _raw_runs(raw_port, layers)}
         for gen in runs.values():
             stack.callback(gen.close)
-        best = _interleaved(runs, requests)
+        best = best_in_turns({name: functools.partial(next, gen) for name, gen in runs.items()}, requests)
     gb = {name: gbps(layers.nbytes, s) for name, s in best.items()}
     metrics.update({f"{name}_gbps": round(v, 3) for name, v in gb.items()})
     emit("streams", metrics, {"handoff_vs_raw_socket": gb["handoff"] / gb["raw_socket"],
