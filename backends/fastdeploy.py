@@ -103,7 +103,7 @@ class KVPoolStore(_Base):  # type: ignore[misc,valid-type]
     def query(self, k_keys: Sequence[str], v_keys: Sequence[str], k_scale_keys: Sequence[str] | None = None,
               v_scale_keys: Sequence[str] | None = None, timeout: float = 1.0) -> int:
         """How many leading blocks have every key present: K and V, and both scales when both scale lists
-        are given (block_wise_fp8). One existence round trip for all keys. `timeout` is accepted for
+        are given (block_wise_fp8): the pool's prefix match over the keys laid out block by block. `timeout` is accepted for
         FastDeploy's signature; each pool call is bounded by the client's `timeout_s` instead."""
         if len(k_keys) != len(v_keys):
             raise ValueError(f"{len(k_keys)} k_keys but {len(v_keys)} v_keys; they must match")
@@ -116,11 +116,8 @@ class KVPoolStore(_Base):  # type: ignore[misc,valid-type]
         n = len(k_keys)
         if n == 0:
             return 0
-        flags = self._io.exists(self._keys([k for g in groups for k in g]))
-        for block in range(n):
-            if not all(flags[g * n + block] for g in range(len(groups))):
-                return block
-        return n
+        names = self._keys([g[block] for block in range(n) for g in groups])  # block by block
+        return int(self._io.call(lambda c: c.prefix_match(names) // len(groups), lambda st: 0))
 
     # ----- removal ------------------------------------------------------------------------------
 
