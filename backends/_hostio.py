@@ -277,6 +277,7 @@ class HostIO:
         def clear_all(c: PoolClient) -> int:
             n = _block_count(c.stats())
             c.clear()
+            self.log.info("kvpool: cleared %d blocks", n)
             return n
         return self.call(clear_all, lambda st: int(st))
 

@@ -134,10 +134,7 @@ class KVPoolStore(_Base):  # type: ignore[misc,valid-type]
     def clear(self) -> bool:
         """Remove every block of the pool (every namespace: the pool has no per-namespace index).
         True on success, False when the pool is unavailable."""
-        n = self._io.clear()
-        if n >= 0:
-            log.info("kvpool: cleared %d blocks", n)
-        return n >= 0
+        return self._io.clear() >= 0
 
     def close(self) -> None:
         """Close the pool client this store created (a client passed in is left open)."""

@@ -280,9 +280,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def clear(self) -> None:
         """Remove every block of the pool (every model and rank: the pool keeps no per-namespace
         index). SGLang calls it from its clear-storage admin request."""
-        n = self._io.clear()
-        if n >= 0:
-            log.info("kvpool: cleared %d blocks", n)
+        self._io.clear()
 
     def get_stats(self) -> KVPoolStorageMetrics:
         """What SGLang's storage metrics collector expects, plus kvpool's totals (see the class)."""
