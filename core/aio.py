@@ -55,3 +55,14 @@ def nats_error_logger(log: logging.Logger) -> Callable[[Exception], Awaitable[No
             last = line
 
     return on_error
+
+
+async def nats_connect(url: str, timeout_s: float, log: logging.Logger, **callbacks: Any) -> Any:
+    """A nats-py connection that, once up, reconnects forever (a restarted server is picked up again),
+    with its errors logged by `nats_error_logger`; the first connection must succeed within
+    `timeout_s` seconds. `callbacks`: nats-py's, e.g. `disconnected_cb`, `reconnected_cb`."""
+    import nats
+
+    return await asyncio.wait_for(nats.connect(url, connect_timeout=timeout_s, allow_reconnect=True,
+                                               max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                               error_cb=nats_error_logger(log), **callbacks), timeout_s)

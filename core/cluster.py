@@ -16,7 +16,7 @@ from typing import Any
 
 import xxhash
 
-from .aio import LoopThread, nats_error_logger
+from .aio import LoopThread, nats_connect
 from .errors import PoolUnavailable
 
 log = logging.getLogger("kvpool.cluster")
@@ -34,8 +34,6 @@ class Membership:
     """A NATS connection that registers a worker and/or watches the member list."""
 
     def __init__(self, nats_url: str, ttl_s: float = 10.0, connect_timeout: float = 5.0) -> None:
-        import nats
-
         self.url = nats_url
         self.ttl_s = ttl_s
         self._io = LoopThread("kvpool-nats")
@@ -46,13 +44,9 @@ class Membership:
         self._lost_at: float | None = None  # when the NATS connection dropped; members do not age meanwhile
         self._watcher: Any = None
 
-        async def _connect() -> Any:
-            return await nats.connect(nats_url, connect_timeout=connect_timeout, max_reconnect_attempts=-1,
-                                      reconnect_time_wait=0.5, allow_reconnect=True,
-                                      disconnected_cb=self._disconnected, reconnected_cb=self._reconnected,
-                                      error_cb=nats_error_logger(log))
         try:
-            self._nc = self._io.run(_connect(), timeout=connect_timeout + 2)
+            self._nc = self._io.run(nats_connect(nats_url, connect_timeout, log, disconnected_cb=self._disconnected,
+                                                 reconnected_cb=self._reconnected), timeout=connect_timeout + 2)
             self._kv = self._io.run(self._bucket(), timeout=connect_timeout + 2)
         except Exception as e:
             self._io.stop()

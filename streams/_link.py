@@ -14,7 +14,7 @@ import nats
 import nats.errors
 import nats.js.errors
 
-from kvpool.core.aio import LoopThread, nats_error_logger
+from kvpool.core.aio import LoopThread, nats_connect
 
 from .errors import StreamError, StreamFull, StreamNotFound, StreamTimeout, StreamUnavailable
 
@@ -54,12 +54,9 @@ def translate(err: BaseException, what: str) -> BaseException:
 
 
 async def connect(url: str, timeout_s: float) -> Any:
-    """A nats-py connection that, once up, reconnects forever (a restarted server is picked up again);
-    the first connection must succeed within `timeout_s` seconds."""
+    """`kvpool.core.aio.nats_connect`, its failure a StreamError."""
     try:
-        return await asyncio.wait_for(nats.connect(url, connect_timeout=timeout_s, allow_reconnect=True,
-                                                   max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                                   error_cb=nats_error_logger(log)), timeout_s)
+        return await nats_connect(url, timeout_s, log)
     except Exception as e:
         raise translate(e, f"connect to {url}") from e
 
