@@ -100,17 +100,17 @@ class Producer:
 
     def _stored(self, seq: int, subj: str, keys: Sequence[Key]) -> None:
         """JetStream stored kv announcement `seq`: its blocks stay pinned until it is consumed."""
-        if self.pin_ttl_s and self.pool is not None:
-            self._keeper(self.pool).add(seq, subj, keys)
+        if self.pin_ttl_s:
+            self._keeper().add(seq, subj, keys)
 
     def _unpin(self, keys: Sequence[Key]) -> None:
         """A kv announcement was refused: nothing will read its blocks through the stream."""
-        if self.pin_ttl_s and self.pool is not None:
-            self.pool.pin(keys, 0)
+        if self.pin_ttl_s:
+            self._need_pool("unpin").pin(keys, 0)
 
-    def _keeper(self, pool: PoolClient) -> PinKeeper:
+    def _keeper(self) -> PinKeeper:
         if self._pins is None:
-            self._pins = PinKeeper(self._link, self.stream, pool, self.pin_ttl_s)
+            self._pins = PinKeeper(self._link, self.stream, self._need_pool("pins"), self.pin_ttl_s)
         return self._pins
 
     def _need_pool(self, what: str) -> PoolClient:
@@ -129,7 +129,7 @@ class Producer:
             pool.remove(ref.keys)
             raise
         if self.pin_ttl_s:
-            self._keeper(pool).add(seq, subj, ref.keys)
+            self._keeper().add(seq, subj, ref.keys)
         return seq
 
     def _send(self, subj: str, body: bytes, headers: dict[str, str]) -> int:
