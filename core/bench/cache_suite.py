@@ -101,11 +101,11 @@ class _Tally:
         """Count one call; every `_TICK_S` add a timeline row and redraw progress. True on a tick."""
         self.calls += 1
         now = time.perf_counter()
-        elapsed = now - self.start
-        self.progress.update(self.calls if self.ops else elapsed,
-                             f"ops {self.calls} hit {self.hit_rate:.1%} {gbps(self.moved, elapsed):.2f} GB/s")
         if now - self._last_tick < _TICK_S:
             return False
+        elapsed = now - self.start  # the progress line is built per tick, not per call
+        self.progress.update(self.calls if self.ops else elapsed,
+                             f"ops {self.calls} hit {self.hit_rate:.1%} {gbps(self.moved, elapsed):.2f} GB/s")
         self._row(now)
         return True
 
