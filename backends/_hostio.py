@@ -65,8 +65,9 @@ class HostBuffers:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._bases: tuple[int, ...] = ()
-        self._arrays: tuple[np.ndarray, ...] = ()
+        self._regions: dict[int, np.ndarray] = {}  # base address -> view; changed under the lock
+        # (bases sorted, their views): replaced whole, so a reader's one load is a consistent pair
+        self._index: tuple[tuple[int, ...], tuple[np.ndarray, ...]] = ((), ())
 
     def register(self, ptr: int, size: int) -> None:
         """Make [ptr, ptr + size) addressable; re-registering a base address replaces its size."""
@@ -75,23 +76,23 @@ class HostBuffers:
             raise ValueError(f"cannot register buffer at {ptr:#x} of {size} bytes: need a non-null pointer and size > 0")
         arr = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(ptr))
         with self._lock:
-            regions = dict(zip(self._bases, self._arrays))
-            regions[ptr] = arr
-            self._bases = tuple(sorted(regions))
-            self._arrays = tuple(regions[b] for b in self._bases)
+            self._regions[ptr] = arr
+            self._reindex()
 
     def unregister(self, ptr: int) -> bool:
         """Forget the buffer registered at base address `ptr`; False if there was none."""
         with self._lock:
-            regions = dict(zip(self._bases, self._arrays))
-            found = regions.pop(int(ptr), None) is not None
-            self._bases = tuple(sorted(regions))
-            self._arrays = tuple(regions[b] for b in self._bases)
+            found = self._regions.pop(int(ptr), None) is not None
+            self._reindex()
         return found
+
+    def _reindex(self) -> None:
+        bases = tuple(sorted(self._regions))
+        self._index = (bases, tuple(self._regions[b] for b in bases))
 
     def view(self, ptr: int, size: int) -> np.ndarray | None:
         """A uint8 view of [ptr, ptr + size), or None unless the whole range lies in one registered buffer."""
-        bases, arrays = self._bases, self._arrays  # one consistent snapshot, no lock on the hot path
+        bases, arrays = self._index  # one consistent snapshot, no lock on the hot path
         i = bisect.bisect_right(bases, ptr) - 1
         while i >= 0:  # overlapping registrations are rare: look further down only if the nearest is short
             off = ptr - bases[i]
@@ -101,7 +102,7 @@ class HostBuffers:
         return None
 
     def __len__(self) -> int:
-        return len(self._bases)
+        return len(self._index[0])
 
 
 class HostIO:

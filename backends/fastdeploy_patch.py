@@ -258,9 +258,7 @@ def enable(path: str | os.PathLike[str] | None = None) -> Report:
         if current != target:
             _write(pkg / rel, target)
             changed = True
-            files.append(FileReport(rel, "enabled", changes))
-        else:
-            files.append(FileReport(rel, "enabled", []))
+        files.append(FileReport(rel, "enabled", changes if current != target else []))
     return Report(str(pkg), "enable", files, changed)
 
 
