@@ -194,40 +194,60 @@ class HostIO:
 
     # ----- pointer-addressed batches ---------------------------------------------------------
 
-    def _resolve(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
-                 out: list[int]) -> tuple[list[int], list[bytes], list[np.ndarray]]:
-        """(indices, keys, views) of the well-formed items; the others get INVALID_PARAMS in `out`."""
+    def _resolve(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]],
+                 out: list[int]) -> tuple[list[int], list[bytes], list[list[np.ndarray]]]:
+        """(indices, keys, views of each key's parts) of the well-formed items; the others get
+        INVALID_PARAMS in `out`. A key's parts are (pointer, size) pairs, in order."""
         idx: list[int] = []
         raw: list[bytes] = []
-        views: list[np.ndarray] = []
-        for i, (key, ptr, size) in enumerate(zip(keys, ptrs, sizes)):
+        parts: list[list[np.ndarray]] = []
+        for i, (key, key_ptrs, key_sizes) in enumerate(zip(keys, ptrs, sizes)):
             try:
                 k = key_bytes(key)
             except KVPoolError as e:
                 self.once("bad key", "kvpool: %s", str(e))
                 out[i] = Status.INVALID_PARAMS
                 continue
-            if size <= 0:
-                self.once("bad size", "kvpool: key %r has size %d; sizes must be > 0", key, size)
-                out[i] = Status.INVALID_PARAMS
-                continue
-            view = self.buffers.view(int(ptr), int(size))
-            if view is None:
-                self.once("bad pointer", "kvpool: %d bytes at %#x (key %r) are not inside a registered buffer "
-                          "(%d registered); call register_buffer(ptr, size) first", size, ptr, key, len(self.buffers))
+            views = self._views(key, key_ptrs, key_sizes)
+            if views is None:
                 out[i] = Status.INVALID_PARAMS
                 continue
             idx.append(i)
             raw.append(k)
+            parts.append(views)
+        return idx, raw, parts
+
+    def _views(self, key: str, ptrs: Sequence[int], sizes: Sequence[int]) -> list[np.ndarray] | None:
+        if not ptrs or len(ptrs) != len(sizes):
+            self.once("bad parts", "kvpool: key %r has %d pointers and %d sizes; need as many, at least one",
+                      key, len(ptrs), len(sizes))
+            return None
+        views: list[np.ndarray] = []
+        for ptr, size in zip(ptrs, sizes):
+            if size <= 0:
+                self.once("bad size", "kvpool: key %r has size %d; sizes must be > 0", key, size)
+                return None
+            view = self.buffers.view(int(ptr), int(size))
+            if view is None:
+                self.once("bad pointer", "kvpool: %d bytes at %#x (key %r) are not inside a registered buffer "
+                          "(%d registered); call register_buffer(ptr, size) first", size, ptr, key, len(self.buffers))
+                return None
             views.append(view)
-        return idx, raw, views
+        return views
 
     def put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """Store `sizes[i]` bytes at `ptrs[i]` under `keys[i]`: OK or a negative Status per key."""
+        return self.put_from_parts(keys, [[p] for p in ptrs], [[n] for n in sizes])
+
+    def put_from_parts(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                       sizes: Sequence[Sequence[int]]) -> list[int]:
+        """Store under `keys[i]` the concatenation of the parts (`ptrs[i][j]`, `sizes[i][j]` bytes):
+        OK or a negative Status per key. Several parts cost one gathering copy."""
         out: list[int] = [Status.OK] * len(keys)
-        idx, raw, views = self._resolve(keys, ptrs, sizes, out)
+        idx, raw, parts = self._resolve(keys, ptrs, sizes, out)
         if not idx:
             return out
+        views = [p[0] if len(p) == 1 else np.concatenate(p) for p in parts]
         st = self.call(lambda c: c.batch_put(raw, views), lambda s: s)
         if st is None:
             return out
@@ -244,16 +264,42 @@ class HostIO:
         """Copy each block to `ptrs[i]` (at most `sizes[i]` bytes): bytes read, or a negative Status per
         key (OBJECT_NOT_FOUND on a miss, INVALID_PARAMS when the block is larger than `sizes[i]`)."""
         out: list[int] = [Status.OK] * len(keys)
-        idx, raw, views = self._resolve(keys, ptrs, sizes, out)
+        idx, raw, parts = self._resolve(keys, [[p] for p in ptrs], [[n] for n in sizes], out)
+        self._get_views(idx, raw, [p[0] for p in parts], out)
+        return out
+
+    def get_into_parts(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                       sizes: Sequence[Sequence[int]]) -> list[int]:
+        """Scatter each block over its parts, in order: bytes read, or a negative Status per key
+        (OBJECT_NOT_FOUND on a miss; INVALID_PARAMS when the block's size is not the parts' total, so a
+        short block never leaves a part unwritten). Several parts cost one copy through a scratch buffer."""
+        out: list[int] = [Status.OK] * len(keys)
+        idx, raw, parts = self._resolve(keys, ptrs, sizes, out)
+        dests = [p[0] if len(p) == 1 else np.empty(sum(v.size for v in p), np.uint8) for p in parts]
+        self._get_views(idx, raw, dests, out)
+        for n, i in enumerate(idx):
+            if out[i] < 0:
+                continue
+            if out[i] != dests[n].size:
+                self.once("short object", "kvpool: key %r holds %d bytes but its parts take %d",
+                          keys[i], out[i], dests[n].size)
+                out[i] = Status.INVALID_PARAMS
+            elif len(parts[n]) > 1:
+                at = 0
+                for v in parts[n]:
+                    v[:] = dests[n][at:at + v.size]
+                    at += v.size
+        return out
+
+    def _get_views(self, idx: list[int], raw: list[bytes], dests: list[np.ndarray], out: list[int]) -> None:
         if not idx:
-            return out
-        got = self.call(lambda c: c.batch_get_into(raw, views), lambda s: s)
+            return
+        got = self.call(lambda c: c.batch_get_into(raw, dests), lambda s: s)
         for n, i in enumerate(idx):
             if isinstance(got, list):
                 out[i] = got[n] if got[n] >= 0 else Status.OBJECT_NOT_FOUND
             else:
-                out[i] = Status.RPC_FAIL if got == Status.RPC_FAIL else self._get_one(raw[n], views[n])
-        return out
+                out[i] = Status.RPC_FAIL if got == Status.RPC_FAIL else self._get_one(raw[n], dests[n])
 
     def _get_one(self, key: bytes, view: np.ndarray) -> int:
         n = self.call(lambda c: c.batch_get_into([key], [view])[0], lambda s: s)

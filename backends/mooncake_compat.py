@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool.core.buffers import readable
-from kvpool.core.client import PoolClient
+from kvpool.core.client import ClientConfig, PoolClient
+from kvpool.core.config import load
 from kvpool.core.errors import KVPoolError
 
 from ._hostio import HostBuffers, HostIO, Status
@@ -27,6 +28,9 @@ __all__ = ["MooncakeDistributedStore", "ReplicateConfig", "Status", "pool_option
 _MIN_EMBEDDED_BYTES = 16 << 20
 """Smallest embedded pool that `global_segment_size` may size (one DRAM slab)."""
 
+DEFAULT_TENANT = "default"
+"""Mooncake's tenant when none is named: its objects carry no prefix."""
+
 
 def pool_options(master_server_addr: str | None, metadata_server: str | None = None,
                  global_segment_size: int = 0, env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -38,7 +42,8 @@ def pool_options(master_server_addr: str | None, metadata_server: str | None = N
     - `host:port`                   -> local mode, that worker over TCP
     - `embedded`                    -> a pool inside this process
     Anything else (empty, `kvpool`, `P2PHANDSHAKE`, `http://...` / `etcd://...` metadata servers) names
-    no pool: then the `KVPOOL_*` variables decide, and with none set the pool is embedded.
+    no pool: then the `KVPOOL_*` variables decide as they do for PoolClient (`KVPOOL_NATS_URL` alone
+    means cluster mode, `KVPOOL_WORKER` alone local mode), and with none set the pool is embedded.
     In embedded mode `global_segment_size` (the memory a Mooncake client contributes) sizes the DRAM
     arena, unless `KVPOOL_DRAM_BYTES` is set. Other KVPOOL_* options (token, timeout, replication)
     always come from the environment.
@@ -56,10 +61,17 @@ def pool_options(master_server_addr: str | None, metadata_server: str | None = N
         else:
             continue
         break
-    mode = opts.get("mode", env.get("KVPOOL_MODE", "embedded"))
+    mode = opts.get("mode") or _env_mode(env)
     if mode == "embedded" and global_segment_size >= _MIN_EMBEDDED_BYTES and "KVPOOL_DRAM_BYTES" not in env:
         opts["dram_bytes"] = int(global_segment_size)
     return opts
+
+
+def _env_mode(env: dict[str, str]) -> str:
+    """The mode PoolClient takes from these variables (ClientConfig's inference: an explicit
+    KVPOOL_MODE, else cluster with KVPOOL_NATS_URL, local with KVPOOL_WORKER, else embedded)."""
+    cfg = load(ClientConfig, env=env)
+    return str(cfg.mode)
 
 
 def _is_host_port(addr: str) -> bool:
@@ -92,28 +104,38 @@ class MooncakeDistributedStore:
 
     def __init__(self) -> None:
         self._hostname = ""
+        self._prefix = ""  # the tenant's key namespace
         self._buffers = HostBuffers()  # kept across setup() calls
         self._io = HostIO(None, logger=log, buffers=self._buffers)  # until setup(): every call fails
 
     def setup(self, local_hostname: str | dict[str, Any] = "", metadata_server: str = "",
               global_segment_size: int = 16 << 20, local_buffer_size: int = 16 << 20,
               protocol: str = "tcp", rdma_devices: str = "", master_server_addr: str = "",
-              *args: Any, **kwargs: Any) -> int:
+              engine: Any = None, *, tenant_id: str = DEFAULT_TENANT, enable_ssd_offload: bool = False,
+              ssd_offload_path: str | None = None, **ignored: Any) -> int:
         """Connect to the pool that `master_server_addr` / `metadata_server` name (see `pool_options`).
 
-        Also accepts Mooncake's `setup(config: dict)` form. Returns 0, or INVALID_PARAMS (-600) for a
-        configuration kvpool rejects (logged). An unreachable pool is not an error here: calls report
-        misses until it answers.
+        Every form Mooncake's callers use is accepted: positional (the eighth argument is a shared
+        transfer engine, ignored), keywords, and `setup(config: dict)`. `tenant_id` is honoured as a key
+        namespace: tenants never see each other's objects. `enable_ssd_offload` / `ssd_offload_path`
+        are accepted and ignored (the pool's SSD tier is its workers' setting; an embedded pool takes
+        `KVPOOL_SSD_PATH`). Returns 0, or INVALID_PARAMS (-600) for a configuration kvpool rejects
+        (logged). An unreachable pool is not an error here: calls report misses until it answers.
         """
         if isinstance(local_hostname, dict):
-            cfg = local_hostname
-            return self.setup(str(cfg.get("local_hostname", "")), str(cfg.get("metadata_server", "")),
-                              int(cfg.get("global_segment_size", 16 << 20)),
-                              int(cfg.get("local_buffer_size", 16 << 20)), str(cfg.get("protocol", "tcp")),
-                              str(cfg.get("rdma_devices", "")), str(cfg.get("master_server_addr", "")))
-        opts = pool_options(master_server_addr, metadata_server, global_segment_size)
+            cfg = dict(local_hostname)
+            return self.setup(str(cfg.pop("local_hostname", "")), str(cfg.pop("metadata_server", "")),
+                              int(cfg.pop("global_segment_size", 16 << 20)),
+                              int(cfg.pop("local_buffer_size", 16 << 20)), str(cfg.pop("protocol", "tcp")),
+                              str(cfg.pop("rdma_devices", cfg.pop("device_name", ""))),
+                              str(cfg.pop("master_server_addr", cfg.pop("master_server_address", ""))), **cfg)
+        if ignored:
+            log.info("kvpool: setup() options %s have no meaning for kvpool; ignored", sorted(ignored))
+        tenant = str(tenant_id or DEFAULT_TENANT)
         self._io.close()
+        opts: dict[str, Any] = {}
         try:
+            opts = pool_options(master_server_addr, metadata_server, global_segment_size)
             self._io = HostIO(lambda: PoolClient(**opts), logger=log, buffers=self._buffers)
         except (KVPoolError, ValueError) as e:  # Mooncake reports a failed setup as a status
             log.error("kvpool: setup(master_server_addr=%r, metadata_server=%r) failed: %s",
@@ -121,8 +143,18 @@ class MooncakeDistributedStore:
             self._io = HostIO(None, logger=log, buffers=self._buffers)
             return int(Status.INVALID_PARAMS)
         self._hostname = local_hostname
-        log.info("kvpool Mooncake-API store: %s", opts or "KVPOOL_* settings")
+        self._prefix = "" if tenant == DEFAULT_TENANT else f"tenant/{tenant}/"
+        log.info("kvpool Mooncake-API store: %s%s", opts or "KVPOOL_* settings",
+                 f", tenant {tenant!r}" if self._prefix else "")
         return 0
+
+    def setup_dummy(self, mem_pool_size: int, local_buffer_size: int, server_address: str, **kwargs: Any) -> int:
+        """Mooncake's form for a client whose memory a separate local process owns: here the address
+        names the pool as `master_server_addr` does (a worker's socket or host:port, a NATS URL)."""
+        return self.setup("", "", 0, local_buffer_size, master_server_addr=server_address, **kwargs)
+
+    def _keys(self, keys: Sequence[str]) -> list[str]:
+        return [self._prefix + k for k in keys] if self._prefix else list(keys)
 
     # ----- registered buffers -------------------------------------------------------------------
 
@@ -146,7 +178,7 @@ class MooncakeDistributedStore:
         """Store `sizes[i]` bytes at `buffer_ptrs[i]` under `keys[i]`: 0 or a negative status per key."""
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [int(Status.INVALID_PARAMS)] * len(keys)
-        return [int(s) for s in self._io.put_from(keys, buffer_ptrs, sizes)]
+        return [int(s) for s in self._io.put_from(self._keys(keys), buffer_ptrs, sizes)]
 
     batch_upsert_from = batch_put_from
 
@@ -155,7 +187,25 @@ class MooncakeDistributedStore:
         -600 when the object is larger than the room, -900 when the pool is unreachable."""
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [int(Status.INVALID_PARAMS)] * len(keys)
-        return [int(s) for s in self._io.get_into(keys, buffer_ptrs, sizes)]
+        return [int(s) for s in self._io.get_into(self._keys(keys), buffer_ptrs, sizes)]
+
+    def batch_put_from_multi_buffers(self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]],
+                                     all_sizes: Sequence[Sequence[int]],
+                                     config: ReplicateConfig | None = None) -> list[int]:
+        """Store under `keys[i]` the concatenation of its parts (`all_buffer_ptrs[i][j]`, `all_sizes[i][j]`
+        bytes; SGLang's MLA and layer-first layouts: one part per layer): 0 or a negative status per key."""
+        if not len(keys) == len(all_buffer_ptrs) == len(all_sizes):
+            return [int(Status.INVALID_PARAMS)] * len(keys)
+        return [int(s) for s in self._io.put_from_parts(self._keys(keys), all_buffer_ptrs, all_sizes)]
+
+    def batch_get_into_multi_buffers(self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]],
+                                     all_sizes: Sequence[Sequence[int]],
+                                     prefer_alloc_in_same_node: bool = False) -> list[int]:
+        """Scatter each object over its parts, in order: total bytes read, -704 on a miss, -600 when the
+        object's size is not the parts' total, -900 when the pool is unreachable."""
+        if not len(keys) == len(all_buffer_ptrs) == len(all_sizes):
+            return [int(Status.INVALID_PARAMS)] * len(keys)
+        return [int(s) for s in self._io.get_into_parts(self._keys(keys), all_buffer_ptrs, all_sizes)]
 
     def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
         return self.batch_put_from([key], [buffer_ptr], [size])[0]
@@ -170,7 +220,8 @@ class MooncakeDistributedStore:
         view = readable(value)  # once: a CUDA tensor or strided array is copied here, not again in put
         if view.nbytes == 0:
             return int(Status.INVALID_PARAMS)
-        return int(self._io.call(lambda c: c.put(key, view) or Status.OK, lambda st: st))
+        name = self._keys([key])[0]
+        return int(self._io.call(lambda c: c.put(name, view) or Status.OK, lambda st: st))
 
     upsert = put
 
@@ -187,15 +238,18 @@ class MooncakeDistributedStore:
 
     def get(self, key: str) -> bytes:
         """The object's bytes; b"" on a miss or when the pool is unreachable (as Mooncake)."""
-        return self._io.call(lambda c: c.get(key) or b"", lambda st: b"")
+        name = self._keys([key])[0]
+        return self._io.call(lambda c: c.get(name) or b"", lambda st: b"")
 
     def get_batch(self, keys: Sequence[str]) -> list[bytes]:
         return [self.get(k) for k in keys]
 
     def get_size(self, key: str) -> int:
         """The object's size in bytes, -704 on a miss, another negative status on failure."""
+        names = self._keys([key])
+
         def size(c: PoolClient) -> int:
-            with c.lease([key]) as views:
+            with c.lease(names) as views:
                 return views[0].nbytes if views[0] is not None else int(Status.OBJECT_NOT_FOUND)
         return int(self._io.call(size, lambda st: st))
 
@@ -207,17 +261,23 @@ class MooncakeDistributedStore:
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         """1 / 0 per key (0 also when the pool cannot answer)."""
-        return [int(f) for f in self._io.exists(keys)]
+        return [int(f) for f in self._io.exists(self._keys(keys))]
 
     def remove(self, key: str, force: bool = False) -> int:
         """0 if removed, -704 if absent, -900 when the pool is unreachable."""
         return self.batch_remove([key], force)[0]
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
-        return [int(s) for s in self._io.remove(keys)]
+        return [int(s) for s in self._io.remove(self._keys(keys))]
 
     def remove_all(self, force: bool = False) -> int:
-        """Remove every object of the pool; how many there were, or a negative status."""
+        """Remove every object of the pool; how many there were, or a negative status. With a tenant
+        set, INVALID_PARAMS (logged): the pool cannot yet remove one tenant's objects only, and
+        removing every tenant's would break the isolation the tenant asked for."""
+        if self._prefix:
+            self._io.once("remove_all tenant", "kvpool: remove_all() with tenant %r refused: kvpool cannot "
+                          "remove only one tenant's objects", self._prefix.split("/")[1])
+            return int(Status.INVALID_PARAMS)
         return self._io.clear()
 
     # ----- lifecycle ----------------------------------------------------------------------------

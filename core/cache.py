@@ -23,7 +23,7 @@ from .keys import Key, key_bytes
 from .policies import EVICTION_POLICY
 from .stats import CacheStats
 from .tiers.device import DeviceTier, cuda_available
-from .tiers.dram import DramArena
+from .tiers.dram import DramArena, sweep_dead_arenas
 from .tiers.ssd import SsdTier
 
 _DEMOTE_BATCH_BYTES = 64 << 20
@@ -56,10 +56,11 @@ class TieredCache:
 
     Sizes are bytes, TTLs seconds. A miss is `None` (get) or `-1` (get_into), never an exception.
     Build it from a `CacheConfig`, or from keyword overrides of one (`TieredCache(dram_bytes=...)`),
-    which are layered over `KVPOOL_*` environment variables and defaults.
+    which are layered over `KVPOOL_*` environment variables and defaults. `share_arena=True` (the
+    worker) names the DRAM arena in /dev/shm for same-node clients to map; otherwise it is private.
     """
 
-    def __init__(self, config: CacheConfig | None = None, **overrides: Any) -> None:
+    def __init__(self, config: CacheConfig | None = None, *, share_arena: bool = False, **overrides: Any) -> None:
         self.config = config if config is not None else load(CacheConfig, **overrides)
         cfg = self.config
         self._lock = threading.RLock()
@@ -76,7 +77,9 @@ class TieredCache:
         self._ssd_order = EVICTION_POLICY[cfg.policy]()
         self._ssd_bytes = 0
         self._stale_ssd: list[bytes] = []  # keys whose SSD copy is outdated; the demoter deletes them
-        self.arena = DramArena(cfg.dram_bytes, cfg.dram_slab_size, cfg.dram_name, cfg.prefault)
+        if share_arena:
+            sweep_dead_arenas()  # what a kill -9'd worker on this node left
+        self.arena = DramArena(cfg.dram_bytes, cfg.dram_slab_size, cfg.dram_name, cfg.prefault, shared=share_arena)
         try:
             if cfg.ssd_path:
                 self.ssd = SsdTier(cfg.ssd_path, cfg.ssd_map_size, cfg.ssd_sync)

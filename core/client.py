@@ -16,6 +16,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -91,6 +92,9 @@ class PoolClient:
             if not cfg.nats_url:
                 raise ConfigError("cluster mode needs nats_url (KVPOOL_NATS_URL)")
             self._cluster = _Cluster(cfg)
+        # Engines drop their store without close() and rely on the destructor or process exit: this
+        # closes what the client holds then (an embedded cache's SSD tier included), once.
+        self._finalizer = weakref.finalize(self, _close_parts, self._embedded, self._single, self._cluster)
 
     # ----- the API ----------------------------------------------------------------------------
 
@@ -243,18 +247,25 @@ class PoolClient:
         return self._cluster.stats()
 
     def close(self) -> None:
-        if self._embedded is not None:
-            self._embedded.close()
-        if self._single is not None:
-            self._single.close()
-        if self._cluster is not None:
-            self._cluster.close()
+        """Release what the client holds (idempotent); also done when it is garbage-collected or the
+        process exits without a call."""
+        self._finalizer()
 
     def __enter__(self) -> PoolClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close_parts(embedded: TieredCache | None, single: TcpTransport | ShmTransport | None,
+                 cluster: _Cluster | None) -> None:
+    if embedded is not None:
+        embedded.close()
+    if single is not None:
+        single.close()
+    if cluster is not None:
+        cluster.close()
 
 
 @contextmanager

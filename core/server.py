@@ -67,7 +67,7 @@ class Worker:
             raise ConfigError(f"binding {cfg.host} (not 127.0.0.1) needs a token: set KVPOOL_TOKEN or --token")
         self.worker_id = cfg.worker_id or secrets.token_hex(4)
         self.node_id = cfg.node_id or socket.gethostname()
-        self.cache = TieredCache(cache if cache is not None else load(CacheConfig))
+        self.cache = TieredCache(cache if cache is not None else load(CacheConfig), share_arena=True)
         self.pins = PinTable(self.cache)
         self.metrics = WorkerMetrics(self.cache.stats)
         self._stopping = threading.Event()

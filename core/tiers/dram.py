@@ -4,6 +4,8 @@ The arena is created 0600 and pre-faulted once at start (first touch of fresh sh
 slower than a warm write here). Slabs of `slab_size` bytes are handed to size classes on demand and
 returned when empty; allocating and freeing a block is pure Python bookkeeping, never a system call.
 Other processes on the node map the same arena by name (`DramArena.attach`) and read blocks in place.
+An arena nobody else maps (an embedded pool's) is unlinked as soon as it is mapped, so no exit, not even
+kill -9, can leave it behind; a shared one that a killed owner left is swept by the next shared arena.
 """
 from __future__ import annotations
 
@@ -49,6 +51,34 @@ def arena_names(pid: int | None = None) -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
 
 
+def sweep_dead_arenas() -> list[str]:
+    """Unlink this user's arenas whose creating process no longer exists (a kill -9'd worker's);
+    returns their names. An arena whose pid is alive, or another user's, is never touched."""
+    swept: list[str] = []
+    for name in os.listdir("/dev/shm"):
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "kvpool" or not parts[1].isdigit():
+            continue
+        try:
+            if os.stat(f"/dev/shm/{name}").st_uid != os.getuid() or _alive(int(parts[1])):
+                continue
+            os.unlink(f"/dev/shm/{name}")
+            swept.append(name)
+        except FileNotFoundError:
+            pass  # its owner, or another sweeper, got there first
+    return swept
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class DramArena:
     """A named shared-memory arena with a size-class slab allocator.
 
@@ -57,13 +87,17 @@ class DramArena:
     """
 
     def __init__(self, size: int, slab_size: int = 16 << 20, name: str | None = None,
-                 prefault: bool = True) -> None:
+                 prefault: bool = True, shared: bool = True) -> None:
+        """`shared=False`: no other process will `attach`, so the name is unlinked at once (the memory
+        lives as long as this mapping, and nothing is left in /dev/shm however the process ends)."""
         if slab_size % mmap.PAGESIZE or size < slab_size:
             raise ValueError(f"arena of {size} bytes / slab of {slab_size}: slab must be page-aligned and fit")
         self.name = name or f"kvpool-{os.getpid()}-{secrets.token_hex(4)}"  # see arena_names
         self.slab_size = slab_size
         self.size = size // slab_size * slab_size
         fd = _posixshmem.shm_open("/" + self.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        if not shared:
+            _posixshmem.shm_unlink("/" + self.name)
         try:
             # Reserving the pages up front turns a too-small /dev/shm into an error here instead
             # of a SIGBUS at first touch.
@@ -73,11 +107,12 @@ class DramArena:
                 os.ftruncate(fd, self.size)
             self._mmap = mmap.mmap(fd, self.size)
         except OSError as e:
-            _posixshmem.shm_unlink("/" + self.name)
+            if shared:
+                _posixshmem.shm_unlink("/" + self.name)
             raise CapacityError(f"cannot create a DRAM arena of {self.size} bytes in /dev/shm: {e}") from e
         finally:
             os.close(fd)
-        self._owner = True
+        self._owner = shared  # the creator of a shared arena unlinks its name on close
         self.buf = np.frombuffer(self._mmap, dtype=np.uint8)
         if prefault:
             self._prefault()

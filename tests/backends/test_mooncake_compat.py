@@ -20,6 +20,7 @@ import pytest
 
 from kvpool.backends.mooncake_compat import MooncakeDistributedStore, ReplicateConfig, Status, pool_options
 from kvpool.backends.mooncake_shim import add_parser, shim_path
+from kvpool.core.client import PoolClient
 from kvpool.core.nats_server import NatsServer
 
 from bkhelp import MiB, HostBuffer, payload
@@ -263,3 +264,87 @@ def test_shim_command_prints_the_path(capsys: pytest.CaptureFixture[str]) -> Non
     assert args.func(args) == 0
     printed = capsys.readouterr().out.strip()
     assert printed == shim_path() and (Path(printed) / "mooncake" / "store.py").is_file()
+
+
+def test_multi_buffer_calls_gather_and_scatter(store: MooncakeDistributedStore, small_env: None) -> None:
+    assert store.setup("h", "P2PHANDSHAKE", 16 * MiB, 0, "tcp", "", "embedded") == 0
+    part, layers = 512, 4
+    src, dst = HostBuffer(2 * layers * part), HostBuffer(2 * layers * part)
+    for b in (src, dst):
+        assert store.register_buffer(b.ptr, b.nbytes) == 0
+    src.array[:] = payload("m", src.nbytes)
+    # layer-first: key i's part for layer l sits at (l * 2 + i) * part, as in SGLang's MLA host pool
+    ptrs = lambda b: [[b.ptr + (l * 2 + i) * part for l in range(layers)] for i in range(2)]  # noqa: E731
+    sizes = [[part] * layers] * 2
+    assert store.batch_put_from_multi_buffers(["k0", "k1"], ptrs(src), sizes, ReplicateConfig()) == [0, 0]
+    assert store.get("k1") == b"".join(bytes(src.array[(l * 2 + 1) * part:(l * 2 + 2) * part]) for l in range(layers))
+    assert store.batch_get_into_multi_buffers(["k0", "k1"], ptrs(dst), sizes) == [layers * part] * 2
+    assert np.array_equal(dst.array, src.array)
+    # a miss, parts that do not add up to the object, and malformed lists: statuses, nothing half-written
+    dst.array[:] = 0
+    assert store.batch_get_into_multi_buffers(["nope"], [[dst.ptr]], [[part]]) == [Status.OBJECT_NOT_FOUND]
+    assert store.batch_get_into_multi_buffers(["k0"], [ptrs(dst)[0][:3]], [[part] * 3]) == [Status.INVALID_PARAMS]
+    assert store.batch_get_into_multi_buffers(["k0"], [[dst.ptr, dst.ptr + part]], [[part]]) == [Status.INVALID_PARAMS]
+    assert store.batch_get_into_multi_buffers(["k0", "k1"], ptrs(dst)[:1], sizes[:1]) == [Status.INVALID_PARAMS] * 2
+    assert store.batch_put_from_multi_buffers(["k2"], [[12345]], [[part]]) == [Status.INVALID_PARAMS]
+    assert not dst.array.any()
+
+
+def test_setup_forms_of_newer_callers(store: MooncakeDistributedStore, small_env: None) -> None:
+    # SGLang 0.5.23: seven positionals, a shared transfer engine eighth, then keywords
+    assert store.setup("h", "P2PHANDSHAKE", 16 * MiB, 0, "tcp", "", "embedded", None,
+                       enable_ssd_offload=True, ssd_offload_path="/tmp/ignored") == 0
+    assert store.put("k", b"v") == 0 and store.get("k") == b"v"
+    other = MooncakeDistributedStore()
+    try:
+        assert other.setup(local_hostname="h", metadata_server="P2PHANDSHAKE", global_segment_size=16 * MiB,
+                           local_buffer_size=0, protocol="tcp", rdma_devices="", master_server_addr="embedded",
+                           engine=object(), tenant_id="default") == 0
+        assert other.setup({"master_server_address": "embedded", "global_segment_size": 16 * MiB,
+                            "device_name": "", "tenant_id": "t1", "unknown_option": 1}) == 0
+        assert other.put("k", b"t1") == 0 and other.get("k") == b"t1"
+        assert other.setup_dummy(16 * MiB, 0, "embedded") == 0
+    finally:
+        other.close()
+
+
+def test_tenants_are_namespaces(store: MooncakeDistributedStore, spawn: Callable[..., Any]) -> None:
+    worker = spawn()
+    a, b = MooncakeDistributedStore(), MooncakeDistributedStore()
+    try:
+        assert store.setup("h", "P2PHANDSHAKE", 0, 0, "tcp", "", worker.unix_path) == 0
+        assert a.setup("h", "P2PHANDSHAKE", 0, 0, "tcp", "", worker.unix_path, tenant_id="a") == 0
+        assert b.setup("h", "P2PHANDSHAKE", 0, 0, "tcp", "", worker.address, tenant_id="b") == 0
+        assert a.put("k", b"of a") == 0 and store.put("k", b"of nobody") == 0
+        assert a.get("k") == b"of a" and store.get("k") == b"of nobody"
+        assert b.get("k") == b"" and b.is_exist("k") == 0 and b.remove("k") == Status.OBJECT_NOT_FOUND
+        buf = HostBuffer(64)
+        assert b.register_buffer(buf.ptr, 64) == 0
+        assert b.batch_get_into(["k"], [buf.ptr], [64]) == [Status.OBJECT_NOT_FOUND]
+        assert b.remove_all() == Status.INVALID_PARAMS  # it would remove other tenants' objects too
+        assert a.get("k") == b"of a"
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("variable", ["KVPOOL_NATS_URL", "KVPOOL_WORKER"])
+def test_kvpool_variables_alone_choose_the_mode(store: MooncakeDistributedStore, spawn: Callable[..., Any],
+                                                 tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 variable: str) -> None:
+    nats = NatsServer(tmp_path / "nats", port=0).start() if variable == "KVPOOL_NATS_URL" else None
+    try:
+        worker = spawn(nats_url=nats.url if nats else None)
+        monkeypatch.setenv(variable, nats.url if nats else worker.unix_path)
+        # as SGLang calls it with MOONCAKE_MASTER unset: the segment size must not force embedded mode
+        assert store.setup("localhost", "P2PHANDSHAKE", 4 << 30, 0, "tcp", "", "") == 0
+        deadline = time.monotonic() + 15
+        while store.health_check() != 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert store.put("k", b"v") == 0
+        with PoolClient(worker=worker.unix_path) as direct:  # the block is in the worker, not in-process
+            assert direct.get("k") == b"v"
+    finally:
+        store.close()
+        if nats:
+            nats.stop()

@@ -4,13 +4,15 @@ from __future__ import annotations
 import mmap
 import os
 import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.core.tiers.dram import DramArena, size_classes
+from kvpool.core.tiers.dram import DramArena, arena_names, size_classes, sweep_dead_arenas
 
 from corehelp import KiB, MiB
 
@@ -191,3 +193,45 @@ def test_largest_block_fits_any_page_aligned_slab(slab: int) -> None:
             a.free(off)
     finally:
         a.close()
+
+
+def _killed_child(code: str) -> int:
+    """Run `code` in a child python until it prints 'ready', kill -9 it, return its pid."""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    return proc.pid
+
+
+def test_private_arena_never_appears_in_dev_shm_even_when_its_process_is_killed() -> None:
+    a = DramArena(2 * MiB, slab_size=1 * MiB, prefault=False, shared=False)
+    try:
+        assert not os.path.exists(f"/dev/shm/{a.name}")
+        off = a.alloc(100)
+        assert off is not None
+        a.buf[off:off + 3] = [1, 2, 3]
+        assert bytes(a.view(off, 3)) == b"\x01\x02\x03"
+    finally:
+        a.close()
+    pid = _killed_child("from kvpool.core import PoolClient; c = PoolClient(dram_bytes=32 << 20, "
+                        "dram_slab_size=1 << 20); c.put('k', b'v'); print('ready', flush=True); input()")
+    assert arena_names(pid) == set()
+
+
+def test_a_shared_arena_left_by_a_killed_owner_is_swept_and_a_live_ones_is_not() -> None:
+    pid = _killed_child("from kvpool.core.tiers.dram import DramArena; "
+                        "a = DramArena(1 << 20, slab_size=1 << 20, prefault=False); print('ready', flush=True); input()")
+    left = arena_names(pid)
+    assert len(left) == 1
+    mine = DramArena(1 * MiB, slab_size=1 * MiB, prefault=False)
+    try:
+        swept = sweep_dead_arenas()
+        assert set(swept) >= left and mine.name not in swept
+        assert arena_names(pid) == set() and os.path.exists(f"/dev/shm/{mine.name}")
+    finally:
+        mine.close()
