@@ -22,6 +22,7 @@ SUITES: dict[str, str] = {
     "transport": "kvpool.core.bench.transport_suite",
     "streams": "kvpool.core.bench.streams_suite",
     "backends": "kvpool.core.bench.backends_suite",
+    "engines": "kvpool.backends.engines.bench",
 }
 
 

