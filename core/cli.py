@@ -22,6 +22,7 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, help="TCP port (default 7461; 0 = any free port)")
     p.add_argument("--token", help="shared secret clients must present (or KVPOOL_TOKEN)")
     p.add_argument("--nats-url", help="register in the cluster at this NATS server")
+    p.add_argument("--worker-id", help="this worker's id in the cluster (default: kept with its SSD tier or state)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     p.add_argument("--dram-bytes", help="DRAM arena size, e.g. 4GiB")
     p.add_argument("--ssd-path", help="LMDB directory of the SSD tier (none by default)")
@@ -34,7 +35,7 @@ def _build_worker(args: argparse.Namespace) -> Any:
 
     pick = lambda names: {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}  # noqa: E731
     wcfg = load(WorkerConfig, file=args.config, section="worker",
-                **pick(["host", "port", "token", "nats_url", "metrics_port"]))
+                **pick(["host", "port", "token", "nats_url", "metrics_port", "worker_id"]))
     ccfg = load(CacheConfig, file=args.config, section="cache", **pick(["dram_bytes", "ssd_path", "ssd_map_size"]))
     return Worker(wcfg, ccfg)
 

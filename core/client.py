@@ -290,7 +290,7 @@ class _Cluster:
         self.node_id = cfg.node_id or socket.gethostname()
         self.membership = Membership(cfg.nats_url or "", connect_timeout=cfg.timeout_s)
         self.membership.watch()
-        self._transports: dict[str, TcpTransport | ShmTransport] = {}
+        self._transports: dict[str, tuple[tuple[Any, ...], TcpTransport | ShmTransport]] = {}
         self._suspect: dict[str, float] = {}
         self._lock = threading.Lock()  # guards the two dicts: one client serves many threads
 
@@ -301,21 +301,31 @@ class _Cluster:
             return {w: i for w, i in members.items() if self._suspect.get(w, 0) <= now}
 
     def _transport(self, worker_id: str, info: dict[str, Any]) -> TcpTransport | ShmTransport:
+        """The connection to a worker; a new one when the member's entry names another process (a
+        worker restarted under the same id: the old connection leads nowhere)."""
+        incarnation = (info.get("pid"), info.get("tcp"), info.get("unix"), info.get("arena"))
+        stale: TcpTransport | ShmTransport | None = None
         with self._lock:  # one transport per worker, however many threads ask at once
-            t = self._transports.get(worker_id)
-            if t is None:
+            known = self._transports.get(worker_id)
+            if known is not None and known[0] != incarnation:
+                stale, known = known[1], None
+                del self._transports[worker_id]
+            if known is None:
                 same_node = info.get("node_id") == self.node_id and os.path.exists(info.get("unix", ""))
-                t = connect(info["unix"] if same_node else info["tcp"], self.cfg.token, self.cfg.timeout_s)
-                self._transports[worker_id] = t
-            return t
+                known = (incarnation, connect(info["unix"] if same_node else info["tcp"], self.cfg.token,
+                                              self.cfg.timeout_s))
+                self._transports[worker_id] = known
+        if stale is not None:
+            stale.close()
+        return known[1]
 
     def _failed(self, worker_id: str, err: Exception) -> None:
         log.warning("worker %s failed (%s); treating it as down for %.0f s", worker_id, err, _SUSPECT_S)
         with self._lock:
             self._suspect[worker_id] = time.monotonic() + _SUSPECT_S
-            t = self._transports.pop(worker_id, None)
-        if t is not None:
-            t.close()
+            known = self._transports.pop(worker_id, None)
+        if known is not None:
+            known[1].close()
 
     def _owners(self, keys: list[bytes], live: dict[str, dict[str, Any]]) -> list[list[str]]:
         ids = list(live)
@@ -420,7 +430,7 @@ class _Cluster:
 
     def close(self) -> None:
         with self._lock:
-            transports = list(self._transports.values())
+            transports = [t for _, t in self._transports.values()]
             self._transports.clear()
         for t in transports:
             t.close()

@@ -158,6 +158,9 @@ class WorkerConfig:
     node_id: str | None = None
     """Identifies the machine (clients with the same node id use shared memory); default hostname."""
     worker_id: str | None = None
+    """Names the worker in the cluster (placement follows it); default: the id kept beside its SSD tier
+    (`<ssd_path>/kvpool-worker-id`, else `<state dir>/worker-<port>.id`), made once, so a restart on
+    the same state serves its blocks where placement expects them."""
     metrics_port: int | None = None
     """Prometheus metrics port on `host`; none when unset."""
     nats_url: str | None = None

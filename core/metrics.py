@@ -22,6 +22,9 @@ class WorkerMetrics:
                                  registry=self.registry)
         self.protocol_errors = Counter("kvpool_protocol_errors", "Connections closed for malformed frames",
                                        registry=self.registry)
+        self.accept_errors = Counter("kvpool_accept_errors", "Failed accepts (e.g. out of file descriptors), "
+                                     "by transport; the worker retries with back-off", ["transport"],
+                                     registry=self.registry)
         self.corrupt_blocks = Counter("kvpool_corrupt_blocks", "Blocks put that arrived with a wrong checksum "
                                       "(not stored)", registry=self.registry)
         self.registry.register(_CacheCollector(cache_stats))

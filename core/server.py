@@ -38,6 +38,49 @@ _SOCK_BUF = 8 << 20  # room for the sender to run ahead while a received chunk i
 _LOCAL_ONLY = {"127.0.0.1", "::1", "localhost"}
 
 
+def _unix_listener(path: str) -> socket.socket:
+    """A listening Unix socket at `path`, created 0600: only this user's processes connect."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if os.path.exists(path):
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        os.umask(old)
+    return sock
+
+
+def _id_file(cache: CacheConfig, port: int) -> Path:
+    """Where a worker keeps its id: beside its SSD tier (the id follows the blocks), else in the state
+    dir per port."""
+    if cache.ssd_path:
+        return Path(cache.ssd_path) / "kvpool-worker-id"
+    return default_state_dir() / f"worker-{port}.id"
+
+
+def stored_worker_id(path: Path) -> str:
+    """The id saved at `path`, or a new random one saved there: a restart on the same state keeps its
+    id, so placement sends it the keys its SSD tier holds."""
+    try:
+        wid = path.read_text().strip()
+        if wid:
+            return wid
+    except FileNotFoundError:
+        pass
+    wid = secrets.token_hex(4)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(wid + "\n")
+    os.replace(tmp, path)
+    return wid
+
+
 def is_local_only(host: str) -> bool:
     """Binds that no other machine (or other loopback address) can reach without a token."""
     return host in _LOCAL_ONLY
@@ -65,29 +108,31 @@ class Worker:
         self.config = cfg = config if config is not None else load(WorkerConfig)
         if not is_local_only(cfg.host) and not cfg.token:
             raise ConfigError(f"binding {cfg.host} (not 127.0.0.1) needs a token: set KVPOOL_TOKEN or --token")
-        self.worker_id = cfg.worker_id or secrets.token_hex(4)
+        cache_cfg = cache if cache is not None else load(CacheConfig)
         self.node_id = cfg.node_id or socket.gethostname()
-        self.cache = TieredCache(cache if cache is not None else load(CacheConfig), share_arena=True)
-        self.pins = PinTable(self.cache)
-        self.metrics = WorkerMetrics(self.cache.stats)
         self._stopping = threading.Event()
         self._conns: set[_Conn] = set()
         self._conns_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
-        self._tcp = socket.create_server((cfg.host, cfg.port), backlog=128, reuse_port=False)
-        self.port = self._tcp.getsockname()[1]
-        self.unix_path = cfg.unix_path or str(default_state_dir() / f"worker-{self.port}.sock")
-        Path(self.unix_path).parent.mkdir(parents=True, exist_ok=True)
-        if os.path.exists(self.unix_path):
-            os.unlink(self.unix_path)
-        self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            self._unix.bind(self.unix_path)  # created 0600: only this user's processes connect
-        finally:
-            os.umask(old)
-        self._unix.listen(128)
+        self._accept_errors: dict[str, str] = {}  # transport -> the error last logged
         self.membership: Any = None
+        # Sockets first: a port in use must fail before a pre-faulted arena of many GiB exists.
+        self._tcp = socket.create_server((cfg.host, cfg.port), backlog=128, reuse_port=False)
+        try:
+            self.port = self._tcp.getsockname()[1]
+            self.unix_path = cfg.unix_path or str(default_state_dir() / f"worker-{self.port}.sock")
+            self._unix = _unix_listener(self.unix_path)
+        except BaseException:
+            self._tcp.close()
+            raise
+        try:
+            self.worker_id = cfg.worker_id or stored_worker_id(_id_file(cache_cfg, self.port))
+            self.cache = TieredCache(cache_cfg, share_arena=True)
+        except BaseException:
+            self._close_listeners()
+            raise
+        self.pins = PinTable(self.cache)
+        self.metrics = WorkerMetrics(self.cache.stats)
         self._handlers: dict[int, Callable[[_Conn, P.Frame], None]] = {
             P.Op.HELLO: self._hello, P.Op.AUTH: self._auth, P.Op.PUT: self._put, P.Op.GET: self._get,
             P.Op.EXISTS: self._exists, P.Op.PREFIX: self._prefix, P.Op.REMOVE: self._remove,
@@ -113,17 +158,27 @@ class Worker:
                 "auth": bool(self.config.token), "pid": os.getpid()}
 
     def start(self) -> Worker:
+        """Serve in background threads and join the cluster. If any of it fails (metrics port in use,
+        NATS unreachable), everything the worker holds is released, its arena first, and the error raised."""
+        try:
+            if self.config.metrics_port is not None:
+                self.metrics.serve(self.config.host, self.config.metrics_port)
+            if self.config.nats_url:
+                from .cluster import Membership
+
+                self.membership = Membership(self.config.nats_url, self.config.member_ttl_s)
+                self.membership.register(self.worker_id, self.info, self.config.heartbeat_s)
+        except BaseException:
+            self._stopping.set()
+            if self.membership is not None:
+                self.membership.close()
+            self._close_listeners()
+            self.cache.close()
+            raise
         for lsock, transport in ((self._tcp, "tcp"), (self._unix, "shm")):
             t = threading.Thread(target=self._accept_loop, args=(lsock, transport), daemon=True,
                                  name=f"kvpool-accept-{transport}")
             t.start()
-        if self.config.metrics_port is not None:
-            self.metrics.serve(self.config.host, self.config.metrics_port)
-        if self.config.nats_url:
-            from .cluster import Membership
-
-            self.membership = Membership(self.config.nats_url, self.config.member_ttl_s)
-            self.membership.register(self.worker_id, self.info, self.config.heartbeat_s)
         log.info("worker %s serving tcp %s and %s (arena %s, %d bytes)", self.worker_id, self.address,
                  self.unix_path, self.cache.arena.name, self.cache.arena.size)
         return self
@@ -157,12 +212,32 @@ class Worker:
         self.cache.close()
         log.info("worker %s stopped", self.worker_id)
 
+    def _close_listeners(self) -> None:
+        self._tcp.close()
+        self._unix.close()
+        try:
+            os.unlink(self.unix_path)
+        except FileNotFoundError:
+            pass
+
     def _accept_loop(self, lsock: socket.socket, transport: str) -> None:
+        """Accept until stop(). An accept error (EMFILE, ENFILE, ENOBUFS, ...) never ends the loop while
+        the worker is listed: it is counted, logged once per change, and retried after a back-off."""
+        backoff = 0.0
         while not self._stopping.is_set():
             try:
                 sock, _ = lsock.accept()
-            except OSError:
-                return
+            except OSError as e:
+                if self._stopping.is_set():
+                    return
+                backoff = min(1.0, backoff * 2 or 0.01)
+                self._accept_failed(transport, e)
+                self._stopping.wait(backoff)
+                continue
+            if backoff:
+                backoff = 0.0
+                log.info("accepting %s connections again", transport)
+                self._accept_errors.pop(transport, None)
             with self._conns_lock:
                 full = len(self._conns) >= self.config.max_connections
             if full:
@@ -185,6 +260,13 @@ class Worker:
                 self._conns.add(conn)
                 self._threads.append(t)
             t.start()
+
+    def _accept_failed(self, transport: str, err: OSError) -> None:
+        self.metrics.accept_errors.labels(transport).inc()
+        why = f"{type(err).__name__}: {err}"
+        if self._accept_errors.get(transport) != why:
+            self._accept_errors[transport] = why
+            log.warning("cannot accept %s connections (%s); retrying with back-off", transport, why)
 
     def _serve(self, conn: _Conn) -> None:
         self.metrics.connections.labels(conn.transport).inc()

@@ -68,7 +68,7 @@ def test_same_node_workers_are_reached_through_shared_memory(nats, spawn):
         _wait_members(c, 1)
         c.put("z", b"payload")
         assert c.get("z") == b"payload"
-        (transport,) = c._cluster._transports.values()
+        ((_, transport),) = c._cluster._transports.values()
         assert type(transport).__name__ == "ShmTransport"
 
 

@@ -1,0 +1,120 @@
+"""A worker's own lifecycle: failed starts release everything, accept errors never end service, and a
+restart on the same state keeps its id (so its SSD blocks are served where placement looks for them)."""
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpool.core.client import PoolClient
+from kvpool.core.errors import PoolUnavailable
+from kvpool.core.nats_server import free_port
+from kvpool.core.procs import WorkerProcess
+from kvpool.core.tiers.dram import arena_names
+
+from faulthelp import block, poll, read_all, wait_members, worker_id
+
+SIZE = 16 << 10
+SMALL = {"KVPOOL_DRAM_SLAB_SIZE": "1MiB", "KVPOOL_PREFAULT": "0"}
+
+
+def _worker_cmd(*extra: str) -> list[str]:
+    return [sys.executable, "-m", "kvpool.core.cli", "worker", "--dram-bytes", "64MiB", *extra]
+
+
+@pytest.mark.parametrize("why", ["port in use", "metrics port in use", "nats unreachable"])
+def test_a_worker_that_cannot_start_leaves_no_arena(tmp_path: Path, why: str) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        taken = str(busy.getsockname()[1])
+        args = {"port in use": ["--port", taken],
+                "metrics port in use": ["--port", "0", "--metrics-port", taken],
+                "nats unreachable": ["--port", "0", "--nats-url", f"nats://127.0.0.1:{free_port()}"]}[why]
+        env = {**os.environ, **SMALL, "KVPOOL_STATE_DIR": str(tmp_path), "KVPOOL_PREFAULT": "1"}
+        proc = subprocess.Popen(_worker_cmd(*args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0, out
+    assert arena_names(proc.pid) == set(), f"{why}: the failed worker left its arena"
+    assert not list(tmp_path.glob("*.sock")), "the failed worker left its socket"
+
+
+def test_accept_errors_back_off_and_service_resumes(tmp_path: Path) -> None:
+    """Out of file descriptors: the worker keeps its listener, logs the error once, and serves again
+    once descriptors are free (it used to stop accepting for good)."""
+    port = free_port()
+    log_path = tmp_path / "worker.log"
+
+    def low_fd_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
+
+    env = {**os.environ, **SMALL, "KVPOOL_STATE_DIR": str(tmp_path)}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(_worker_cmd("--port", str(port)), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=low_fd_limit)
+    hogs: list[socket.socket] = []
+    try:
+        assert poll(lambda: _serves(port), 30), "the worker did not start"
+        with PoolClient(mode="local", worker=f"127.0.0.1:{port}", timeout_s=10) as probe:
+            probe.put("before", b"x")
+        for _ in range(80):  # far more connections than the worker has descriptors for
+            hogs.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        assert not _serves(port), "the worker still had descriptors: the test proves nothing"
+    finally:
+        for h in hogs:
+            h.close()
+    try:
+        with PoolClient(mode="local", worker=f"127.0.0.1:{port}", timeout_s=10) as c:
+            c.put("after", b"y")
+            assert c.get("before") == b"x" and c.get("after") == b"y"
+        text = log_path.read_text(errors="replace")
+        assert text.count("cannot accept tcp connections") == 1, text[-3000:]
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def _serves(port: int) -> bool:
+    try:
+        with PoolClient(mode="local", worker=f"127.0.0.1:{port}", timeout_s=2) as c:
+            return c.exists(["probe"]) == [False]
+    except PoolUnavailable:
+        return False
+
+
+def test_restart_on_the_same_state_keeps_its_id_and_serves_its_blocks(nats, tmp_path: Path) -> None:
+    workers = [WorkerProcess(tmp_path / f"w{i}", nats_url=nats.url, ssd=True, dram_bytes="64MiB", env=SMALL)
+               for i in range(3)]
+    try:
+        for w in workers:
+            w.wait_ready()
+        before = worker_id(workers[1])
+        keys = {f"r{i}": SIZE for i in range(600)}
+        with PoolClient(mode="cluster", nats_url=nats.url, timeout_s=5) as c:
+            wait_members(c, 3)
+            names = list(keys)
+            for i in range(0, len(names), 50):
+                c.batch_put(names[i:i + 50], [block(k, SIZE) for k in names[i:i + 50]])
+            assert workers[1].stop() == 0  # SIGTERM: DRAM is flushed to its SSD tier
+            workers[1] = WorkerProcess(tmp_path / "w1", nats_url=nats.url, ssd=True, dram_bytes="64MiB",
+                                       env=SMALL).wait_ready()
+            assert worker_id(workers[1]) == before
+            wait_members(c, 3)
+            assert c.wait_for_members(lambda m: before in m and len(m) == 3, 15)
+            hits, misses = read_all(c, keys)
+        assert not misses, f"{len(misses)} of {len(keys)} blocks missed after a restart on the same state"
+    finally:
+        for w in workers:
+            w.stop(timeout=5)
+
+
+def test_worker_id_flag_names_the_worker(tmp_path: Path) -> None:
+    w = WorkerProcess(tmp_path / "w", extra=["--worker-id", "rack1-w7"], dram_bytes="64MiB", env=SMALL).wait_ready()
+    try:
+        assert worker_id(w) == "rack1-w7"
+    finally:
+        w.stop()
