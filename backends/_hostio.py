@@ -318,13 +318,15 @@ class HostIO:
         return self.call(lambda c: [Status.OK if f else Status.OBJECT_NOT_FOUND for f in c.remove(keys)],
                          lambda st: [st] * len(keys))
 
-    def clear(self) -> int:
-        """Remove every block of the pool; the number of blocks the pool held before (best effort:
-        a block held by two tiers counts twice), or a negative Status."""
+    def clear(self, prefix: str | None = None) -> int:
+        """Remove every block of the pool, or those whose key starts with `prefix`; the number of
+        blocks the pool held before (best effort: a block held by two tiers counts twice; all of the
+        pool's, whatever the prefix), or a negative Status."""
         def clear_all(c: PoolClient) -> int:
             n = _block_count(c.stats())
-            c.clear()
-            self.log.info("kvpool: cleared %d blocks", n)
+            c.clear(prefix)
+            self.log.info("kvpool: cleared %s (%d blocks in the pool before)",
+                          f"the keys under {prefix!r}" if prefix else "every block", n)
             return n
         return self.call(clear_all, lambda st: int(st))
 

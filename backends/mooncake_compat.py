@@ -271,14 +271,9 @@ class MooncakeDistributedStore:
         return [int(s) for s in self._io.remove(self._keys(keys))]
 
     def remove_all(self, force: bool = False) -> int:
-        """Remove every object of the pool; how many there were, or a negative status. With a tenant
-        set, INVALID_PARAMS (logged): the pool cannot yet remove one tenant's objects only, and
-        removing every tenant's would break the isolation the tenant asked for."""
-        if self._prefix:
-            self._io.once("remove_all tenant", "kvpool: remove_all() with tenant %r refused: kvpool cannot "
-                          "remove only one tenant's objects", self._prefix.split("/")[1])
-            return int(Status.INVALID_PARAMS)
-        return self._io.clear()
+        """Remove every object of the pool, or with a tenant set only the tenant's; how many the pool
+        held before (all tenants), or a negative status."""
+        return self._io.clear(self._prefix or None)
 
     # ----- lifecycle ----------------------------------------------------------------------------
 

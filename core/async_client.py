@@ -53,8 +53,8 @@ class AsyncPoolClient:
     async def pin(self, keys: Sequence[Key], seconds: float) -> None:
         await self._run(self.sync.pin, keys, seconds)
 
-    async def clear(self) -> None:
-        await self._run(self.sync.clear)
+    async def clear(self, prefix: Key | None = None) -> None:
+        await self._run(self.sync.clear, prefix)
 
     async def stats(self) -> dict[str, Any]:
         return await self._run(self.sync.stats)

@@ -259,8 +259,18 @@ class TieredCache:
     def release(self, block: _Block) -> None:
         self._release(block)
 
-    def clear(self) -> None:
-        """Remove every block from every tier (leased blocks are freed when their leases end)."""
+    def clear(self, prefix: Key | None = None) -> None:
+        """Remove every block from every tier, or (with `prefix`) every block whose key starts with it
+        (a model's or a tenant's namespace). Leased blocks are freed when their leases end."""
+        if prefix is not None:
+            p = key_bytes(prefix)
+            with self._lock:
+                self._check_open()
+                doomed = {k for k in self._dram if k.startswith(p)} | {k for k in self._ssd_sizes if k.startswith(p)}
+                if self.device is not None:
+                    doomed.update(k for k in self.device.blocks if k.startswith(p))
+                self.batch_remove(sorted(doomed))
+            return
         with self._lock:
             self._check_open()
             for k in list(self._dram):

@@ -18,6 +18,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,7 +26,7 @@ from .buffers import Destination, readable
 from .cache import TieredCache
 from .cluster import Membership, rank
 from .config import CacheConfig, default_state_dir, load
-from .errors import ConfigError, InvalidKey, PoolUnavailable
+from .errors import ConfigError, InvalidKey, PoolTimeout, PoolUnavailable
 from .keys import Key, key_bytes
 from .pins import PinTable
 from .transport import ShmTransport, TcpTransport, connect
@@ -219,15 +220,17 @@ class PoolClient:
         assert self._cluster is not None
         return self._cluster.remove(raw)
 
-    def clear(self) -> None:
-        """Remove every block from the pool (every worker, in cluster mode)."""
+    def clear(self, prefix: Key | None = None) -> None:
+        """Remove every block from the pool (every worker, in cluster mode); with `prefix`, only the
+        blocks whose key starts with it (a namespace: other models' and tenants' blocks stay)."""
+        raw = None if prefix is None else key_bytes(prefix)
         if self._embedded is not None:
-            self._embedded.clear()
+            self._embedded.clear(raw)
         elif self._single is not None:
-            self._single.clear()
+            self._single.clear(raw)
         else:
             assert self._cluster is not None
-            self._cluster.clear()
+            self._cluster.clear(raw)
 
     def wait_for_members(self, predicate: Callable[[dict[str, dict[str, Any]]], bool], timeout: float) -> bool:
         """Cluster mode: wait until `predicate(live workers by id)` holds (membership arrives over NATS
@@ -293,6 +296,7 @@ class _Cluster:
         self._transports: dict[str, tuple[tuple[Any, ...], TcpTransport | ShmTransport]] = {}
         self._suspect: dict[str, float] = {}
         self._lock = threading.Lock()  # guards the two dicts: one client serves many threads
+        self._fanout = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvpool-fanout")
 
     def _live(self) -> dict[str, dict[str, Any]]:
         now = time.monotonic()
@@ -319,26 +323,65 @@ class _Cluster:
             stale.close()
         return known[1]
 
-    def _failed(self, worker_id: str, err: Exception) -> None:
+    def _failed(self, worker_id: str, err: Exception, in_flight: Future[Any] | None = None) -> None:
+        """Treat the worker as down for a while and drop its connection: at once, or (a call still
+        `in_flight` on it past the deadline) when that call ends, never under it."""
         log.warning("worker %s failed (%s); treating it as down for %.0f s", worker_id, err, _SUSPECT_S)
         with self._lock:
             self._suspect[worker_id] = time.monotonic() + _SUSPECT_S
             known = self._transports.pop(worker_id, None)
-        if known is not None:
+        if known is None:
+            return
+        if in_flight is None:
             known[1].close()
+        else:
+            in_flight.add_done_callback(lambda _: known[1].close())
 
     def _owners(self, keys: list[bytes], live: dict[str, dict[str, Any]]) -> list[list[str]]:
         ids = list(live)
         return [rank(k, ids)[:self.cfg.replication] for k in keys]
 
     def _each(self, live: dict[str, dict[str, Any]], groups: dict[str, list[int]],
-              call: Callable[[TcpTransport | ShmTransport, list[int]], Any]) -> Iterator[tuple[list[int], Any]]:
-        """(key indices, result) per worker that answered; a failing worker is marked down and skipped."""
-        for w, idx in groups.items():
+              call: Callable[[TcpTransport | ShmTransport, list[int]], Any],
+              deadline: float) -> Iterator[tuple[str, list[int], Any]]:
+        """(worker, key indices, result) per worker that answered by `deadline` (monotonic seconds); the
+        workers are asked in parallel, so one call waits for the slowest worker once, not for each in
+        turn. A worker that fails or misses the deadline is marked down and skipped."""
+        def ask(w: str, idx: list[int]) -> Any:
+            return call(self._transport(w, live[w]), idx)
+
+        budget = deadline - time.monotonic()
+        if budget <= 0:
+            return
+        if len(groups) == 1 and budget >= 0.99 * self.cfg.timeout_s:
+            # the common case (one owner, the whole budget): no thread hop; the socket timeout bounds it
+            ((w, idx),) = groups.items()
             try:
-                yield idx, call(self._transport(w, live[w]), idx)
+                yield w, idx, ask(w, idx)
             except PoolUnavailable as e:
                 self._failed(w, e)
+            return
+        futures = {self._fanout.submit(ask, w, idx): (w, idx) for w, idx in groups.items()}
+        done, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+        for f in late:
+            if not f.cancel():
+                self._failed(futures[f][0], PoolTimeout(f"no answer within the call's {self.cfg.timeout_s} s"), f)
+        for f in done:
+            w, idx = futures[f]
+            try:
+                yield w, idx, f.result()
+            except PoolUnavailable as e:
+                self._failed(w, e)
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.cfg.timeout_s
+
+    def _attempts(self) -> Iterator[tuple[int, float]]:
+        """(replica rank, its deadline) for a read: the call's `timeout_s` is shared out, so an owner
+        that hangs leaves its replicas time to answer within the same bound."""
+        start, n = time.monotonic(), self.cfg.replication
+        for attempt in range(n):
+            yield attempt, start + self.cfg.timeout_s * (attempt + 1) / n
 
     def _replica_groups(self, owners: list[list[str]]) -> dict[str, list[int]]:
         groups: dict[str, list[int]] = {}
@@ -365,7 +408,7 @@ class _Cluster:
         stored = [0] * len(keys)
         groups = self._replica_groups(self._owners(keys, live))
         put = lambda t, idx: t.put_many([keys[i] for i in idx], [views[i] for i in idx], pin_s)  # noqa: E731
-        for idx, _ in self._each(live, groups, put):
+        for _, idx, _ in self._each(live, groups, put, self._deadline()):
             for i in idx:
                 stored[i] += 1
         if not all(stored):
@@ -376,9 +419,9 @@ class _Cluster:
         out = [-1] * len(keys)
         owners = self._owners(keys, live)
         get = lambda t, idx: t.get_into_many([keys[i] for i in idx], [dests[i] for i in idx])  # noqa: E731
-        for attempt in range(self.cfg.replication):
+        for attempt, deadline in self._attempts():
             groups = self._read_groups(owners, attempt, [n < 0 for n in out])
-            for idx, sizes in self._each(live, groups, get):
+            for _, idx, sizes in self._each(live, groups, get, deadline):
                 for i, n in zip(idx, sizes):
                     out[i] = n
         return out
@@ -388,9 +431,9 @@ class _Cluster:
         out = [False] * len(keys)
         owners = self._owners(keys, live)
         ask = lambda t, idx: t.exists([keys[i] for i in idx])  # noqa: E731
-        for attempt in range(self.cfg.replication):
+        for attempt, deadline in self._attempts():
             groups = self._read_groups(owners, attempt, [not f for f in out])
-            for idx, flags in self._each(live, groups, ask):
+            for _, idx, flags in self._each(live, groups, ask, deadline):
                 for i, f in zip(idx, flags):
                     out[i] = f
         return out
@@ -398,7 +441,7 @@ class _Cluster:
     def pin(self, keys: list[bytes], seconds: float) -> None:
         live = self._live()
         groups = self._replica_groups(self._owners(keys, live))
-        for _ in self._each(live, groups, lambda t, idx: t.pin([keys[i] for i in idx], seconds)):
+        for _ in self._each(live, groups, lambda t, idx: t.pin([keys[i] for i in idx], seconds), self._deadline()):
             pass
 
     def remove(self, keys: list[bytes]) -> list[bool]:
@@ -406,32 +449,28 @@ class _Cluster:
         out = [False] * len(keys)
         groups = self._replica_groups(self._owners(keys, live))
         rm = lambda t, idx: t.remove([keys[i] for i in idx])  # noqa: E731
-        for idx, flags in self._each(live, groups, rm):
+        for _, idx, flags in self._each(live, groups, rm, self._deadline()):
             for i, f in zip(idx, flags):
                 out[i] = out[i] or f
         return out
 
-    def clear(self) -> None:
-        for w, info in self._live().items():
-            try:
-                self._transport(w, info).clear()
-            except PoolUnavailable as e:
-                self._failed(w, e)
+    def clear(self, prefix: bytes | None) -> None:
+        live = self._live()
+        for _ in self._each(live, {w: [] for w in live}, lambda t, idx: t.clear(prefix), self._deadline()):
+            pass
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for w, info in self._live().items():
-            try:
-                out[w] = self._transport(w, info).stats()
-            except PoolUnavailable as e:
-                self._failed(w, e)
-                out[w] = {**info, "error": str(e)}
+        live = self._live()
+        out: dict[str, Any] = {w: {**info, "error": "no answer"} for w, info in live.items()}
+        for w, _, s in self._each(live, {w: [] for w in live}, lambda t, idx: t.stats(), self._deadline()):
+            out[w] = s
         return out
 
     def close(self) -> None:
         with self._lock:
             transports = [t for _, t in self._transports.values()]
             self._transports.clear()
+        self._fanout.shutdown(wait=False, cancel_futures=True)
         for t in transports:
             t.close()
         self.membership.close()

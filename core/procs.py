@@ -14,16 +14,20 @@ from .nats_server import free_port
 from .tiers.dram import arena_names
 
 
+_READY_LINE = "kvpool worker "
+"""How `kvpool worker` starts the line it prints once it serves (core/cli.py)."""
+
+
 class WorkerProcess:
     """`kvpool worker` in a child process with its own state dir; `stop()` is SIGTERM (then SIGABRT,
     which leaves the stuck worker's stacks in `log_path`), `kill()` -9."""
 
     def __init__(self, state_dir: str | os.PathLike[str], *, nats_url: str | None = None,
                  dram_bytes: str = "256MiB", ssd: bool = False, node_id: str | None = None,
-                 extra: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+                 extra: list[str] | None = None, env: dict[str, str] | None = None, port: int | None = None) -> None:
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        self.port = port or free_port()
         self.unix_path = str(self.state_dir / f"worker-{self.port}.sock")
         args = [sys.executable, "-m", "kvpool.core.cli", "worker", "--port", str(self.port),
                 "--dram-bytes", dram_bytes]
@@ -44,11 +48,13 @@ class WorkerProcess:
         return f"127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = 30.0) -> WorkerProcess:
+        """Wait until the worker serves and has registered in its cluster: it prints its ready line
+        only after both (its sockets listen, and are connectable, earlier than that)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise PoolUnavailable(f"worker exited with {self.proc.returncode}: {self.log_tail(2000)}")
-            if os.path.exists(self.unix_path):
+            if _READY_LINE in self.log_tail(1 << 16) and os.path.exists(self.unix_path):
                 try:
                     socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
                     return self

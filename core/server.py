@@ -416,7 +416,10 @@ class Worker:
         self._reply(conn, frame, np.array(self.cache.batch_remove(keys), dtype="<u1").tobytes())
 
     def _clear(self, conn: _Conn, frame: P.Frame) -> None:
-        self.cache.clear()
+        prefix = P.unpack_batch(frame.meta)[0] if frame.meta else [None]
+        if len(prefix) != 1:
+            raise ProtocolError(f"CLEAR names {len(prefix)} prefixes; at most one")
+        self.cache.clear(prefix[0])
         self._reply(conn, frame)
 
     def _stats(self, conn: _Conn, frame: P.Frame) -> None:

@@ -111,8 +111,8 @@ class _Connection:
         reply = self.call(P.Op.REMOVE, P.pack_batch(list(keys)))
         return [bool(x) for x in np.frombuffer(reply.meta, dtype="<u1")]
 
-    def clear(self) -> None:
-        self.call(P.Op.CLEAR)
+    def clear(self, prefix: bytes | None = None) -> None:
+        self.call(P.Op.CLEAR, P.pack_batch([prefix]) if prefix is not None else b"")
 
     def pin(self, keys: Sequence[bytes], seconds: float) -> None:
         """Pin blocks for `seconds` (<= 0: unpin). One way: nothing waits for the worker."""

@@ -73,8 +73,11 @@ def test_batch_ops(spawn, transport):
         assert all(bytes(bufs[i][:4096 + i]) == _block(i, 4096 + i) for i in range(64) if i not in (10, 11))
         stats = next(iter(c.stats().values()))
         assert stats["stats"]["dram_blocks"] == 62
+        c.put("other/0", b"stays")
+        c.clear(f"{transport}-")
+        assert not any(c.exists(keys)) and c.get("other/0") == b"stays"
         c.clear()
-        assert c.exists(keys[:1]) == [False]
+        assert c.exists(keys[:1] + ["other/0"]) == [False, False]
 
 
 def test_worker_gone_is_a_typed_error_in_local_mode(spawn):

@@ -506,6 +506,18 @@ def test_remove_and_clear(make_cache: Make, ssd_dir: str) -> None:
     assert cache.get("r1") == b"again"
 
 
+def test_clear_of_a_prefix_leaves_other_namespaces(make_cache: Make, ssd_dir: str) -> None:
+    cache = make_cache(ssd_path=ssd_dir, ssd_sync=False)
+    mine, theirs = [f"m1/{i}" for i in range(6)], [f"m2/{i}" for i in range(6)] + ["m1", "x/m1/0"]
+    cache.batch_put(mine + theirs, [payload(k, 10 * KiB) for k in mine + theirs])
+    cache.flush()
+    cache.remove("m1/0")  # DRAM and SSD hold the others: both tiers are searched
+    cache.clear("m1/")
+    assert not any(cache.batch_exists(mine)) and all(cache.batch_exists(theirs))
+    assert all(cache.get(k) == payload(k, 10 * KiB) for k in theirs)
+    assert cache.ssd is not None and sorted(k for k, _ in cache.ssd.scan()) == sorted(k.encode() for k in theirs)
+
+
 def test_replace_updates_every_tier(make_cache: Make, ssd_dir: str) -> None:
     cache = make_cache(dram_bytes=4 * MiB, dram_slab_size=1 * MiB, ssd_path=ssd_dir, ssd_sync=False)
     cache.put("k", payload("v1", 100 * KiB))
