@@ -377,7 +377,7 @@ class Worker:
                 self.cache.abort(offset)
                 raise
             if ok:
-                self.cache.commit(key, offset, size, csum, pin=self.pins.holds(key))
+                self.cache.commit(key, offset, size, csum, pin=self.pins.claim(key))
             else:
                 self.cache.abort(offset)
                 self.metrics.corrupt_blocks.inc()
@@ -423,7 +423,7 @@ class Worker:
         self._reply(conn, frame)
 
     def _stats(self, conn: _Conn, frame: P.Frame) -> None:
-        self._reply(conn, frame, P.pack_json({**self.info(), "stats": self.cache.stats()}))
+        self._reply(conn, frame, P.pack_json({**self.info(), "stats": {**self.cache.stats(), **self.pins.counts()}}))
 
     def _alloc(self, conn: _Conn, frame: P.Frame) -> None:
         keys, (sizes,) = P.unpack_batch(frame.meta, "<i8")
@@ -447,7 +447,7 @@ class Worker:
             if conn.reserved.get(off) != size:
                 raise ProtocolError(f"COMMIT of offset {off} ({size} bytes) that this connection did not reserve")
             del conn.reserved[off]
-            self.cache.commit(key, off, size, csum, pin=self.pins.holds(key))
+            self.cache.commit(key, off, size, csum, pin=self.pins.claim(key))
         self.metrics.bytes.labels("in").inc(int(sizes.sum()))
         self._reply(conn, frame, np.zeros(len(keys), dtype="<i1").tobytes())
 
@@ -476,9 +476,11 @@ class Worker:
 
     def _pin(self, conn: _Conn, frame: P.Frame) -> None:
         keys, (seconds,) = P.unpack_batch(frame.meta, "<f8")
-        durations = seconds.tolist()
-        for s in set(durations):  # clients send one duration per frame: one call, not one per key
-            self.pins.pin([k for k, ks in zip(keys, durations) if ks == s], s)
+        groups: dict[float, list[bytes]] = {}
+        for k, s in zip(keys, seconds.tolist()):  # clients send one duration per frame: one call each
+            groups.setdefault(s, []).append(k)
+        for s, ks in groups.items():
+            self.pins.pin(ks, s)
 
     def _release(self, conn: _Conn, frame: P.Frame) -> None:
         for lid in P.unpack_ids(frame.meta).tolist():

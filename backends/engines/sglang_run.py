@@ -262,8 +262,10 @@ def _serve(inst: _Instance, prompts: list[list[int]], max_tokens: int, pause_bef
     return results
 
 
-_SGLANG_SHM = ("sglang_loads_", "sem.mp-")
-"""/dev/shm names SGLang's processes leave behind when it stops them with SIGKILL."""
+_SGLANG_SHM = ("sglang_loads_",)
+"""/dev/shm names SGLang's processes leave behind when it stops them with SIGKILL. (Not the
+multiprocessing semaphores `sem.mp-*`: a live one is mapped only as a deleted file, so "no process
+maps it" cannot tell a leftover from another program's semaphore that is being handed over.)"""
 
 
 def _shm_names() -> set[str]:

@@ -190,3 +190,18 @@ def test_stream_state_decides_done_conservatively():
     assert not _StreamState(info, []).done(6, "k.s.msg")  # no consumer yet: wait for one
     paged = _StreamState({"total": 2, "state": {"first_seq": 5, "subjects": {"k.s.msg": 3}}}, [])
     assert not paged.done(9, "k.s.req.r1")  # a partial subject list proves nothing
+
+
+def test_a_pin_on_an_absent_key_waits_briefly_then_runs_its_length_once_the_block_comes(monkeypatch):
+    from kvpool.core import pins
+    monkeypatch.setattr(pins, "PENDING_PIN_S", 0.2)
+    with PoolClient(dram_bytes="32MiB") as c:
+        table = PinTable(c._embedded)
+        table.pin([b"never", b"later"], 60)
+        assert table.counts()["pending_pins"] == 2
+        assert table.claim(b"later")  # its block is being committed: the pin now runs 60 s
+        c._embedded.put("later", bytes(4 * MiB), pin=True)
+        time.sleep(0.3)
+        table.expire()
+        assert not table.holds(b"never") and table.holds(b"later")
+        assert table.counts() == {"pins": 1, "pending_pins": 0, "pins_refused": 0}
