@@ -1,17 +1,16 @@
 """Engines: time to first token of a long prompt in real engines, the pool warm vs recomputed vs the engine's own file store.
 
 For each engine (vLLM's CPU build, SGLang on CPU) a model of the `bench` preset (6 layers, hidden 768,
-GQA, bf16, random weights) serves one prompt of `--prompt-tokens` random token ids, greedy, in fresh
-engine processes, one after another:
-  recompute      no KV storage: the whole prompt is prefilled;
-  pool (write)   the kvpool connector / backend stores the prompt's KV in a pool (one worker, NATS);
-  pool (warm)    a new process loads it from the pool;
-  file (write)   the engine's own file store (vLLM ExampleConnector, SGLang's `file` backend) stores it;
-  file (warm)    a new process loads it from the files.
-Each process serves a short warm-up prompt first, so a TTFT never includes the first forward's set-up.
-Ratios are TTFT ratios (smaller is better, the names say which): `*_ttft_pool_vs_recompute`,
-`*_ttft_pool_vs_file`; `*_tokens_identical` checks the warm runs' tokens against the recompute's.
-Engine processes take 25-45 s each here, so even `--quick` (one process per variant) takes minutes.
+GQA, bf16, random weights) serves a prompt of `--prompt-tokens` random token ids, greedy. One engine
+process per store serves [a short warm-up prompt, P, P], the engine's own prefix cache off (vLLM) or
+flushed before each prompt (SGLang), so the second P can only reuse what the store holds:
+  none     P recomputed (no KV storage): the baseline;
+  kvpool   the first P is computed and stored in a pool (one worker, NATS), the second loaded from it;
+  file     the same through the engine's own file store (vLLM ExampleConnector, SGLang `file`).
+The warm-up keeps the first forward's set-up out of every TTFT. Ratios are TTFT ratios (smaller is
+better; the names say which): `*_ttft_pool_vs_recompute`, `*_ttft_pool_vs_file`. `*_tokens_identical`
+checks the loaded runs' tokens against the recomputed ones. Engine processes take 25-45 s each here,
+so even `--quick` takes minutes.
 """
 from __future__ import annotations
 
@@ -31,6 +30,7 @@ from kvpool.core.bench.measure import emit
 from kvpool.core.errors import ConfigError
 
 from . import envs
+from .tiny_model import PRESETS
 
 ENGINES = ("vllm", "sglang")
 _VOCAB_LO, _VOCAB_HI = 3, 511  # the tiny tokenizer's ids, without pad/bos/eos
@@ -63,7 +63,8 @@ def _python(name: str, args: argparse.Namespace) -> Path:
 def _model(py: Path, engine: str, preset: str) -> Path:
     """The preset's model folder for this engine (written by its own transformers), cached."""
     out = envs.envs_root() / "models" / f"{engine}-{preset}"
-    if not (out / "kvpool_model.json").is_file():
+    meta = out / "kvpool_model.json"
+    if not meta.is_file() or json.loads(meta.read_text()).get("preset_config") != PRESETS.get(preset):
         subprocess.run([str(py), "-m", "kvpool.backends.engines.tiny_model", str(out), "--preset", preset],
                        check=True, capture_output=True)
     return out
@@ -76,15 +77,14 @@ def _serve(py: Path, engine: str, model: Path, prompts: Path, store: str, work: 
            "--store", store, "--max-tokens", str(args.max_tokens), "--file-dir", str(work / f"{engine}-files")]
     if pool is not None:
         cmd += ["--pool", json.dumps(pool)]
-    if engine == "sglang":
-        cmd += ["--cpu-stubs", args.sglang_cpu_stubs]
+    cmd += ["--cpu-stubs", args.sglang_cpu_stubs] if engine == "sglang" else ["--no-prefix-caching"]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=work)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=work)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"engine"')]
     if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout)[-3000:]
+        tail = (proc.stderr + proc.stdout)[-3000:]
         raise RuntimeError(f"{engine} --store {store} failed (exit {proc.returncode}):\n{tail}")
-    print(f"  {engine:<7} {store:<8} process {time.monotonic() - t0:5.1f} s", file=sys.stderr, flush=True)
+    print(f"  {engine:<7} {store:<7} {time.monotonic() - t0:5.1f} s", file=sys.stderr, flush=True)
     report: dict[str, Any] = json.loads(lines[-1])
     return report
 
@@ -96,24 +96,22 @@ def _engine(engine: str, args: argparse.Namespace, work: Path, nats_url: str) ->
     warmup = [rng.randint(_VOCAB_LO, _VOCAB_HI) for _ in range(40)]
     prompt = [rng.randint(_VOCAB_LO, _VOCAB_HI) for _ in range(args.prompt_tokens)]
     prompts = work / f"{engine}-prompts.json"
-    prompts.write_text(json.dumps([warmup, prompt]))
-    pool = {"nats_url": nats_url}
-    runs = {
-        "recompute": _serve(py, engine, model, prompts, "none", work, args),
-        "pool_write": _serve(py, engine, model, prompts, "kvpool", work, args, pool),
-        "pool": _serve(py, engine, model, prompts, "kvpool", work, args, pool),
-        "file_write": _serve(py, engine, model, prompts, "file", work, args),
-        "file": _serve(py, engine, model, prompts, "file", work, args),
-    }
-    last = {name: r["results"][-1] for name, r in runs.items()}
-    ref = last["recompute"]["tokens"]
-    metrics: dict[str, Any] = {f"{engine}_version": runs["pool"].get("version", "?"),
-                               f"{engine}_prompt_tokens": len(prompt)}
-    for name, r in last.items():
-        metrics[f"{engine}_ttft_{name}_s"] = round(float(r["ttft_s"]), 4)
-        metrics[f"{engine}_cached_tokens_{name}"] = int(r["cached_tokens"])
-    metrics[f"{engine}_tokens_identical"] = all(last[n]["tokens"] == ref for n in ("pool", "file"))
-    ttft = {n: float(r["ttft_s"]) for n, r in last.items()}
+    prompts.write_text(json.dumps([warmup, prompt, prompt]))
+    runs = {"recompute": _serve(py, engine, model, prompts, "none", work, args),
+            "pool": _serve(py, engine, model, prompts, "kvpool", work, args, {"nats_url": nats_url}),
+            "file": _serve(py, engine, model, prompts, "file", work, args)}
+    metrics: dict[str, Any] = {f"{engine}_version": runs["pool"].get("version", "?")}
+    ttft: dict[str, float] = {}
+    for store, r in runs.items():
+        cold, warm = r["results"][1], r["results"][2]
+        ttft[store] = float((cold if store == "recompute" else warm)["ttft_s"])
+        metrics[f"{engine}_ttft_{store}_s"] = round(ttft[store], 4)
+        if store != "recompute":
+            metrics[f"{engine}_ttft_{store}_write_s"] = round(float(cold["ttft_s"]), 4)
+            metrics[f"{engine}_cached_tokens_{store}"] = int(warm["cached_tokens"])
+    ref = runs["recompute"]["results"][1]["tokens"]
+    metrics[f"{engine}_tokens_identical"] = all(runs[s]["results"][i]["tokens"] == ref
+                                                for s in ("pool", "file") for i in (1, 2))
     ratios = {f"{engine}_ttft_pool_vs_recompute": ttft["pool"] / ttft["recompute"],
               f"{engine}_ttft_pool_vs_file": ttft["pool"] / ttft["file"]}
     return metrics, ratios
@@ -134,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         work = Path(tmp)
         with local_cluster(work / "pool", 1, dram_bytes=1 << 30) as nats_url:
             for e in engines:
-                print(f"kvpool bench engines: {e} (5 engine processes)", file=sys.stderr, flush=True)
+                print(f"kvpool bench engines: {e} (3 engine processes)", file=sys.stderr, flush=True)
                 m, r = _engine(e, args, work, nats_url)
                 metrics.update(m)
                 ratios.update(r)

@@ -65,7 +65,7 @@ def build(out: Path, preset: str = "tiny", seed: int = 0) -> Path:
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)
     model.to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
-    meta: dict[str, Any] = {"preset": preset, "seed": seed, **PRESETS[preset]}
+    meta: dict[str, Any] = {"preset": preset, "seed": seed, "preset_config": PRESETS[preset]}
     (out / "kvpool_model.json").write_text(json.dumps(meta))
     return out
 
