@@ -87,6 +87,9 @@ def cmd_up(args: argparse.Namespace) -> int:
   status:           kvpool status --nats-url {nats.url}
 
 Ctrl-C stops both.""", flush=True)
+  vLLM:             --kv-transfer-config \\
+                    '{{"kv_connector":"KVPoolConnector","kv_connector_module_path":"kvpool.backends.vllm","kv_role":"kv_both","kv_connector_extra_config":{{"nats_url":"{nats.url}"}}}}'
+  Mooncake API:     PYTHONPATH=$(kvpool mooncake-shim) with master_server_addr {nats.url}
 
     _wait_for_stop(done)
     worker.stop()
