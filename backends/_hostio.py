@@ -306,10 +306,22 @@ class HostIO:
         return n if isinstance(n, Status) or n >= 0 else Status.OBJECT_NOT_FOUND
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Presence of each key; all False when the pool cannot answer."""
-        if not keys:
-            return []
-        return self.call(lambda c: c.exists(keys), lambda st: [False] * len(keys))
+        """Presence of each key; False for a malformed key (logged once), all False when the pool
+        cannot answer."""
+        out = [False] * len(keys)
+        good: list[int] = []
+        raw: list[bytes] = []
+        for i, key in enumerate(keys):
+            try:
+                raw.append(key_bytes(key))
+                good.append(i)
+            except KVPoolError as e:
+                self.once("bad key", "kvpool: %s", str(e))
+        if raw:
+            flags = self.call(lambda c: c.exists(raw), lambda st: [False] * len(raw))
+            for i, f in zip(good, flags):
+                out[i] = f
+        return out
 
     def remove(self, keys: Sequence[str]) -> list[int]:
         """OK where a block was removed, OBJECT_NOT_FOUND where none was, RPC_FAIL when unreachable."""

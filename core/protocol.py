@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -149,6 +150,30 @@ def unpack_json(meta: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise ProtocolError(f"JSON metadata is a {type(obj).__name__}; expected an object")
     return obj
+
+
+_ITEM_META = 2 + MAX_KEY_BYTES + 8 * 4
+"""The most metadata one batch item takes: key length, key, and up to four 8-byte columns."""
+_SAFE_BATCH = min(MAX_BATCH, (MAX_META - 4) // _ITEM_META)
+
+
+def frames(n: int, sizes: Sequence[int] | None = None) -> list[slice]:
+    """Slices of a batch of `n` items such that each fits one frame: at most MAX_BATCH items, their
+    metadata within MAX_META whatever their keys, and (given the items' data `sizes`) their data within
+    MAX_DATA. Almost every batch is one slice; a client splits bigger ones rather than have a
+    healthy worker refuse them."""
+    if n <= _SAFE_BATCH and (sizes is None or sum(sizes) <= MAX_DATA):
+        return [slice(0, n)]
+    out: list[slice] = []
+    start, data = 0, 0
+    for i in range(n):
+        size = 0 if sizes is None else int(sizes[i])
+        if i > start and (i - start >= _SAFE_BATCH or data + size > MAX_DATA):
+            out.append(slice(start, i))
+            start, data = i, 0
+        data += size
+    out.append(slice(start, n))
+    return out
 
 
 def pack_batch(keys: list[bytes], *columns: np.ndarray) -> bytes:

@@ -11,7 +11,7 @@ import logging
 import socket
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import numpy as np
@@ -101,15 +101,27 @@ class _Connection:
     # ----- operations common to both transports ----------------------------------------------
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        reply = self.call(P.Op.EXISTS, P.pack_batch(list(keys)))
-        return [bool(x) for x in np.frombuffer(reply.meta, dtype="<u1")]
+        out: list[bool] = []
+        for f in P.frames(len(keys)):
+            reply = self.call(P.Op.EXISTS, P.pack_batch(list(keys[f])))
+            out += [bool(x) for x in np.frombuffer(reply.meta, dtype="<u1")]
+        return out
 
     def prefix_match(self, keys: Sequence[bytes]) -> int:
-        return int(P.unpack_json(self.call(P.Op.PREFIX, P.pack_batch(list(keys))).meta)["n"])
+        total = 0
+        for f in P.frames(len(keys)):
+            n = int(P.unpack_json(self.call(P.Op.PREFIX, P.pack_batch(list(keys[f]))).meta)["n"])
+            total += n
+            if n < f.stop - f.start:
+                break
+        return total
 
     def remove(self, keys: Sequence[bytes]) -> list[bool]:
-        reply = self.call(P.Op.REMOVE, P.pack_batch(list(keys)))
-        return [bool(x) for x in np.frombuffer(reply.meta, dtype="<u1")]
+        out: list[bool] = []
+        for f in P.frames(len(keys)):
+            reply = self.call(P.Op.REMOVE, P.pack_batch(list(keys[f])))
+            out += [bool(x) for x in np.frombuffer(reply.meta, dtype="<u1")]
+        return out
 
     def clear(self, prefix: bytes | None = None) -> None:
         self.call(P.Op.CLEAR, P.pack_batch([prefix]) if prefix is not None else b"")
@@ -117,7 +129,8 @@ class _Connection:
     def pin(self, keys: Sequence[bytes], seconds: float) -> None:
         """Pin blocks for `seconds` (<= 0: unpin). One way: nothing waits for the worker."""
         with self._session() as sock:
-            _send_pin(sock, keys, seconds)
+            for f in P.frames(len(keys)):
+                _send_pin(sock, keys[f], seconds)
 
     def stats(self) -> dict[str, Any]:
         return dict(P.unpack_json(self.call(P.Op.STATS).meta))
@@ -143,6 +156,10 @@ class TcpTransport(_Connection):
 
     def put_many(self, keys: Sequence[bytes], views: Sequence[memoryview], pin_s: float = 0.0) -> None:
         """Store blocks; with `pin_s` > 0, pinned for that many seconds (see `pin`)."""
+        for f in P.frames(len(keys), [v.nbytes for v in views]):
+            self._put_frame(keys[f], views[f], pin_s)
+
+    def _put_frame(self, keys: Sequence[bytes], views: Sequence[memoryview], pin_s: float) -> None:
         sizes = np.array([v.nbytes for v in views], dtype="<i8")
         csums = np.array([checksum(v) for v in views], dtype="<u8")
         with self._session() as sock:
@@ -154,6 +171,9 @@ class TcpTransport(_Connection):
 
     def get_into_many(self, keys: Sequence[bytes], dests: Sequence[Destination]) -> list[int]:
         """Sizes (-1 on a miss or a corrupt block); bytes land directly in `dests`."""
+        return [n for f in P.frames(len(keys)) for n in self._get_frame(keys[f], dests[f])]
+
+    def _get_frame(self, keys: Sequence[bytes], dests: Sequence[Destination]) -> list[int]:
         too_small: tuple[bytes, int, int] | None = None
         out: list[int] = []
         with self._session() as sock:
@@ -208,6 +228,10 @@ class ShmTransport(_Connection):
 
     def put_many(self, keys: Sequence[bytes], views: Sequence[memoryview], pin_s: float = 0.0) -> None:
         """Store blocks; with `pin_s` > 0, pinned for that many seconds (see `pin`)."""
+        for f in P.frames(len(keys)):
+            self._put_frame(keys[f], views[f], pin_s)
+
+    def _put_frame(self, keys: Sequence[bytes], views: Sequence[memoryview], pin_s: float) -> None:
         arena = self.arena
         sizes = np.array([v.nbytes for v in views], dtype="<i8")
         with self._session() as sock:
@@ -232,6 +256,11 @@ class ShmTransport(_Connection):
     @contextmanager
     def lease(self, keys: Sequence[bytes]) -> Iterator[list[memoryview | None]]:
         """Read-only views straight into the arena (zero copy), valid until the block exits."""
+        with ExitStack() as stack:
+            yield [v for f in P.frames(len(keys)) for v in stack.enter_context(self._lease_frame(keys[f]))]
+
+    @contextmanager
+    def _lease_frame(self, keys: Sequence[bytes]) -> Iterator[list[memoryview | None]]:
         arena = self.arena
         with self._session():
             meta = self._roundtrip(P.Op.LEASE, P.pack_batch(list(keys))).meta

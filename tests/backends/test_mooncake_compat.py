@@ -146,6 +146,7 @@ def test_statuses_match_mooncake(store: MooncakeDistributedStore, small_env: Non
     assert store.put_batch(["q1", "q2"], [b"1", b"22"]) == 0 and store.get_batch(["q1", "q2", "q3"]) == [b"1", b"22", b""]
     assert store.batch_remove(["q1", "q3"]) == [0, -704]
     assert store.is_exist("p") == 1 and store.is_exist("q1") == 0
+    assert store.batch_is_exist(["p", "x" * 600, "", "q2"]) == [1, 0, 0, 1]  # a bad key is absent, alone
     assert store.unregister_buffer(buf.ptr) == 0 and store.unregister_buffer(buf.ptr) == Status.INVALID_PARAMS
     assert store.batch_put_from(["a"], [buf.ptr], [STRIDE]) == [-600]  # no longer registered
     assert store.health_check() == 0 and store.get_hostname() == "localhost"

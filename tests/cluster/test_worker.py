@@ -103,3 +103,19 @@ def test_sigterm_flushes_dram_to_ssd_and_restart_serves_it(tmp_path):
             assert [c.get(f"p{i}") for i in range(10)] == [_block(i) for i in range(10)]
     finally:
         w2.kill()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_batches_larger_than_one_frame_are_split_not_refused(spawn, transport):
+    """70,000 keys of 400 bytes: more items than one frame may carry, and 28 MB of metadata."""
+    w = spawn(dram_bytes="128MiB")
+    keys = [f"{i:08d}".encode() * 50 for i in range(70_000)]
+    with PoolClient(mode="local", worker=w.unix_path if transport == "shm" else w.address, timeout_s=30) as c:
+        c.batch_put(keys, [k[:8] for k in keys])
+        assert c.exists(keys) == [True] * len(keys)
+        assert c.prefix_match(keys) == len(keys)
+        bufs = [bytearray(8) for _ in keys]
+        assert c.batch_get_into(keys, bufs) == [8] * len(keys)
+        assert all(bytes(b) == k[:8] for b, k in zip(bufs, keys))
+        c.pin(keys, 0)
+        assert c.remove(keys) == [True] * len(keys)
