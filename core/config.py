@@ -150,11 +150,16 @@ class WorkerConfig:
     max_connections: int = 1024
     """Connections served at once (a thread each); further ones are closed at once, with a warning."""
     io_timeout_s: float = 30.0
-    """A request whose peer stops sending it or reading its reply for this long closes the connection
-    and frees what it held (slots, leases); a connection may idle between requests for any time."""
+    """A request not received and answered in full within this many seconds of its first byte (a peer
+    that stalls or trickles its request, or does not read the reply) closes the connection and frees
+    what it held (slots, leases); a connection may idle between requests for any time."""
     auth_timeout_s: float = 10.0
-    """With a token: a TCP connection that has not authenticated within this many seconds is closed,
-    so idle strangers cannot hold the worker's connection threads."""
+    """With a token: a TCP connection that has not authenticated within this many seconds of
+    connecting is closed, however busy it keeps, so strangers cannot hold the worker's threads."""
+    max_unauthenticated: int = 64
+    """With a token: TCP connections that have not authenticated yet, at most; a new one closes the
+    oldest, so strangers only displace each other and a client with the token (which authenticates
+    at once) always gets in."""
     node_id: str | None = None
     """Identifies the machine (clients with the same node id use shared memory); default hostname."""
     worker_id: str | None = None

@@ -25,6 +25,12 @@ class WorkerMetrics:
         self.accept_errors = Counter("kvpool_accept_errors", "Failed accepts (e.g. out of file descriptors), "
                                      "by transport; the worker retries with back-off", ["transport"],
                                      registry=self.registry)
+        self.refused = Counter("kvpool_refused_connections", "Connections closed for a limit (max_connections: "
+                               "the new one; max_unauthenticated: the oldest stranger)", ["limit"],
+                               registry=self.registry)
+        self.deadline_closes = Counter("kvpool_deadline_closes", "Connections closed for a deadline "
+                                       "(auth: not authenticated in time; io: a request not done in time)",
+                                       ["deadline"], registry=self.registry)
         self.corrupt_blocks = Counter("kvpool_corrupt_blocks", "Blocks put that arrived with a wrong checksum "
                                       "(not stored)", registry=self.registry)
         self.registry.register(_CacheCollector(cache_stats))

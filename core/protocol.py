@@ -89,8 +89,9 @@ def recv_exactly(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
-def recv_frame(sock: socket.socket) -> Frame:
-    """Read one header and its metadata (the data, if any, is left for the caller to receive)."""
+def recv_frame(sock: socket.socket, max_meta: int = MAX_META) -> Frame:
+    """Read one header and its metadata (the data, if any, is left for the caller to receive);
+    `max_meta` (bytes) lowers the metadata limit (a peer that has not authenticated yet)."""
     raw = bytearray(HEADER.size)
     recv_exactly(sock, memoryview(raw))
     magic, version, op, status, req_id, meta_len, data_len, meta_crc, _ = HEADER.unpack(raw)
@@ -98,8 +99,8 @@ def recv_frame(sock: socket.socket) -> Frame:
         raise ProtocolError(f"bad magic {bytes(magic)!r}; expected {MAGIC!r}")
     if version != VERSION:
         raise ProtocolError(f"protocol version {version}; this side speaks {VERSION}")
-    if meta_len > MAX_META or data_len > MAX_DATA:
-        raise ProtocolError(f"frame of {meta_len} meta / {data_len} data bytes exceeds {MAX_META} / {MAX_DATA}")
+    if meta_len > max_meta or data_len > MAX_DATA:
+        raise ProtocolError(f"frame of {meta_len} meta / {data_len} data bytes exceeds {max_meta} / {MAX_DATA}")
     meta = _recv_meta(sock, meta_len)
     if xxhash.xxh32_intdigest(meta) != meta_crc:
         raise ProtocolError("metadata checksum mismatch")

@@ -93,6 +93,9 @@ class _Conn:
         self.sock = sock
         self.transport = transport
         self.authed = authed
+        self.since = time.monotonic()
+        self.request_since = 0.0  # monotonic time of the current request's first byte; 0 between requests
+        self.closing = ""  # why the watchdog shut the connection down
         self.busy = False
         self.reserved: dict[int, int] = {}  # offset -> size
         self.leases: dict[int, Any] = {}  # lease id -> block
@@ -115,6 +118,7 @@ class Worker:
         self._conns_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._accept_errors: dict[str, str] = {}  # transport -> the error last logged
+        self._refusing: set[str] = set()  # connection limits already logged as reached
         self.membership: Any = None
         # Sockets first: a port in use must fail before a pre-faulted arena of many GiB exists.
         self._tcp = socket.create_server((cfg.host, cfg.port), backlog=128, reuse_port=False)
@@ -184,6 +188,7 @@ class Worker:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
+        threading.Thread(target=self._watchdog, daemon=True, name="kvpool-watchdog").start()
         """Stop accepting, let in-flight requests finish, flush DRAM to SSD, leave the cluster."""
         if self._stopping.is_set():
             return
@@ -241,20 +246,28 @@ class Worker:
             with self._conns_lock:
                 full = len(self._conns) >= self.config.max_connections
             if full:
-                log.warning("refusing a %s connection: %d connections already (max_connections)",
-                            transport, self.config.max_connections)
+                self._refused(transport, "max_connections")
                 sock.close()
                 continue
+            authed = transport == "shm" or not self.config.token
             if transport == "tcp":
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                waiting = [c for c in self._conns if not c.authed and not c.closing]
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
             io_timeout = struct.pack("ll", int(self.config.io_timeout_s), int(self.config.io_timeout_s % 1 * 1e6))
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, io_timeout)  # see _next_frame
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, io_timeout)
-            conn = _Conn(sock, transport, authed=(transport == "shm" or not self.config.token))
+            if not authed and len(waiting) >= self.config.max_unauthenticated:
+                # The oldest stranger makes room: a client with the token authenticates within a round
+                # trip and so outlives any crowd of strangers, who only ever displace each other.
+                oldest = min(waiting, key=lambda c: c.since)
+                oldest.closing = "displaced by a newer unauthenticated connection (max_unauthenticated)"
+                self._refused(transport, "max_unauthenticated")
+                _shutdown(oldest.sock)
+            conn = _Conn(sock, transport, authed)
             if not conn.authed:
-                sock.settimeout(self.config.auth_timeout_s)  # lifted by a good AUTH
+                sock.settimeout(self.config.auth_timeout_s)  # lifted by a good AUTH; the watchdog bounds the rest
             t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name="kvpool-conn")
             with self._conns_lock:
                 self._conns.add(conn)
@@ -268,11 +281,42 @@ class Worker:
             self._accept_errors[transport] = why
             log.warning("cannot accept %s connections (%s); retrying with back-off", transport, why)
 
+    def _refused(self, transport: str, limit: str) -> None:
+        """Count (and log the first time) a connection closed because `limit` was reached."""
+        self.metrics.refused.labels(limit).inc()
+        if limit not in self._refusing:
+            self._refusing.add(limit)
+            log.warning("%s connections: %s (%d) reached; connections are closed (counted in "
+                        "kvpool_refused_connections_total; logged once)", transport, limit, getattr(self.config, limit))
+
+    def _watchdog(self) -> None:
+        """Enforce the deadlines that span system calls: a request must be received and answered within
+        io_timeout_s of its first byte, a TCP peer with a token to present must authenticate within
+        auth_timeout_s of connecting. A late connection is shut down, which wakes its thread out of
+        any blocked receive or send; that thread then frees what the connection held."""
+        cfg = self.config
+        every = max(0.05, min(cfg.io_timeout_s, cfg.auth_timeout_s) / 10)
+        while not self._stopping.wait(every):
+            now = time.monotonic()
+            with self._conns_lock:
+                conns = list(self._conns)
+            for c in conns:
+                if c.closing:
+                    continue
+                if not c.authed and now - c.since > cfg.auth_timeout_s:
+                    c.closing = f"not authenticated within auth_timeout_s ({cfg.auth_timeout_s} s)"
+                elif c.request_since and now - c.request_since > cfg.io_timeout_s:
+                    c.closing = f"a request not done within io_timeout_s ({cfg.io_timeout_s} s)"
+                else:
+                    continue
+                self.metrics.deadline_closes.labels("auth" if not c.authed else "io").inc()
+                _shutdown(c.sock)
+
     def _serve(self, conn: _Conn) -> None:
         self.metrics.connections.labels(conn.transport).inc()
         try:
             while not self._stopping.is_set():
-                frame = self._next_frame(conn)
+                frame = self._next_frame(conn)  # sets conn.request_since at the request's first byte
                 conn.busy = True
                 t0 = time.perf_counter()
                 self._dispatch(conn, frame)
@@ -286,7 +330,9 @@ class Worker:
         except KVPoolError as e:  # e.g. a full disk under REMOVE or CLEAR, or the cache closing under us
             log.warning("closing %s connection: %s: %s", conn.transport, type(e).__name__, e)
         except (ConnectionError, OSError):
-            pass  # the client went away
+            if conn.closing:  # the watchdog's doing, not the client's
+                log.warning("closed a %s connection: %s", conn.transport, conn.closing)
+                conn.request_since = 0.0
         finally:
             conn.busy = False
             self._cleanup(conn)
@@ -304,7 +350,8 @@ class Worker:
             except BlockingIOError:  # SO_RCVTIMEO while idle: keep waiting, unless stopping
                 if self._stopping.is_set():
                     raise ConnectionError("worker stopping") from None
-        return P.recv_frame(conn.sock)
+        conn.request_since = time.monotonic()
+        return P.recv_frame(conn.sock, P.MAX_META if conn.authed else _PREAUTH_META)
 
     def _cleanup(self, conn: _Conn) -> None:
         """Give back what a departed client held: reservations (never committed) and leases."""
@@ -496,6 +543,9 @@ _CHUNK = 64 << 10
 
 
 def _recv_checked(sock: socket.socket, view: memoryview, csum: int) -> bool:
+_PREAUTH_META = 4096
+"""Metadata bytes a frame may carry before its connection authenticates (HELLO and AUTH need little)."""
+
     """Receive into `view`, hashing each chunk while it is still in cache; True if `csum` matches."""
     h = xxhash.xxh3_64()
     for start in range(0, len(view), _CHUNK):
