@@ -422,6 +422,8 @@ class TieredCache:
             if not self._evictable(b):
                 continue
             if self.arena.class_of(b.size) == cls:
+                if self._free_a_slab_by_moving(n):
+                    continue
                 same.append(b)
                 if len(same) >= 8:
                     break
@@ -460,6 +462,64 @@ class TieredCache:
         items = [(b.key, b.meta, self.arena.view(b.offset, b.size)) for b in blocks]
         try:
             self.ssd.put_many(items)
+    def _free_a_slab_by_moving(self, n: int) -> bool:
+        """Free a whole slab of another size class for a block of `n` bytes when every slab holds some
+        pinned block (a few pinned blocks spread over many slabs would otherwise refuse puts while
+        DRAM is mostly free): evict the slab's evictable blocks and copy its pinned ones into free
+        slots of their class in other slabs. Only a slab with no leased block moves (a reader's view
+        stays valid); the fewest pinned blocks move first. False if no slab can be freed so."""
+        cls = self.arena.class_of(n)
+        by_slab: dict[int, list[_Block]] = {}
+        for b in self._dram.values():
+            by_slab.setdefault(self.arena.slab_of(b.offset), []).append(b)
+        candidates = sorted((sum(b.pinned for b in bs), slab) for slab, bs in by_slab.items()
+                            if self.arena.class_of(bs[0].size) != cls and not any(b.leases for b in bs))
+        for _, slab in candidates:
+            # as of now: making room for an earlier candidate may have evicted some of these blocks
+            blocks = [b for b in by_slab[slab] if b.live and self._dram.get(b.key) is b]
+            if any(b.leases for b in blocks):
+                continue
+            pinned = [b for b in blocks if b.pinned]
+            self._make_room_elsewhere(pinned, slab)
+            moved: list[tuple[_Block, int]] = []
+            for b in pinned:
+                dest = self.arena.alloc_elsewhere(b.size, slab)
+                if dest is None:
+                    break
+                moved.append((b, dest))
+            if len(moved) < len(pinned):  # no room for all of them elsewhere: undo, try the next slab
+                for _, dest in moved:
+                    self.arena.free(dest)
+                continue
+            for b, dest in moved:
+                self.arena.buf[dest:dest + b.size] = self.arena.buf[b.offset:b.offset + b.size]
+                self.arena.free(b.offset)
+                b.offset = dest
+            self.stats_.relocations += len(moved)
+            rest = [b for b in blocks if not b.pinned]
+            if rest:
+                self._evict(rest, rest)
+            return True
+        return False
+
+    def _make_room_elsewhere(self, blocks: list[_Block], slab: int) -> None:
+        """Evict the least recently used evictable blocks of `blocks`' class outside `slab`, as many
+        as `blocks`, so that they can move there (their slots may be free already: then a few blocks
+        leave DRAM early)."""
+        if not blocks:
+            return
+        cls = self.arena.class_of(blocks[0].size)
+        room: list[_Block] = []
+        for k in self._dram_order:
+            b = self._dram[k]
+            if (self._evictable(b) and self.arena.slab_of(b.offset) != slab
+                    and self.arena.class_of(b.size) == cls):
+                room.append(b)
+                if len(room) == len(blocks):
+                    break
+        if room:
+            self._evict(room, room)
+
         except CapacityError:
             with self._lock:
                 self._stale_ssd.extend(superseded)  # the old copies are still there

@@ -21,6 +21,8 @@ class CacheStats:
     dropped: int = 0
     """Blocks lost to a full SSD tier on demotion."""
     checksum_failures: int = 0
+    relocations: int = 0
+    """Pinned blocks copied to another slab of their class so that a whole slab could be freed."""
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

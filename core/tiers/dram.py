@@ -188,6 +188,21 @@ class DramArena:
         elif len(slab.free) == 1:
             self._partial[slab.cls][slab_no] = None
 
+    def alloc_elsewhere(self, nbytes: int, slab_no: int) -> int | None:
+        """A slot for `nbytes` in a partly used slab of its class other than `slab_no` (to move a block
+        out of that slab), or None."""
+        cls = self.class_of(nbytes)
+        other = next((n for n in self._partial[cls] if n != slab_no), None)
+        if other is None:
+            return None
+        slab = self._slabs[other]
+        offset = slab.free.pop()
+        slab.used += 1
+        if not slab.free:
+            del self._partial[cls][other]
+        self.used_bytes += self.classes[cls]
+        return offset
+
     def can_alloc(self, nbytes: int) -> bool:
         return bool(self._partial[self.class_of(nbytes)] or self._free_slabs)
 

@@ -573,3 +573,18 @@ def test_stats_are_consistent(make_cache: Make, ssd_dir: str) -> None:
     assert s["ssd_blocks"] == len(list(cache.ssd.scan()))  # type: ignore[union-attr]
     assert s["ssd_bytes"] == sum(meta.size for _, meta in cache.ssd.scan())  # type: ignore[union-attr]
     assert s["dram_bytes"] <= s["dram_capacity"]
+
+
+def test_pinned_blocks_spread_over_every_slab_do_not_refuse_puts(make_cache: Make) -> None:
+    """One pinned 4 KiB block per slab (a tiny share of DRAM) used to make every larger put fail."""
+    cache = make_cache(dram_bytes=8 * MiB, dram_slab_size=1 * MiB)
+    per_slab = MiB // (4 * KiB)
+    keys = [f"s{i}" for i in range(6 * per_slab)]  # six slabs of 4 KiB blocks, the first of each pinned
+    for i, k in enumerate(keys):
+        cache.put(k, payload(k, 4 * KiB), pin=i % per_slab == 0)
+    pinned = keys[::per_slab]
+    for i in range(6):  # pinned 1 MiB blocks take whole slabs: two are free, then every slab holds a pin
+        cache.put(f"big{i}", payload(f"big{i}", MiB), pin=True)
+    assert all(cache.get(f"big{i}") == payload(f"big{i}", MiB) for i in range(6))
+    assert all(cache.get(k) == payload(k, 4 * KiB) for k in pinned), "a moved pinned block changed"
+    assert cache.stats()["relocations"] >= 4
