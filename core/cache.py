@@ -399,6 +399,8 @@ class TieredCache:
                 self._check_open()
                 continue
             if not victims:
+                if self._free_a_slab_by_moving(n):
+                    continue
                 raise CapacityError(
                     f"no room for a {n}-byte block: DRAM arena of {self.arena.size} bytes is full of "
                     f"leased or pinned blocks ({len(self._dram)} blocks)")
@@ -422,8 +424,6 @@ class TieredCache:
             if not self._evictable(b):
                 continue
             if self.arena.class_of(b.size) == cls:
-                if self._free_a_slab_by_moving(n):
-                    continue
                 same.append(b)
                 if len(same) >= 8:
                     break
@@ -439,29 +439,6 @@ class TieredCache:
                 return by_slab[slab], by_slab[slab]
         return [], []
 
-    def _evict(self, victims: list[_Block], batch: list[_Block]) -> None:
-        """Demote `batch` (which includes `victims`) to SSD in one transaction and drop `victims`
-        from DRAM. Caller holds the lock."""
-        self._demote_to_ssd([b for b in batch if not b.on_ssd])
-        for b in victims:
-            if b.live and self._dram.get(b.key) is b:
-                self._drop_dram(b.key)
-                self.stats_.evictions += 1
-
-    def _demote_to_ssd(self, blocks: list[_Block]) -> None:
-        """Write leased (or, under the lock, current) blocks to SSD and index them."""
-        if self.ssd is None or not blocks:
-            return
-        keys = {b.key for b in blocks}
-        with self._lock:
-            # This write supersedes pending deletions of older copies; deleting after it would
-            # delete the new copy.
-            superseded = [k for k in self._stale_ssd if k in keys]
-            if superseded:
-                self._stale_ssd = [k for k in self._stale_ssd if k not in keys]
-        items = [(b.key, b.meta, self.arena.view(b.offset, b.size)) for b in blocks]
-        try:
-            self.ssd.put_many(items)
     def _free_a_slab_by_moving(self, n: int) -> bool:
         """Free a whole slab of another size class for a block of `n` bytes when every slab holds some
         pinned block (a few pinned blocks spread over many slabs would otherwise refuse puts while
@@ -520,6 +497,29 @@ class TieredCache:
         if room:
             self._evict(room, room)
 
+    def _evict(self, victims: list[_Block], batch: list[_Block]) -> None:
+        """Demote `batch` (which includes `victims`) to SSD in one transaction and drop `victims`
+        from DRAM. Caller holds the lock."""
+        self._demote_to_ssd([b for b in batch if not b.on_ssd])
+        for b in victims:
+            if b.live and self._dram.get(b.key) is b:
+                self._drop_dram(b.key)
+                self.stats_.evictions += 1
+
+    def _demote_to_ssd(self, blocks: list[_Block]) -> None:
+        """Write leased (or, under the lock, current) blocks to SSD and index them."""
+        if self.ssd is None or not blocks:
+            return
+        keys = {b.key for b in blocks}
+        with self._lock:
+            # This write supersedes pending deletions of older copies; deleting after it would
+            # delete the new copy.
+            superseded = [k for k in self._stale_ssd if k in keys]
+            if superseded:
+                self._stale_ssd = [k for k in self._stale_ssd if k not in keys]
+        items = [(b.key, b.meta, self.arena.view(b.offset, b.size)) for b in blocks]
+        try:
+            self.ssd.put_many(items)
         except CapacityError:
             with self._lock:
                 self._stale_ssd.extend(superseded)  # the old copies are still there

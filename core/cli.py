@@ -84,12 +84,12 @@ def cmd_up(args: argparse.Namespace) -> int:
   same-node only:   KVPOOL_MODE=local KVPOOL_WORKER={worker.unix_path}
   SGLang:           --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
                     '{{"backend_name":"kvpool","module_path":"kvpool.backends.sglang","class_name":"KVPoolHiCacheStorage","interface_v1":1,"nats_url":"{nats.url}"}}'
-  status:           kvpool status --nats-url {nats.url}
-
-Ctrl-C stops both.""", flush=True)
   vLLM:             --kv-transfer-config \\
                     '{{"kv_connector":"KVPoolConnector","kv_connector_module_path":"kvpool.backends.vllm","kv_role":"kv_both","kv_connector_extra_config":{{"nats_url":"{nats.url}"}}}}'
   Mooncake API:     PYTHONPATH=$(kvpool mooncake-shim) with master_server_addr {nats.url}
+  status:           kvpool status --nats-url {nats.url}
+
+Ctrl-C stops both.""", flush=True)
 
     _wait_for_stop(done)
     worker.stop()

@@ -183,12 +183,12 @@ class Worker:
             t = threading.Thread(target=self._accept_loop, args=(lsock, transport), daemon=True,
                                  name=f"kvpool-accept-{transport}")
             t.start()
+        threading.Thread(target=self._watchdog, daemon=True, name="kvpool-watchdog").start()
         log.info("worker %s serving tcp %s and %s (arena %s, %d bytes)", self.worker_id, self.address,
                  self.unix_path, self.cache.arena.name, self.cache.arena.size)
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        threading.Thread(target=self._watchdog, daemon=True, name="kvpool-watchdog").start()
         """Stop accepting, let in-flight requests finish, flush DRAM to SSD, leave the cluster."""
         if self._stopping.is_set():
             return
@@ -243,21 +243,14 @@ class Worker:
                 backoff = 0.0
                 log.info("accepting %s connections again", transport)
                 self._accept_errors.pop(transport, None)
+            authed = transport == "shm" or not self.config.token
             with self._conns_lock:
                 full = len(self._conns) >= self.config.max_connections
+                waiting = [c for c in self._conns if not c.authed and not c.closing]
             if full:
                 self._refused(transport, "max_connections")
                 sock.close()
                 continue
-            authed = transport == "shm" or not self.config.token
-            if transport == "tcp":
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                waiting = [c for c in self._conns if not c.authed and not c.closing]
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
-            io_timeout = struct.pack("ll", int(self.config.io_timeout_s), int(self.config.io_timeout_s % 1 * 1e6))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, io_timeout)  # see _next_frame
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, io_timeout)
             if not authed and len(waiting) >= self.config.max_unauthenticated:
                 # The oldest stranger makes room: a client with the token authenticates within a round
                 # trip and so outlives any crowd of strangers, who only ever displace each other.
@@ -265,6 +258,13 @@ class Worker:
                 oldest.closing = "displaced by a newer unauthenticated connection (max_unauthenticated)"
                 self._refused(transport, "max_unauthenticated")
                 _shutdown(oldest.sock)
+            if transport == "tcp":
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
+            io_timeout = struct.pack("ll", int(self.config.io_timeout_s), int(self.config.io_timeout_s % 1 * 1e6))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, io_timeout)  # see _next_frame
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, io_timeout)
             conn = _Conn(sock, transport, authed)
             if not conn.authed:
                 sock.settimeout(self.config.auth_timeout_s)  # lifted by a good AUTH; the watchdog bounds the rest
@@ -273,13 +273,6 @@ class Worker:
                 self._conns.add(conn)
                 self._threads.append(t)
             t.start()
-
-    def _accept_failed(self, transport: str, err: OSError) -> None:
-        self.metrics.accept_errors.labels(transport).inc()
-        why = f"{type(err).__name__}: {err}"
-        if self._accept_errors.get(transport) != why:
-            self._accept_errors[transport] = why
-            log.warning("cannot accept %s connections (%s); retrying with back-off", transport, why)
 
     def _refused(self, transport: str, limit: str) -> None:
         """Count (and log the first time) a connection closed because `limit` was reached."""
@@ -312,6 +305,13 @@ class Worker:
                 self.metrics.deadline_closes.labels("auth" if not c.authed else "io").inc()
                 _shutdown(c.sock)
 
+    def _accept_failed(self, transport: str, err: OSError) -> None:
+        self.metrics.accept_errors.labels(transport).inc()
+        why = f"{type(err).__name__}: {err}"
+        if self._accept_errors.get(transport) != why:
+            self._accept_errors[transport] = why
+            log.warning("cannot accept %s connections (%s); retrying with back-off", transport, why)
+
     def _serve(self, conn: _Conn) -> None:
         self.metrics.connections.labels(conn.transport).inc()
         try:
@@ -324,6 +324,7 @@ class Worker:
                 self.metrics.ops.labels(op).inc()
                 self.metrics.latency.labels(op).observe(time.perf_counter() - t0)
                 conn.busy = False
+                conn.request_since = 0.0
         except ProtocolError as e:
             self.metrics.protocol_errors.inc()
             log.warning("closing %s connection: %s", conn.transport, e)
@@ -332,7 +333,6 @@ class Worker:
         except (ConnectionError, OSError):
             if conn.closing:  # the watchdog's doing, not the client's
                 log.warning("closed a %s connection: %s", conn.transport, conn.closing)
-                conn.request_since = 0.0
         finally:
             conn.busy = False
             self._cleanup(conn)
@@ -536,6 +536,9 @@ class Worker:
                 self.cache.release(b)
 
 
+_PREAUTH_META = 4096
+"""Metadata bytes a frame may carry before its connection authenticates (HELLO and AUTH need little)."""
+
 _SHM_OPS = frozenset({P.Op.ALLOC, P.Op.COMMIT, P.Op.ABORT, P.Op.LEASE, P.Op.RELEASE})
 
 
@@ -543,9 +546,6 @@ _CHUNK = 64 << 10
 
 
 def _recv_checked(sock: socket.socket, view: memoryview, csum: int) -> bool:
-_PREAUTH_META = 4096
-"""Metadata bytes a frame may carry before its connection authenticates (HELLO and AUTH need little)."""
-
     """Receive into `view`, hashing each chunk while it is still in cache; True if `csum` matches."""
     h = xxhash.xxh3_64()
     for start in range(0, len(view), _CHUNK):
