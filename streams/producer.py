@@ -21,6 +21,7 @@ from . import envelope as env
 from ._link import Link
 from .admin import check_token, subject
 from .announcer import Announcer
+from .errors import StreamUnavailable
 from .payload import put_blocks, put_payload
 from .pins import PinKeeper
 
@@ -121,10 +122,15 @@ class Producer:
 
     def _send_ref(self, subj: str, ref: env.Ref, headers: dict[str, str]) -> int:
         """Publish a reference to blocks under keys we made up and keep them pinned while it may be
-        read; if the publish fails, they are removed (nobody can ever learn their names)."""
+        read. If JetStream refused the message, the blocks are removed (nobody can ever learn their
+        names); if the publish timed out or the connection broke, JetStream may have stored it
+        anyway, so the blocks stay, pinned for `pin_ttl_s` and evictable after that, and a consumer
+        of a stored message still finds its payload."""
         pool = self._need_pool("a reference")
         try:
             seq = self._send(subj, ref.encode(), headers)
+        except StreamUnavailable:  # includes StreamTimeout: the outcome is unknown
+            raise
         except BaseException:
             pool.remove(ref.keys)
             raise

@@ -205,3 +205,25 @@ def test_a_pin_on_an_absent_key_waits_briefly_then_runs_its_length_once_the_bloc
         table.expire()
         assert not table.holds(b"never") and table.holds(b"later")
         assert table.counts() == {"pins": 1, "pending_pins": 0, "pins_refused": 0}
+
+
+def test_a_publish_that_timed_out_keeps_its_payload_for_a_stored_message(nats, pool, monkeypatch):
+    """A timeout leaves the outcome unknown (JetStream may have stored the message, as during a NATS
+    restart): the payload's blocks must stay, so a consumer of the stored message finds them."""
+    from kvpool.streams import StreamTimeout, create_stream
+    create_stream(nats.url, "maybe")
+    real_send = Producer._send
+
+    def stored_then_timed_out(self, subj, body, headers):
+        real_send(self, subj, body, headers)
+        raise StreamTimeout("publish: timed out")
+
+    with Producer("maybe", nats.url, pool) as p:
+        monkeypatch.setattr(Producer, "_send", stored_then_timed_out)
+        with pytest.raises(StreamTimeout):
+            p.publish(PAYLOAD)
+        monkeypatch.setattr(Producer, "_send", real_send)
+    with Consumer("maybe", nats.url, pool=pool) as c:
+        msg = c.receive(5)
+        assert bytes(msg.data) == PAYLOAD
+        msg.ack()
