@@ -57,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _python(name: str, args: argparse.Namespace) -> Path:
     given = getattr(args, f"{name}_python")
     if given:
+        if not Path(given).is_file():
+            raise ConfigError(f"--{name}-python {given}: no such file")
         return Path(given)
     found = envs.find_python(name)
     if found is None:
