@@ -61,11 +61,12 @@ def _python(env: Path) -> Path:
     return env / "bin" / "python"
 
 
-def find_python(name: str) -> Path | None:
-    """The python of a finished environment for engine `name`, or None when none was built."""
+def find_python(name: str, root: Path | None = None) -> Path | None:
+    """The python of a finished environment for engine `name` under `root` (default `envs_root()`),
+    or None when none was built."""
     if name not in RECIPES:
         raise ConfigError(f"no engine environment named {name!r}; known: {', '.join(RECIPES)}")
-    env = envs_root() / name
+    env = (root or envs_root()) / name
     marker = env / ".kvpool-ready"
     if marker.is_file() and marker.read_text().strip() == _recipe_hash(name) and _python(env).exists():
         return _python(env)
@@ -80,15 +81,15 @@ def _log(msg: str) -> None:
     print(f"[kvpool engines] {msg}", file=sys.stderr, flush=True)
 
 
-def ensure(name: str, repo: Path | None = None) -> Path:
+def ensure(name: str, repo: Path | None = None, root: Path | None = None) -> Path:
     """The python of engine `name`'s environment, building it first if needed (minutes, progress on
     stderr), with kvpool from `repo` (default: the checkout this module is in) installed editable."""
-    root = envs_root()
+    root = root or envs_root()
     root.mkdir(parents=True, exist_ok=True)
     env = root / name
     with open(root / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two test sessions on one machine build it once
-        py = find_python(name)
+        py = find_python(name, root)
         if py is None:
             shutil.rmtree(env, ignore_errors=True)
             _log(f"building the {VERSIONS[name]} environment in {env} (several minutes, once per machine)")

@@ -16,6 +16,8 @@ import pytest
 from kvpool.backends.engines import envs
 
 ROOT = Path(__file__).resolve().parents[2]
+ENVS = envs.envs_root()
+"""Read at import: the autouse fixture of tests/conftest.py clears KVPOOL_* variables before each test."""
 SGLANG_CPU_STUBS = Path(__file__).resolve().parent / "sglang_cpu"
 
 
@@ -37,12 +39,12 @@ def engine_python(pytestconfig: pytest.Config) -> Callable[[str], Path]:
     capture = pytestconfig.pluginmanager.getplugin("capturemanager")
 
     def _get(name: str) -> Path:
-        py = envs.find_python(name)
+        py = envs.find_python(name, ENVS)
         if py is not None:
-            envs.ensure(name, ROOT)  # cheap: re-points kvpool at this checkout if needed
+            envs.ensure(name, ROOT, ENVS)  # cheap: re-points kvpool at this checkout if needed
             return py
         with capture.global_and_fixture_disabled():
-            return envs.ensure(name, ROOT)
+            return envs.ensure(name, ROOT, ENVS)
 
     return _get
 
