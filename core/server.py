@@ -136,6 +136,10 @@ class Worker:
             self._close_listeners()
             raise
         self.pins = PinTable(self.cache)
+        self.max_reserve = max(self.cache.max_block, self.cache.arena.size // _RESERVE_SHARE)
+        """Bytes one same-node connection may hold allocated but not committed: a client that stalls
+        between ALLOC and COMMIT (it writes the arena itself, so its slots cannot be taken back while
+        it lives) blocks at most this much of the arena."""
         self.metrics = WorkerMetrics(self.cache.stats)
         self._handlers: dict[int, Callable[[_Conn, P.Frame], None]] = {
             P.Op.HELLO: self._hello, P.Op.AUTH: self._auth, P.Op.PUT: self._put, P.Op.GET: self._get,
@@ -158,7 +162,7 @@ class Worker:
                 "unix": self.unix_path, "arena": self.cache.arena.name, "arena_size": self.cache.arena.size,
                 "dram_capacity": s["dram_capacity"], "dram_bytes": s["dram_bytes"],
                 "ssd_bytes": s["ssd_bytes"], "hits": s["hits_dram"] + s["hits_ssd"] + s["hits_device"],
-                "misses": s["misses"], "max_block": self.cache.max_block, "transports": ["tcp", "shm"],
+                "misses": s["misses"], "max_block": self.cache.max_block, "max_reserve": self.max_reserve, "transports": ["tcp", "shm"],
                 "auth": bool(self.config.token), "pid": os.getpid()}
 
     def start(self) -> Worker:
@@ -476,10 +480,14 @@ class Worker:
         keys, (sizes,) = P.unpack_batch(frame.meta, "<i8")
         offsets = np.full(len(keys), P.ITEM_FULL, dtype="<i8")
         self.pins.expire()  # expired pins are evictable again before this alloc looks for room
+        budget = self.max_reserve - sum(conn.reserved.values())
         for i, size in enumerate(sizes.tolist()):
+            if size > budget and size <= self.cache.max_block:
+                continue  # ITEM_FULL: this connection holds its share of the arena uncommitted
             try:
                 offsets[i] = off = self.cache.reserve(size)
                 conn.reserved[off] = size
+                budget -= size
             except BlockTooLarge:
                 offsets[i] = P.ITEM_TOO_LARGE
             except CapacityError:
@@ -535,6 +543,9 @@ class Worker:
             if b is not None:
                 self.cache.release(b)
 
+
+_RESERVE_SHARE = 8
+"""A same-node connection may hold at most 1/8 of the arena reserved and not yet committed."""
 
 _PREAUTH_META = 4096
 """Metadata bytes a frame may carry before its connection authenticates (HELLO and AUTH need little)."""

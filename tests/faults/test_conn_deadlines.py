@@ -117,3 +117,20 @@ def test_a_reply_nobody_reads_is_cut_off(spawn) -> None:
         assert time.monotonic() - t0 <= IO_S + 2 * SLACK_S
     with PoolClient(mode="local", worker=w.address) as c:  # its leases are gone: the blocks can be removed
         assert c.remove([f"big{i}" for i in range(3)]) == [True] * 3
+
+
+def test_a_stalled_same_node_writer_holds_at_most_its_share_of_the_arena(spawn) -> None:
+    """ALLOC without COMMIT, then silence (a paused client): it may not reserve the whole arena."""
+    w = spawn(dram_bytes="64MiB", env={"KVPOOL_DRAM_SLAB_SIZE": "1MiB", "KVPOOL_PREFAULT": "0"})
+    mib = 1 << 20
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(w.unix_path)
+        keys = [f"hog{i}".encode() for i in range(64)]
+        P.send_frame(s, P.Op.ALLOC, P.pack_batch(keys, np.full(64, mib, "<i8")))
+        reply = P.recv_frame(s)
+        held = int((np.frombuffer(reply.meta, "<i8") >= 0).sum())
+        assert 0 < held <= 8, f"one connection reserved {held} MiB of a 64 MiB arena"
+        with PoolClient(mode="local", worker=w.unix_path) as c:  # others still have room, in big batches too
+            names = [f"b{i}" for i in range(40)]
+            c.batch_put(names, [bytes([i]) * mib for i in range(40)])
+            assert c.get("b39") == bytes([39]) * mib
