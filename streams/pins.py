@@ -74,19 +74,48 @@ class _StreamState:
 class PinKeeper:
     """Renews or drops the pins of one producer's messages on stream `stream` (see the module doc)."""
 
-    def __init__(self, link: Link, stream: str, pool: PoolClient, ttl_s: float) -> None:
+    def __init__(self, link: Link, stream: str, pool: PoolClient, ttl_s: float,
+                 max_pinned_bytes: int | None = None) -> None:
         self._link, self.stream, self._pool, self.ttl_s = link, stream, pool, ttl_s
+        self.max_pinned_bytes = max_pinned_bytes
         self._messages: dict[int, tuple[str, Sequence[Key]]] = {}
+        self._sizes: dict[int, int] = {}  # payload bytes of the counted messages
+        self._pinned_bytes = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._renewed = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"kvpool-pins-{stream}", daemon=True)
         self._thread.start()
 
-    def add(self, seq: int, subj: str, keys: Sequence[Key]) -> None:
-        """Message `seq` (on `subj`) names blocks `keys`, put pinned just before it was published."""
+    def add(self, seq: int, subj: str, keys: Sequence[Key], nbytes: int = 0) -> None:
+        """Message `seq` (on `subj`) names blocks `keys` (`nbytes` of payload), put pinned just before
+        it was published. Past `max_pinned_bytes`, the oldest messages' blocks are unpinned: they stay
+        readable until the pool needs their room, then a consumer gets a PayloadError for them,
+        rather than unacked payloads filling the pool until unrelated puts fail."""
         with self._lock:
             self._messages[seq] = (subj, keys)
+            if nbytes:
+                self._sizes[seq] = nbytes
+                self._pinned_bytes += nbytes
+            dropped = self._over_budget()
+        if dropped:
+            self._pin(dropped, 0)
+
+    def _over_budget(self) -> list[Key]:
+        """Forget the oldest counted messages until the rest fit the budget (the newest always stays);
+        returns their keys that no remaining message names. Caller holds the lock."""
+        budget = self.max_pinned_bytes
+        gone: dict[int, Sequence[Key]] = {}
+        while budget is not None and self._pinned_bytes > budget and len(self._sizes) > 1:
+            seq = min(self._sizes)
+            self._pinned_bytes -= self._sizes.pop(seq)
+            gone[seq] = self._messages.pop(seq, ("", ()))[1]
+        if not gone:
+            return []
+        log.warning("stream %r: unacked payloads over max_pinned_bytes (%d): unpinned messages %d..%d, "
+                    "which consumers may no longer find", self.stream, budget, min(gone), max(gone))
+        needed = {k for _, keys in self._messages.values() for k in keys}
+        return list({k for keys in gone.values() for k in keys} - needed)
 
     def reconcile(self) -> None:
         """One pass: unpin the blocks of done messages; renew the rest if half their time is gone."""
@@ -98,7 +127,8 @@ class PinKeeper:
         done = [seq for seq, (subj, _) in held.items() if state is None or state.done(seq, subj)]
         with self._lock:
             for seq in done:
-                del self._messages[seq]
+                self._messages.pop(seq, None)  # may be gone already (over budget)
+                self._pinned_bytes -= self._sizes.pop(seq, 0)
             needed = {k for _, keys in self._messages.values() for k in keys}
         self._pin(list({k for seq in done for k in held[seq][1]} - needed), 0)
         if needed and time.monotonic() - self._renewed >= self.ttl_s / 2:

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvpool.core.buffers import readable
 from kvpool.core.client import PoolClient
-from kvpool.core.errors import ConfigError
+from kvpool.core.errors import ConfigError, KVPoolError
 from kvpool.core.keys import Key
 
 from . import envelope as env
@@ -45,17 +45,22 @@ class Producer:
 
     `pool` is needed only for payloads larger than `inline_max` bytes and for `publish_kv`. Their blocks
     are pinned until every consumer has acked the message or retention drops it, while this producer
-    lives, and for at most `pin_ttl_s` seconds after it closes or dies (0: no pins).
+    lives, and for at most `pin_ttl_s` seconds after it closes or dies (0: no pins). Unacked `publish`
+    payloads stay pinned up to `max_pinned_bytes` (default: a quarter of the pool's DRAM); past it the
+    oldest are unpinned, so consumers that never ack cannot fill the pool (a consumer that reads one
+    the pool then evicted gets a PayloadError).
     A publish to a full stream with discard=new raises `StreamFull`; one to a missing stream raises
     `StreamNotFound`.
     """
 
     def __init__(self, stream: str, nats_url: str, pool: PoolClient | None = None, *,
-                 inline_max: int = INLINE_MAX, pin_ttl_s: float = PIN_TTL_S, timeout_s: float = 5.0) -> None:
+                 inline_max: int = INLINE_MAX, pin_ttl_s: float = PIN_TTL_S, timeout_s: float = 5.0,
+                 max_pinned_bytes: int | None = None) -> None:
         self.stream = check_token(stream, "stream name")
         if inline_max < 0 or pin_ttl_s < 0:
             raise ConfigError(f"inline_max={inline_max} bytes and pin_ttl_s={pin_ttl_s} must be >= 0")
         self.pool, self.inline_max, self.pin_ttl_s = pool, inline_max, pin_ttl_s
+        self.max_pinned_bytes = max_pinned_bytes
         self._link = Link(nats_url, timeout_s)
         self._pins: PinKeeper | None = None
         self._announcer: Announcer | None = None
@@ -111,7 +116,9 @@ class Producer:
 
     def _keeper(self) -> PinKeeper:
         if self._pins is None:
-            self._pins = PinKeeper(self._link, self.stream, self._need_pool("pins"), self.pin_ttl_s)
+            pool = self._need_pool("pins")
+            budget = self.max_pinned_bytes if self.max_pinned_bytes is not None else _default_budget(pool)
+            self._pins = PinKeeper(self._link, self.stream, pool, self.pin_ttl_s, budget)
         return self._pins
 
     def _need_pool(self, what: str) -> PoolClient:
@@ -135,7 +142,7 @@ class Producer:
             pool.remove(ref.keys)
             raise
         if self.pin_ttl_s:
-            self._keeper().add(seq, subj, ref.keys)
+            self._keeper().add(seq, subj, ref.keys, ref.total)
         return seq
 
     def _send(self, subj: str, body: bytes, headers: dict[str, str]) -> int:
@@ -160,3 +167,14 @@ class Producer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _default_budget(pool: PoolClient) -> int | None:
+    """A quarter of the pool's DRAM (all workers), or no budget when the pool cannot tell."""
+    try:
+        stats = pool.stats()
+    except KVPoolError:
+        return None
+    flat = [stats] if "dram_capacity" in stats else [s.get("stats", s) for s in stats.values() if isinstance(s, dict)]
+    capacity = sum(int(s.get("dram_capacity", 0)) for s in flat)
+    return capacity // 4 or None

@@ -227,3 +227,23 @@ def test_a_publish_that_timed_out_keeps_its_payload_for_a_stored_message(nats, p
         msg = c.receive(5)
         assert bytes(msg.data) == PAYLOAD
         msg.ack()
+
+
+def test_unacked_payloads_past_the_budget_are_unpinned_oldest_first(nats, pool):
+    """A consumer that never acks used to keep every payload pinned until the pool refused all puts."""
+    from kvpool.streams import create_stream
+    create_stream(nats.url, "hoard")
+    with Producer("hoard", nats.url, pool, max_pinned_bytes=16 * MiB) as p:
+        for i in range(4):  # 4 x 8 MiB in a 32 MiB pool: pinned whole, nothing else would fit
+            p.publish(bytes([i]) * (8 * MiB))
+        with Consumer("hoard", nats.url, pool=pool, group="never-acks", fetch=False):
+            squeeze(pool)  # unrelated puts succeed: the two oldest payloads were unpinned and evicted
+        with Consumer("hoard", nats.url, pool=pool) as c:
+            got = []
+            for _ in range(4):
+                try:
+                    got.append(bytes(c.receive(5).data)[:1])
+                except PayloadError as e:
+                    got.append(None)
+                    e.message.term()
+        assert got[2:] == [b"\x02", b"\x03"] and got[:2] == [None, None]
