@@ -17,6 +17,7 @@ from typing import Any
 
 from .blocks import BlockMeta, checksum
 from .buffers import Destination, readable
+from .cache_events import CacheListener
 from .config import CacheConfig, load
 from .errors import BlockTooLarge, BufferSizeError, CapacityError, PoolClosed
 from .keys import Key, key_bytes
@@ -77,6 +78,7 @@ class TieredCache:
         self._ssd_order = EVICTION_POLICY[cfg.policy]()
         self._ssd_bytes = 0
         self._stale_ssd: list[bytes] = []  # keys whose SSD copy is outdated; the demoter deletes them
+        self._listeners: tuple[CacheListener, ...] = ()  # told of every block change, under the lock
         if share_arena:
             sweep_dead_arenas()  # what a kill -9'd worker on this node left
         self.arena = DramArena(cfg.dram_bytes, cfg.dram_slab_size, cfg.dram_name, cfg.prefault, shared=share_arena)
@@ -188,11 +190,11 @@ class TieredCache:
         with self._lock:
             self._check_open()
             for k in raw_keys:
-                hit = self._drop_dram(k)
+                hit = self._drop_dram(k, "remove")
                 if self.device is not None and k in self.device.blocks:
                     self._device_drop(k)
                 if k in self._ssd_sizes:
-                    self._ssd_forget(k)
+                    self._ssd_forget(k, "remove")
                     hit = True
                 found.append(hit)
             gone = [k for k, f in zip(raw_keys, found) if f]
@@ -200,6 +202,23 @@ class TieredCache:
                 self._stale_ssd.extend(gone)
                 self._delete_stale()  # a full disk leaves them queued: the demoter retries
         return found
+
+    def add_listener(self, listener: CacheListener, *, replay: bool = False) -> None:
+        """Tell `listener` of every block stored, copied between tiers, dropped from one or removed
+        from the cache, from now on (see `kvpool.core.cache_events`). `replay=True` first tells it of
+        every block held now (`stored` in DRAM, or in SSD for SSD-only blocks, then `copied` for a
+        block's second tier), with no change slipping in between."""
+        with self._lock:
+            if replay:
+                for k in self._dram:
+                    listener.stored(k, "dram")
+                for k in self._ssd_sizes:
+                    (listener.copied if k in self._dram else listener.stored)(k, "ssd")
+            self._listeners = (*self._listeners, listener)
+
+    def remove_listener(self, listener: CacheListener) -> None:
+        with self._lock:
+            self._listeners = tuple(x for x in self._listeners if x is not listener)
 
     def pin(self, key: Key, pinned: bool = True) -> bool:
         """Keep a DRAM block from eviction (or release it); False if it is not in DRAM."""
@@ -285,6 +304,8 @@ class TieredCache:
             self._ssd_bytes = 0
             if self.ssd is not None:
                 self.ssd.clear()
+            for listener in self._listeners:
+                listener.cleared()
 
     def flush(self) -> int:
         """Write every DRAM block that has no SSD copy to the SSD tier (blocks stay in DRAM).
@@ -380,6 +401,8 @@ class TieredCache:
                 self._stale_ssd.append(key)
             self._dram[key] = block
             self._dram_order.add(key)
+            for listener in self._listeners:  # on_ssd: a promotion, the same bytes as the SSD copy
+                (listener.copied if block.on_ssd else listener.stored)(key, "dram")
             if leased:
                 block.leases += 1
             if self.arena.used_bytes > self.config.high_watermark * self.arena.size:
@@ -503,7 +526,7 @@ class TieredCache:
         self._demote_to_ssd([b for b in batch if not b.on_ssd])
         for b in victims:
             if b.live and self._dram.get(b.key) is b:
-                self._drop_dram(b.key)
+                self._drop_dram(b.key, "evict")
                 self.stats_.evictions += 1
 
     def _demote_to_ssd(self, blocks: list[_Block]) -> None:
@@ -534,7 +557,7 @@ class TieredCache:
                     # that copy must go. A newer copy indexed meantime may have been overwritten
                     # by it, so it goes too (its DRAM block, if any, is written again on eviction).
                     if b.key in self._ssd_sizes:
-                        self._ssd_forget(b.key)
+                        self._ssd_forget(b.key, "evict")
                         current = self._dram.get(b.key)
                         if current is not None:
                             current.on_ssd = False
@@ -547,6 +570,8 @@ class TieredCache:
                     self._ssd_bytes += b.size
                     if b.expires:
                         self._ssd_expires[b.key] = b.expires
+                    for listener in self._listeners:
+                        listener.copied(b.key, "ssd")
             self.stats_.demotions += len(blocks)
             self._trim_ssd()
 
@@ -570,6 +595,7 @@ class TieredCache:
             b = self._dram.get(k)
             if b is not None:
                 b.on_ssd = False
+            self._left(k, "ssd", "evict")
         self._stale_ssd.extend(gone)
         self.stats_.ssd_evictions += len(gone)
 
@@ -599,7 +625,7 @@ class TieredCache:
                     for b in victims:
                         self._release_locked(b)
                         if b.live and b.leases == 0 and self._dram.get(b.key) is b and not b.pinned:
-                            self._drop_dram(b.key)
+                            self._drop_dram(b.key, "evict")
                             self.stats_.evictions += 1
                     self._ssd_writes -= 1
                     self._ssd_written.notify_all()
@@ -629,8 +655,9 @@ class TieredCache:
                 freed += self.arena.slot_size(b.offset)
         return out
 
-    def _drop_dram(self, key: bytes) -> bool:
-        """Unlink a DRAM block; its slot is freed now or when its last lease ends."""
+    def _drop_dram(self, key: bytes, why: str = "") -> bool:
+        """Unlink a DRAM block; its slot is freed now or when its last lease ends. `why` (one of
+        `cache_events.REASONS`) tells the listeners; a replacement drops quietly."""
         b = self._dram.pop(key, None)
         if b is None:
             return False
@@ -638,12 +665,22 @@ class TieredCache:
         b.live = False
         if b.leases == 0:
             self.arena.free(b.offset)
+        if why:
+            self._left(key, "dram", why)
         return True
 
-    def _ssd_forget(self, key: bytes) -> None:
+    def _ssd_forget(self, key: bytes, why: str = "") -> None:
         self._ssd_bytes -= self._ssd_sizes.pop(key)
         self._ssd_expires.pop(key, None)
         self._ssd_order.discard(key)
+        if why:
+            self._left(key, "ssd", why)
+
+    def _left(self, key: bytes, tier: str, why: str) -> None:
+        """Tell the listeners that `tier` let go of `key`: dropped if another tier holds it, else removed."""
+        elsewhere = key in (self._ssd_sizes if tier == "dram" else self._dram)
+        for listener in self._listeners:
+            (listener.dropped if elsewhere else listener.removed)(key, tier, why)
 
     def _on_ssd(self, k: bytes, now: float) -> bool:
         """Whether the SSD tier holds an unexpired block of `k` (an expired one is forgotten)."""
@@ -651,7 +688,7 @@ class TieredCache:
             return False
         expires = self._ssd_expires.get(k)
         if expires is not None and expires <= now:
-            self._ssd_forget(k)
+            self._ssd_forget(k, "expire")
             self._stale_ssd.append(k)
             return False
         return True
@@ -663,7 +700,7 @@ class TieredCache:
         if b is not None:
             if not b.expired(now):
                 return True
-            self._drop_dram(k)
+            self._drop_dram(k, "expire")
         return self._on_ssd(k, now)
 
     def _acquire(self, k: bytes) -> _Block | None:
@@ -673,7 +710,7 @@ class TieredCache:
             self._check_open()
             b = self._dram.get(k)
             if b is not None and b.expired(now):
-                self._drop_dram(k)
+                self._drop_dram(k, "expire")
                 b = None
             if b is not None:
                 b.leases += 1
@@ -713,7 +750,7 @@ class TieredCache:
             with self._lock:
                 self.arena.free(offset)
                 if k in self._ssd_sizes:
-                    self._ssd_forget(k)
+                    self._ssd_forget(k, "corrupt")
                     self._stale_ssd.append(k)
             return None
         with self._lock:
@@ -775,7 +812,7 @@ class TieredCache:
         with self._lock:
             self.stats_.checksum_failures += 1
             if self._dram.get(b.key) is b:
-                self._drop_dram(b.key)
+                self._drop_dram(b.key, "corrupt")
 
     # ----- device tier ------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The `kvpool` command line: bench, worker, up, status, streams, fastdeploy, mooncake-shim."""
+"""The `kvpool` command line: bench, worker, up, status (--watch), events, streams, fastdeploy, mooncake-shim."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,7 @@ from typing import Any
 from kvpool.backends import fastdeploy_patch, mooncake_shim
 from kvpool.streams.cli import add_parser as add_streams_parser
 
-from . import bench
+from . import bench, events_cli
 
 
 def _worker_args(p: argparse.ArgumentParser) -> None:
@@ -27,6 +27,9 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dram-bytes", help="DRAM arena size, e.g. 4GiB")
     p.add_argument("--ssd-path", help="LMDB directory of the SSD tier (none by default)")
     p.add_argument("--ssd-map-size", help="LMDB map size, e.g. 64GiB")
+    p.add_argument("--events", action="store_true", default=None,
+                   help="publish block events on NATS kvpool.events.<worker> (see kvpool events)")
+    p.add_argument("--events-zmq", metavar="ENDPOINT", help="publish block events in vLLM's ZMQ format, bound here")
 
 
 def _build_worker(args: argparse.Namespace) -> Any:
@@ -35,7 +38,7 @@ def _build_worker(args: argparse.Namespace) -> Any:
 
     pick = lambda names: {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}  # noqa: E731
     wcfg = load(WorkerConfig, file=args.config, section="worker",
-                **pick(["host", "port", "token", "nats_url", "metrics_port", "worker_id"]))
+                **pick(["host", "port", "token", "nats_url", "metrics_port", "worker_id", "events", "events_zmq"]))
     ccfg = load(CacheConfig, file=args.config, section="cache", **pick(["dram_bytes", "ssd_path", "ssd_map_size"]))
     return Worker(wcfg, ccfg)
 
@@ -101,6 +104,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     from .client import PoolClient
 
     with PoolClient(mode="cluster", nats_url=args.nats_url, token=args.token) as client:
+        if args.watch:
+            from .status_watch import watch
+
+            client.wait_for_members(bool, 3.0)  # membership arrives over NATS just after connecting
+            return watch(client, args.nats_url, args.interval, args.count)
         stats = client.stats()
     if args.json:
         print(json.dumps(stats))
@@ -135,7 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--nats-url", default="nats://127.0.0.1:4222")
     s.add_argument("--token", default=None)
     s.add_argument("--json", action="store_true")
+    s.add_argument("--watch", action="store_true", help="live rates per worker, redrawn every --interval seconds")
+    s.add_argument("--interval", type=float, default=2.0, help="seconds between redraws with --watch (2)")
+    s.add_argument("--count", type=int, default=0, help="with --watch: stop after this many tables (0 = until Ctrl-C)")
     s.set_defaults(func=cmd_status)
+    events_cli.add_parser(sub)
     fastdeploy_patch.add_parser(sub)
     mooncake_shim.add_parser(sub)
     add_streams_parser(sub)

@@ -174,3 +174,15 @@ class WorkerConfig:
     member_ttl_s: float = 10.0
     advertise_host: str | None = None
     """Address other machines use to reach this worker; default `host`."""
+    events: bool = False
+    """Publish the cache's block events (stored, moved, removed) on NATS `kvpool.events.<worker_id>`
+    (needs `nats_url`); see `kvpool.core.events`."""
+    events_zmq: str | None = None
+    """Also publish them in vLLM's KV-event format on a ZMQ PUB socket bound here, e.g.
+    `tcp://127.0.0.1:5557` (needs `kvpool[events]`); see `kvpool.core.events_zmq`."""
+    events_layout: str = "map"
+    """ZMQ events as tagged maps (`map`: current vLLM) or arrays (`array`: older vLLM)."""
+    events_block_hash: str = "bytes"
+    """ZMQ block hashes as 32 `bytes` or 64-bit `int` (Dynamo)."""
+    events_block_tokens: int = 16
+    """The engine's tokens per block, as ZMQ events report it."""

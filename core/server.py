@@ -120,6 +120,7 @@ class Worker:
         self._accept_errors: dict[str, str] = {}  # transport -> the error last logged
         self._refusing: set[str] = set()  # connection limits already logged as reached
         self.membership: Any = None
+        self.events: Any = None  # block-event publishing (--events, --events-zmq), from start() to stop()
         # Sockets first: a port in use must fail before a pre-faulted arena of many GiB exists.
         self._tcp = socket.create_server((cfg.host, cfg.port), backlog=128, reuse_port=False)
         try:
@@ -176,6 +177,10 @@ class Worker:
 
                 self.membership = Membership(self.config.nats_url, self.config.member_ttl_s)
                 self.membership.register(self.worker_id, self.info, self.config.heartbeat_s)
+            if self.config.events or self.config.events_zmq:
+                from .worker_events import WorkerEvents
+
+                self.events = WorkerEvents(self)
         except BaseException:
             self._stopping.set()
             if self.membership is not None:
@@ -219,6 +224,8 @@ class Worker:
             pass
         self.cache.flush()
         self.cache.close()
+        if self.events is not None:
+            self.events.close()  # after the flush: its last tier moves are published too
         log.info("worker %s stopped", self.worker_id)
 
     def _close_listeners(self) -> None:

@@ -19,6 +19,7 @@ from . import compare, report
 SUITES: dict[str, str] = {
     "core": "kvpool.core.bench.core_suite",
     "cache": "kvpool.core.bench.cache_suite",
+    "kvtest": "kvpool.core.bench.kvtest_suite",
     "transport": "kvpool.core.bench.transport_suite",
     "streams": "kvpool.core.bench.streams_suite",
     "backends": "kvpool.core.bench.backends_suite",

@@ -15,6 +15,7 @@ from ..client import PoolClient
 from ..errors import PoolUnavailable
 from ..nats_server import NatsServer
 from ..procs import WorkerProcess
+from .kvtest_instance import Instance, instance_cluster, run_ended, run_started, wait_for_peer
 
 _SLAB = 16 << 20
 _TOTALS = ("hits_device", "hits_dram", "hits_ssd", "misses", "evictions", "demotions", "promotions",
@@ -55,14 +56,17 @@ class BenchPool:
     """`client` reaches the pool; `other_client()` is a second, independent client of the same pool."""
 
     def __init__(self, *, block_size: int, dram_bytes: int, workers: int = 0, cluster: str | None = None,
-                 ssd: bool = False) -> None:
+                 ssd: bool = False, instance: Instance | None = None) -> None:
         self._stack = ExitStack()
         self.url = cluster
+        self.node_id = instance.worker_id if instance is not None else None
         try:
-            if workers:
-                state = self._stack.enter_context(tempfile.TemporaryDirectory(prefix="kvpool-bench-"))
-                self.url = self._stack.enter_context(local_cluster(state, workers, dram_bytes=dram_bytes, ssd=ssd))
-            if self.url:
+            if instance is not None:
+                self._join_instance(instance, dram_bytes)
+            elif workers or cluster:
+                if workers:
+                    state = self._stack.enter_context(tempfile.TemporaryDirectory(prefix="kvpool-bench-"))
+                    self.url = self._stack.enter_context(local_cluster(state, workers, dram_bytes=dram_bytes, ssd=ssd))
                 self.where = f"{workers} local workers" if workers else f"cluster {self.url}"
                 self.client = self._stack.enter_context(self._cluster_client())
                 wait_members(self.client, max(workers, 1))
@@ -79,8 +83,23 @@ class BenchPool:
             self._stack.close()
             raise
 
+    def _join_instance(self, instance: Instance, dram_bytes: int) -> None:
+        """kvtest multi-node mode: NATS and the instance's worker started or joined, its peer awaited."""
+        self.url = self._stack.enter_context(instance_cluster(instance, dram_bytes))
+        self.client = self._stack.enter_context(self._cluster_client())
+        wait_for_peer(self.client, instance)
+        run_started(self.client, instance)
+        client = self.client
+
+        def ended(exc_type: object, *_: object) -> None:
+            if exc_type is None:  # a failed run does not hold its peer's pool up
+                run_ended(client, instance)
+        self._stack.push(ended)
+        self.where = (f"kvtest instance {instance.instance_id} ({instance.worker_id} on port {instance.listen_port}, "
+                      f"peer {instance.remote_worker or 'none'})")
+
     def _cluster_client(self) -> PoolClient:
-        return PoolClient(mode="cluster", nats_url=self.url)
+        return PoolClient(mode="cluster", nats_url=self.url, node_id=self.node_id)
 
     @contextmanager
     def other_client(self) -> Iterator[PoolClient]:

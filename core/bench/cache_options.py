@@ -1,8 +1,11 @@
-"""Options of `kvpool bench cache`: built-in defaults < a kvtest-like `--config FILE.json` < flags.
+"""Options of `kvpool bench cache`: built-in defaults < kvtest-like `--config FILE.json` files < flags.
 
-The file uses openYuanrong kvtest's key names so a kvtest cache-mode config can be brought across.
-Keys kvtest has but this tool does not implement, and keys neither knows, are errors that name them:
-a silently ignored key would make the run measure something other than what the file says.
+The files use openYuanrong kvtest's key names so kvtest configs can be brought across as they are: a
+test config (`test_mode`, `key_pool_size`, `hit_rate`, ...) and an instance config (`instance_id`,
+`listen_port`, `rocksdb_store_dir`, `remote_worker`: see `kvtest_instance`), in one file or several
+(`--config instance0.json --config cache.json`; a later file's keys win). Keys kvtest has but this
+tool does not implement, and keys neither knows, are errors that name them: a silently ignored key
+would make the run measure something other than what the files say.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Any
 
 from ..config import parse_size
 from ..errors import ConfigError
+from .kvtest_instance import DEFAULT_NATS, Instance
 
 ROLES = ("both", "writer", "reader")
 
@@ -44,8 +48,36 @@ class CacheOptions:
     """pool DRAM (per worker with --workers); default: room for twice the key pool"""
     ssd: bool = False
     """give the embedded pool / the local workers an SSD tier in a temp dir"""
+    data_sizes: list[int] | None = None
+    """several block sizes in bytes: key number n's block is `data_sizes[n % len]` (default: block_size)"""
+    threads: int = 1
+    """threads issuing calls at once (kvtest's num_threads), each with its own client where the pool has several"""
+    target_qps: float = 0.0
+    """calls per second over all threads (get-or-create; reader: get); 0 = as fast as they go"""
+    instance_id: int | None = None
+    """kvtest multi-node mode: this run is instance N (worker kvtest-N; see kvtest_instance)"""
+    listen_port: int | None = None
+    store_dir: str | None = None
+    remote_worker: str | None = None
+    csv: str | None = None
+    """also write kvtest's CSV rows to this file"""
+
+    @property
+    def sizes(self) -> list[int]:
+        return self.data_sizes or [self.block_size]
+
+    @property
+    def instance(self) -> Instance | None:
+        """The kvtest instance this run is, if the config named one."""
+        if self.instance_id is None:
+            return None
+        return Instance(self.instance_id, self.listen_port or 0, self.store_dir, self.remote_worker,
+                        self.cluster or DEFAULT_NATS)
 
     def __post_init__(self) -> None:
+        if self.data_sizes and len(self.data_sizes) == 1:  # one size is the block size
+            self.block_size, self.data_sizes = self.data_sizes[0], None
+        instance_keys = [n for n in ("listen_port", "store_dir", "remote_worker") if getattr(self, n) is not None]
         checks = [
             (self.role in ROLES, f"role {self.role!r} is not one of {', '.join(ROLES)}"),
             (0.0 <= self.hit_rate <= 1.0, f"hit rate {self.hit_rate} is not within 0..1"),
@@ -56,21 +88,39 @@ class CacheOptions:
             (self.workers >= 0, f"workers {self.workers} must be >= 0"),
             (not (self.workers and self.cluster), "--workers and --cluster exclude each other"),
             (self.duration is None or self.ops is None, "give a duration or a number of ops, not both"),
-            (not (self.cluster and (self.ssd or self.dram_bytes)),
+            (not (self.cluster and self.instance_id is None and (self.ssd or self.dram_bytes)),
              "--ssd and --dram-bytes size the pool this run starts; an existing --cluster has its own"),
-            (self.role == "both" or self.cluster is not None,
-             f"role {self.role} shares blocks with other processes: it needs --cluster nats://..."),
+            (self.role == "both" or self.cluster is not None or self.instance_id is not None,
+             f"role {self.role} shares blocks with other processes: it needs --cluster nats://... "
+             "or a kvtest instance config (instance_id, listen_port, remote_worker)"),
+            (self.threads >= 1, f"num_threads {self.threads} must be >= 1"),
+            (self.target_qps >= 0, f"target_qps {self.target_qps} must be >= 0 (0 = unlimited)"),
+            (not self.data_sizes or all(16 <= s for s in self.data_sizes),
+             f"data_sizes {self.data_sizes}: every size must be >= 16 bytes"),
+            (self.instance_id is None or self.listen_port is not None,
+             f"instance {self.instance_id} needs listen_port (its worker's TCP port)"),
+            (self.instance_id is not None or not instance_keys,
+             f"{', '.join(instance_keys)} describe a kvtest instance: give instance_id too"),
+            (self.instance_id is None or not self.workers, "a kvtest instance config and --workers exclude each other"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        if self.instance_id is not None:
+            self.instance  # noqa: B018  (validates the instance's port and remote_worker)
 
 
-def _one_size(value: Any) -> int:
+def _sizes(value: Any) -> list[int]:
     sizes = value if isinstance(value, list) else [value]
-    if len(sizes) != 1:
-        raise ConfigError(f"data_sizes {value!r}: a run uses one block size; give one value")
-    return parse_size(sizes[0])
+    if not sizes:
+        raise ConfigError("data_sizes is empty; give at least one size")
+    return [parse_size(s) for s in sizes]
+
+
+def _path(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"rocksdb_store_dir {value!r} is not a folder path")
+    return value
 
 
 def _test_mode(value: Any) -> str:
@@ -99,18 +149,33 @@ _KVTEST: dict[str, tuple[str | None, Callable[[Any], Any]]] = {
     "target_hit_rate": ("hit_rate", float),
     "hit_rate": ("hit_rate", float),
     "inference_delay_ms": ("inference_delay_ms", float),
-    "data_sizes": ("block_size", _one_size),
+    "data_sizes": ("data_sizes", _sizes),
     "block_size": ("block_size", parse_size),
     "batch_keys_count": ("batch_size", int),
     "batch_size": ("batch_size", int),
     "duration": ("duration", float),
     "ops": ("ops", int),
+    "target_qps": ("target_qps", float),
+    "num_threads": ("threads", int),
+    "instance_id": ("instance_id", int),
+    "listen_port": ("listen_port", int),
+    "rocksdb_store_dir": ("store_dir", _path),
+    "remote_worker": ("remote_worker", str),
+    "nats_url": ("cluster", str),
 }
-_KVTEST_UNSUPPORTED = ("max_key_pool_size", "target_qps", "num_threads", "set_param")
+_KVTEST_UNSUPPORTED = ("max_key_pool_size", "set_param")
 
 
-def from_kvtest(path: str) -> dict[str, Any]:
-    """Option values from a kvtest-like JSON file; ConfigError names unknown or unsupported keys."""
+def from_kvtest_files(paths: list[str]) -> dict[str, Any]:
+    """Option values from several kvtest-like files, a later file's keys overriding an earlier's."""
+    values: dict[str, Any] = {}
+    for path in paths:
+        values.update(from_kvtest(path))
+    return values
+
+
+def read_kvtest(path: str) -> dict[str, Any]:
+    """The JSON object of a kvtest config file; ConfigError if it is not one."""
     try:
         with open(path) as f:
             cfg = json.load(f)
@@ -118,6 +183,13 @@ def from_kvtest(path: str) -> dict[str, Any]:
         raise ConfigError(f"config {path!r} is not a readable JSON file: {e}") from e
     if not isinstance(cfg, dict):
         raise ConfigError(f"config {path!r} must hold one JSON object, not {type(cfg).__name__}")
+    return cfg
+
+
+def from_kvtest(path: str, cfg: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Option values from a kvtest-like JSON file (or its object `cfg`, already read); ConfigError names
+    unknown or unsupported keys."""
+    cfg = read_kvtest(path) if cfg is None else cfg
     unsupported = sorted(k for k in cfg if k in _KVTEST_UNSUPPORTED)
     if unsupported:
         raise ConfigError(f"config {path!r}: kvtest keys not supported by kvpool bench cache: "
@@ -154,13 +226,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", help="key prefix shared by a writer and its readers (kvpool-bench)")
     p.add_argument("--dram-bytes", type=parse_size, help="pool DRAM, per worker with --workers (2x the key pool)")
     p.add_argument("--ssd", action="store_true", default=None, help="an SSD tier (temp dir) for the pool")
-    p.add_argument("--config", help="a kvtest-like JSON file (key_pool_size, target_hit_rate, ...)")
+    p.add_argument("--threads", type=int, help="threads issuing calls at once (1)")
+    p.add_argument("--target-qps", type=float, help="calls per second over all threads (0 = unlimited)")
+    p.add_argument("--csv", metavar="FILE", help="also write kvtest's CSV rows (timestamp,op,count,...) to FILE")
+    p.add_argument("--config", action="append", help="a kvtest-like JSON file (key_pool_size, target_hit_rate, "
+                   "instance_id, listen_port, remote_worker, ...); repeat it for a test config beside an "
+                   "instance config")
 
 
 def resolve(args: argparse.Namespace) -> CacheOptions:
     """CacheOptions from defaults < `--config` < flags given on the command line."""
     fields = {f.name for f in dataclasses.fields(CacheOptions)}
-    values = from_kvtest(args.config) if getattr(args, "config", None) else {}
+    values = from_kvtest_files(args.config) if getattr(args, "config", None) else {}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     for one, other in (("ops", "duration"), ("duration", "ops")):
         if one in given:  # a flag replaces the file's way of bounding the run

@@ -8,6 +8,12 @@ it got without talking to the writer; the writer publishes its key window in the
 with a second client reading back the whole window. Reports the achieved hit rate, throughput,
 p50/p90/p99/p999 of get, put and get-or-create, the tier hit breakdown (pool counters over the run),
 and `get_vs_memcpy`: throughput of all-hit batches against numpy copies of the same blocks.
+
+kvtest's multi-node mode: with an instance config (`kvtest_instance`) the run starts or joins its
+instance's worker and waits for `remote_worker`; hits are then split into local and cross-node (served
+by the other instance's worker), and the writer announces every created batch on a stream that readers
+follow (`notify`), reading announced blocks first. `--threads` and `--target-qps` run several threads
+held to a rate; several `data_sizes` give each key one of them; `--csv` adds kvtest's CSV rows.
 """
 from __future__ import annotations
 
@@ -15,20 +21,29 @@ import argparse
 import json
 import os
 import random
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from ..client import PoolClient
 from ..errors import PoolTimeout
-from . import cache_options
+from . import cache_options, kvtest_csv
 from .bench_pool import BenchPool
+from .content import BlockContent, memcpy_gbps
 from .key_draw import KeyDraw
-from .measure import Progress, best_seconds, emit, filled, gbps
+from .measure import Progress, emit, gbps
+from .notify import Notifier, NotifyReader
+from .owners import Owners
+from .pacing import Pacer
 
 _TICK_S = 0.5
+_DEFAULT_DRAM_CAP = 1 << 30
+"""Largest pool DRAM a run sizes by itself (per worker), in bytes: kvtest's key pools of 10000 blocks
+would otherwise ask for tens of GiB; a larger window spills to the SSD tier or is evicted."""
 _WAIT_FOR_WRITER_S = 30.0
 _TIERS = ("hits_device", "hits_dram", "hits_ssd", "misses", "evictions", "demotions", "promotions")
 
@@ -37,34 +52,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cache_options.add_arguments(p)
 
 
-def _digest(key: str) -> bytes:
-    return xxhash.xxh64_digest(key.encode())
-
-
-class _Blocks:
-    """Every block's content: one fixed pattern whose first 8 bytes are replaced by the key's hash."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.pattern = filled(size, 3)
-
-    def make(self, key: str) -> np.ndarray:
-        block = self.pattern.copy()
-        block[:8] = np.frombuffer(_digest(key), dtype=np.uint8)
-        return block
-
-    def check(self, key: str, buf: np.ndarray, n: int) -> bool:
-        return (n == self.size and buf[:8].tobytes() == _digest(key)
-                and np.array_equal(buf[8:n], self.pattern[8:]))
-
-
 class _Tally:
     """One loop's counters, latencies, timeline and progress line."""
 
-    def __init__(self, label: str, pool: BenchPool, blocks: _Blocks, *, ops: int | None, duration: float | None) -> None:
-        self.pool, self.blocks, self.ops, self.duration = pool, blocks, ops, duration
-        self.calls = self.gets = self.hits = self.wrong = self.moved = self.hit_bytes = 0
+    def __init__(self, label: str, pool: BenchPool, blocks: BlockContent, *, ops: int | None, duration: float | None,
+                 owners: Owners | None = None) -> None:
+        self.pool, self.blocks, self.ops, self.duration, self.owners = pool, blocks, ops, duration, owners
+        self.calls = self.gets = self.hits = self.wrong = self.moved = self.hit_bytes = self.cross_hits = 0
         self.hit_time = 0.0
+        self.lock = threading.Lock()  # threads share one tally
+        self.wrong_calls = 0
+        self.op_bytes: dict[str, int] = {}
         self.lat: dict[str, list[float]] = {}
         self.timeline: list[dict[str, float]] = []
         self.progress = Progress(ops or duration or 0, label)
@@ -77,36 +75,47 @@ class _Tally:
             return self.calls < self.ops
         return time.perf_counter() - self.start < (self.duration or 0)
 
-    def timed(self, op: str, seconds: float) -> None:
-        self.lat.setdefault(op, []).append(seconds)
+    def timed(self, op: str, seconds: float, nbytes: int = 0) -> None:
+        with self.lock:
+            self.lat.setdefault(op, []).append(seconds)
+            self.op_bytes[op] = self.op_bytes.get(op, 0) + nbytes
 
     def read(self, client: PoolClient, keys: list[str], bufs: list[np.ndarray]) -> list[str]:
         """Get `keys`, check every hit's bytes; the keys that missed."""
         t = time.perf_counter()
         sizes = client.batch_get_into(keys, bufs)
         seconds = time.perf_counter() - t
-        self.timed("get", seconds)
         missing = [k for k, n in zip(keys, sizes) if n < 0]
         got = sum(n for n in sizes if n > 0)
-        if not missing:
-            self.hit_time += seconds
-            self.hit_bytes += got
-        self.wrong += sum(1 for k, n, b in zip(keys, sizes, bufs) if n >= 0 and not self.blocks.check(k, b, n))
-        self.gets += len(keys)
-        self.hits += len(keys) - len(missing)
-        self.moved += got
+        wrong = sum(1 for k, n, b in zip(keys, sizes, bufs) if n >= 0 and not self.blocks.check(k, b, n))
+        cross = self.owners.cross_node([k for k, n in zip(keys, sizes) if n >= 0]) if self.owners else 0
+        self.timed("get", seconds, got)
+        with self.lock:
+            if not missing:
+                self.hit_time += seconds
+                self.hit_bytes += got
+            self.wrong += wrong
+            self.wrong_calls += bool(wrong)
+            self.gets += len(keys)
+            self.hits += len(keys) - len(missing)
+            self.cross_hits += cross
+            self.moved += got
         return missing
 
     def tick(self) -> bool:
-        """Count one call; every `_TICK_S` add a timeline row and redraw progress. True on a tick."""
-        self.calls += 1
-        now = time.perf_counter()
-        if now - self._last_tick < _TICK_S:
-            return False
-        elapsed = now - self.start  # the progress line is built per tick, not per call
-        self.progress.update(self.calls if self.ops else elapsed,
-                             f"ops {self.calls} hit {self.hit_rate:.1%} {gbps(self.moved, elapsed):.2f} GB/s")
-        self._row(now)
+        """Count one call; every `_TICK_S` add a timeline row and redraw progress. True on a tick
+        (for one of the threads)."""
+        with self.lock:
+            self.calls += 1
+            now = time.perf_counter()
+            if now - self._last_tick < _TICK_S:
+                return False
+            elapsed = now - self.start  # the progress line is built per tick, not per call
+            self.progress.update(self.calls if self.ops else elapsed,
+                                 f"ops {self.calls} hit {self.hit_rate:.1%} {gbps(self.moved, elapsed):.2f} GB/s")
+            self._row(now)
+        if self.owners is not None:
+            self.owners.refresh()
         return True
 
     def _row(self, now: float) -> None:
@@ -129,8 +138,9 @@ class _Tally:
         self.progress.close()
         elapsed = now - self.start
         after = self.pool.totals()
+        split = {"cross_node_hits": self.cross_hits, "local_hits": self.hits - self.cross_hits} if self.owners else {}
         return {"ops": self.calls, "seconds": round(elapsed, 2), "gets": self.gets,
-                "hit_rate": round(self.hit_rate, 4), "wrong_blocks": self.wrong,
+                "hit_rate": round(self.hit_rate, 4), "wrong_blocks": self.wrong, **split,
                 "throughput_gbps": round(gbps(self.moved, elapsed), 3), "ops_per_s": round(self.calls / elapsed, 1),
                 **{f"tier_{k}": after[k] - self.before[k] for k in _TIERS},
                 **{k: after[k] for k in ("dram_bytes", "dram_capacity", "ssd_bytes")}}
@@ -140,8 +150,8 @@ def _window_key(namespace: str) -> str:
     return f"{namespace}/window"
 
 
-def _publish_window(client: PoolClient, namespace: str, run_id: str, draw: KeyDraw, block: int) -> None:
-    window = {"run": run_id, "lo": draw.lo, "hi": draw.hi, "block_size": block}
+def _publish_window(client: PoolClient, namespace: str, run_id: str, draw: KeyDraw, sizes: list[int]) -> None:
+    window = {"run": run_id, "lo": draw.lo, "hi": draw.hi, "block_size": max(sizes), "sizes": sizes}
     client.put(_window_key(namespace), json.dumps(window).encode())
 
 
@@ -162,41 +172,83 @@ def _key(namespace: str, run_id: str, number: int) -> str:
     return f"{namespace}/{run_id}/{number}"
 
 
-def _write(pool: BenchPool, opts: cache_options.CacheOptions, tally: _Tally) -> dict[str, Any]:
+def _in_threads(pool: BenchPool, threads: int, loop: Callable[[PoolClient], None]) -> None:
+    """Run `loop(client)` in `threads` threads, each with its own client of the pool where it has
+    several (one client serializes its calls to a worker); the first error is raised after all end."""
+    if threads == 1:
+        loop(pool.client)
+        return
+    errors: list[BaseException] = []
+
+    def guarded(client: PoolClient) -> None:
+        try:
+            loop(client)
+        except BaseException as e:  # noqa: BLE001  (re-raised in the calling thread)
+            errors.append(e)
+
+    with ExitStack() as stack:
+        clients = [pool.client] + [stack.enter_context(pool.other_client()) for _ in range(threads - 1)]
+        workers = [threading.Thread(target=guarded, args=(c,), name=f"kvtest-{i}") for i, c in enumerate(clients)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+    if errors:
+        raise errors[0]
+
+
+def _write(pool: BenchPool, opts: cache_options.CacheOptions, tally: _Tally,
+           notifier: Notifier | None) -> dict[str, Any]:
     run_id = os.urandom(4).hex()  # fresh keys stay fresh however often a namespace is reused
     draw = KeyDraw(opts.hit_rate, opts.key_pool_size, random.Random(7))
-    bufs = [np.empty(opts.block_size, dtype=np.uint8) for _ in range(opts.batch_size)]
-    client = pool.client
-    while tally.running():
-        t0 = time.perf_counter()
-        keys = [_key(opts.namespace, run_id, n) for n in draw.draw(opts.batch_size)]
-        missing = tally.read(client, keys, bufs)
-        draw.record(len(keys), len(keys) - len(missing))
-        if missing:
-            time.sleep(opts.inference_delay_ms / 1e3)
-            created = list(dict.fromkeys(missing))  # a batch may draw one window key twice
-            blocks = [tally.blocks.make(k) for k in created]
-            t = time.perf_counter()
-            client.batch_put(created, blocks)
-            tally.timed("put", time.perf_counter() - t)
-            tally.moved += opts.block_size * len(created)
-        tally.timed("get_or_create", time.perf_counter() - t0)
-        if tally.tick() and pool.url:
-            _publish_window(client, opts.namespace, run_id, draw, opts.block_size)
+    shared = threading.Lock()  # the key draw and the notifier serve every thread
+    pacer = Pacer(opts.target_qps)
+
+    def loop(client: PoolClient) -> None:
+        bufs = [np.empty(tally.blocks.size, dtype=np.uint8) for _ in range(opts.batch_size)]
+        while tally.running():
+            pacer.wait()
+            t0 = time.perf_counter()
+            with shared:
+                keys = [_key(opts.namespace, run_id, n) for n in draw.draw(opts.batch_size)]
+            missing = tally.read(client, keys, bufs)
+            with shared:
+                draw.record(len(keys), len(keys) - len(missing))
+            if missing:
+                time.sleep(opts.inference_delay_ms / 1e3)
+                created = list(dict.fromkeys(missing))  # a batch may draw one window key twice
+                blocks = [tally.blocks.make(k) for k in created]
+                t = time.perf_counter()
+                client.batch_put(created, blocks)
+                nbytes = sum(b.nbytes for b in blocks)
+                tally.timed("put", time.perf_counter() - t, nbytes)
+                with tally.lock:
+                    tally.moved += nbytes
+                if notifier is not None:
+                    with shared:
+                        notifier.announce(run_id, created)
+            tally.timed("get_or_create", time.perf_counter() - t0)
+            if tally.tick() and pool.url:
+                with shared:
+                    _publish_window(client, opts.namespace, run_id, draw, opts.sizes)
+
+    _in_threads(pool, opts.threads, loop)
     metrics = tally.finish()
     if pool.url:
-        _publish_window(client, opts.namespace, run_id, draw, opts.block_size)
+        _publish_window(pool.client, opts.namespace, run_id, draw, opts.sizes)
     metrics.update(target_hit_rate=opts.hit_rate, keys_created=draw.hi, key_window=[draw.lo, draw.hi])
+    if notifier is not None:
+        metrics.update(notifications_sent=notifier.sent)
     if opts.role == "both":
         metrics.update(_read_back(pool, opts, run_id, (draw.lo, draw.hi), tally.blocks))
     return metrics
 
 
 def _read_back(pool: BenchPool, opts: cache_options.CacheOptions, run_id: str, window: tuple[int, int],
-               blocks: _Blocks) -> dict[str, Any]:
+               blocks: BlockContent) -> dict[str, Any]:
     """Every key of the final window read once through a second client: what another reader sees."""
     numbers = list(range(*window))
-    bufs = [np.empty(opts.block_size, dtype=np.uint8) for _ in range(opts.batch_size)]
+    bufs = [np.empty(blocks.size, dtype=np.uint8) for _ in range(opts.batch_size)]
     tally = _Tally("read back", pool, blocks, ops=None, duration=None)
     with pool.other_client() as client:
         for i in range(0, len(numbers), opts.batch_size):
@@ -206,50 +258,94 @@ def _read_back(pool: BenchPool, opts: cache_options.CacheOptions, run_id: str, w
             "readback_wrong_blocks": tally.wrong}
 
 
-def _read(pool: BenchPool, opts: cache_options.CacheOptions) -> tuple[dict[str, Any], _Tally]:
-    """The reader role: random gets over the writer's published window, every hit's bytes checked."""
+def _read(pool: BenchPool, opts: cache_options.CacheOptions, owners: Owners | None,
+          notes: NotifyReader | None) -> tuple[dict[str, Any], _Tally]:
+    """The reader role: gets of what the writer announced (when it announces), else random gets over
+    its published window; every hit's bytes checked."""
     window = _read_window(pool.client, opts.namespace, _WAIT_FOR_WRITER_S)
-    blocks = _Blocks(int(window["block_size"]))
-    bufs = [np.empty(blocks.size, dtype=np.uint8) for _ in range(opts.batch_size)]
-    rng = random.Random(11)
-    tally = _Tally("cache reader", pool, blocks, ops=opts.ops, duration=opts.duration)
-    while tally.running():
-        keys = [_key(opts.namespace, window["run"], rng.randrange(window["lo"], window["hi"]))
-                for _ in range(opts.batch_size)]
-        tally.read(pool.client, keys, bufs)
-        if tally.tick():
-            window = _read_window(pool.client, opts.namespace, _WAIT_FOR_WRITER_S)
+    blocks = BlockContent([int(s) for s in window.get("sizes") or [window["block_size"]]])
+    tally = _Tally("cache reader", pool, blocks, ops=opts.ops, duration=opts.duration, owners=owners)
+    pacer = Pacer(opts.target_qps)
+    shared = threading.Lock()
+    notified = {"gets": 0, "hits": 0}
+    if notes is not None:
+        notes.run = window["run"]
+
+    def loop(client: PoolClient) -> None:
+        nonlocal window
+        bufs = [np.empty(blocks.size, dtype=np.uint8) for _ in range(opts.batch_size)]
+        rng = random.Random(11 + threading.get_ident() % 1000)
+        while tally.running():
+            pacer.wait()
+            first = notes.take(opts.batch_size) if notes is not None else []
+            w = window
+            keys = first + [_key(opts.namespace, w["run"], rng.randrange(w["lo"], w["hi"]))
+                            for _ in range(opts.batch_size - len(first))]
+            missing = set(tally.read(client, keys, bufs))
+            if first:
+                with shared:
+                    notified["gets"] += len(first)
+                    notified["hits"] += sum(1 for k in first if k not in missing)
+            if tally.tick():
+                window = _read_window(client, opts.namespace, _WAIT_FOR_WRITER_S)
+                if notes is not None:
+                    notes.run = window["run"]
+
+    _in_threads(pool, opts.threads, loop)
     metrics = tally.finish()
     metrics.update(hits=tally.hits, writer_run=window["run"])
+    if notes is not None:
+        metrics.update(notes.metrics(), notified_gets=notified["gets"], notified_hits=notified["hits"])
     return metrics, tally
 
 
-def _memcpy_gbps(block: int, blocks: int, repeat: int) -> float:
-    """numpy copies of `blocks` distinct blocks into one buffer: what a hit could cost at best."""
-    src, dst = filled(blocks * block, 4).reshape(blocks, block), np.empty(block, dtype=np.uint8)
+@contextmanager
+def _notifications(pool: BenchPool, opts: cache_options.CacheOptions) -> Iterator[tuple[Any, Any]]:
+    """(notifier, reader) of the run: a writer announces, a reader follows; none without a cluster."""
+    notifier = reader = None
+    try:
+        if pool.url and opts.role == "writer":
+            notifier = Notifier(pool.url, opts.namespace)
+        elif pool.url and opts.role == "reader":
+            reader = NotifyReader(pool.url, opts.namespace)
+        yield notifier, reader
+    finally:
+        for part in (notifier, reader):
+            if part is not None:
+                part.close()
 
-    def copy_all() -> None:
-        for row in src:
-            np.copyto(dst, row)
-    return gbps(blocks * block, best_seconds(copy_all, repeat))
+
+def _csv_rows(tally: _Tally, seconds: float) -> list[dict[str, object]]:
+    return [kvtest_csv.row(op, lat, tally.wrong_calls if op == "get" else 0, seconds, tally.op_bytes.get(op, 0))
+            for op, lat in tally.lat.items()]
 
 
 def run(args: argparse.Namespace) -> int:
     opts = cache_options.resolve(args)
-    dram = opts.dram_bytes or max(256 << 20, 2 * opts.key_pool_size * opts.block_size // max(opts.workers, 1))
-    with BenchPool(block_size=opts.block_size, dram_bytes=dram, workers=opts.workers, cluster=opts.cluster,
-                   ssd=opts.ssd) as pool:
+    block = max(opts.sizes)
+    sized = max(256 << 20, 2 * opts.key_pool_size * block // max(opts.workers, 1))
+    dram = opts.dram_bytes or min(_DEFAULT_DRAM_CAP, sized)
+    inst = opts.instance
+    with BenchPool(block_size=block, dram_bytes=dram, workers=opts.workers, cluster=opts.cluster,
+                   ssd=opts.ssd, instance=inst) as pool, _notifications(pool, opts) as (notifier, reader):
+        owners = Owners(pool.client, inst.worker_id) if inst is not None else None
         if opts.role == "reader":
-            metrics, tally = _read(pool, opts)
+            metrics, tally = _read(pool, opts, owners, reader)
         else:
-            tally = _Tally(f"cache {opts.role}", pool, _Blocks(opts.block_size), ops=opts.ops, duration=opts.duration)
-            metrics = _write(pool, opts, tally)
+            tally = _Tally(f"cache {opts.role}", pool, BlockContent(opts.sizes), ops=opts.ops, duration=opts.duration,
+                           owners=owners)
+            metrics = _write(pool, opts, tally, notifier)
         where = pool.where
     block = tally.blocks.size
     working_set = (64 << 20) if args.quick else (256 << 20)
-    memcpy = _memcpy_gbps(block, max(1, min(opts.key_pool_size, working_set // block)), 3)
-    metrics = {"role": opts.role, "pool": where, "block_bytes": block, "batch_size": opts.batch_size, **metrics}
+    memcpy = memcpy_gbps(block, max(1, min(opts.key_pool_size, working_set // block)), 3)
+    metrics = {"role": opts.role, "pool": where, "block_bytes": block, "batch_size": opts.batch_size,
+               "threads": opts.threads, **({"data_sizes": opts.sizes} if len(opts.sizes) > 1 else {}),
+               **({"target_qps": opts.target_qps} if opts.target_qps else {}),
+               **({"instance": inst.worker_id, "remote_worker": inst.remote_worker} if inst else {}), **metrics}
     ratios = {"get_vs_memcpy": gbps(tally.hit_bytes, tally.hit_time) / memcpy if tally.hit_time else 0.0}
+    if opts.csv:
+        kvtest_csv.write(opts.csv, _csv_rows(tally, metrics["seconds"]))
     emit("cache", metrics, ratios, args.json, notes=f"{opts.role} on the {where}",
          latencies=tally.lat, timeline=tally.timeline)
     return 1 if metrics["wrong_blocks"] or metrics.get("readback_wrong_blocks") else 0

@@ -1,0 +1,337 @@
+"""Block events of the pool: what each worker stores, copies between tiers, drops and removes.
+
+A worker with `events` on announces what its cache holds at start (a restart's SSD tier included),
+then queues its cache's changes (`cache_events.CacheListener`) and publishes
+them in batches, every `FLUSH_S` seconds, on the NATS subject `kvpool.events.<worker_id>`; the
+JetStream stream `KVPOOL_EVENTS` keeps them (an hour, 1 GiB by default) so a consumer can replay
+what it missed. A batch is JSON:
+`{"v": 1, "worker", "node", "boot", "seq", "ts", "lost", "events": [[kind, tier, reason, key], ...]}`
+with kind one of stored/copied/dropped/removed/cleared (see `cache_events`), `seq` counting batches
+from 0 per worker process (`boot`), `lost` the events dropped so far because the queue was full, and
+`key` a str (UTF-8 keys) or `{"hex": ...}`. `EventFeed` reads them back; `events_zmq` turns them
+into vLLM's KV-event format for cache-aware routers.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .aio import LoopThread, nats_connect
+from .cache_events import CacheListener
+from .errors import PoolUnavailable, ProtocolError
+
+log = logging.getLogger("kvpool.events")
+
+STREAM = "KVPOOL_EVENTS"
+SUBJECT_PREFIX = "kvpool.events"
+FLUSH_S = 0.05
+"""How often queued events are published, in seconds."""
+MAX_QUEUED = 1 << 20
+"""Events held at most while waiting to be published; more are counted in `lost`, not kept."""
+MAX_BATCH = 4096
+"""Events per published batch at most."""
+MAX_BATCH_BYTES = 256 << 10
+"""Key bytes per published batch at most, with an allowance per event: a batch stays well under
+NATS's default 1 MiB max payload however long the keys (up to 511 bytes; hex-encoded if binary)."""
+_EVENT_OVERHEAD = 32
+KINDS = ("stored", "copied", "dropped", "removed", "cleared")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockEvent:
+    """One change: `kind` (one of `KINDS`), the tier it happened in, why (drops and removals), the key."""
+
+    kind: str
+    tier: str
+    reason: str
+    key: bytes
+
+
+@dataclasses.dataclass
+class EventBatch:
+    """The events a worker published in one message, in the order they happened."""
+
+    worker: str
+    node: str
+    boot: str
+    seq: int
+    ts: float
+    lost: int
+    events: list[BlockEvent]
+
+    def encode(self) -> bytes:
+        return json.dumps({"v": 1, "worker": self.worker, "node": self.node, "boot": self.boot, "seq": self.seq,
+                           "ts": self.ts, "lost": self.lost,
+                           "events": [[e.kind, e.tier, e.reason, _key_out(e.key)] for e in self.events]},
+                          separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> EventBatch:
+        """Parse a published batch; ProtocolError names what is wrong. Unknown fields are ignored."""
+        try:
+            raw = json.loads(data)
+            events = [BlockEvent(str(k), str(t), str(r), _key_in(key)) for k, t, r, key in raw["events"]]
+            return cls(str(raw["worker"]), str(raw.get("node", "")), str(raw.get("boot", "")), int(raw["seq"]),
+                       float(raw["ts"]), int(raw.get("lost", 0)), events)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ProtocolError(f"malformed event batch ({len(data)} bytes): {type(e).__name__}: {e}") from e
+
+
+def _key_out(key: bytes) -> Any:
+    try:
+        return key.decode()
+    except UnicodeDecodeError:
+        return {"hex": key.hex()}
+
+
+def _key_in(key: Any) -> bytes:
+    return bytes.fromhex(key["hex"]) if isinstance(key, dict) else str(key).encode()
+
+
+def subject_of(worker_id: str) -> str:
+    """The subject a worker publishes on; characters NATS reserves in a token become `_`."""
+    return f"{SUBJECT_PREFIX}.{re.sub(r'[^A-Za-z0-9_-]', '_', worker_id)}"
+
+
+class EventQueue(CacheListener):
+    """A CacheListener that queues every change for a publisher: cheap under the cache's lock."""
+
+    def __init__(self, max_queued: int = MAX_QUEUED) -> None:
+        self._q: collections.deque[BlockEvent] = collections.deque()
+        self.max_queued = max_queued
+        self.lost = 0
+
+    def _add(self, kind: str, key: bytes, tier: str, reason: str = "") -> None:
+        if len(self._q) >= self.max_queued:
+            self.lost += 1
+            return
+        self._q.append(BlockEvent(kind, tier, reason, key))
+
+    def stored(self, key: bytes, tier: str) -> None:
+        self._add("stored", key, tier)
+
+    def copied(self, key: bytes, tier: str) -> None:
+        self._add("copied", key, tier)
+
+    def dropped(self, key: bytes, tier: str, reason: str) -> None:
+        self._add("dropped", key, tier, reason)
+
+    def removed(self, key: bytes, tier: str, reason: str) -> None:
+        self._add("removed", key, tier, reason)
+
+    def cleared(self) -> None:
+        self._add("cleared", b"*", "")
+
+    def take(self, n: int = MAX_BATCH, max_bytes: int = MAX_BATCH_BYTES) -> list[BlockEvent]:
+        """Up to `n` of the oldest queued events, their keys about `max_bytes` at most (at least one
+        event). Deque pops are atomic: no lock shared with the cache."""
+        out: list[BlockEvent] = []
+        size = 0
+        while len(out) < n and self._q and (not out or size + 2 * len(self._q[0].key) + _EVENT_OVERHEAD <= max_bytes):
+            e = self._q.popleft()
+            size += 2 * len(e.key) + _EVENT_OVERHEAD
+            out.append(e)
+        return out
+
+
+async def ensure_stream(js: Any, max_age_s: float = 3600.0, max_bytes: int = 1 << 30) -> None:
+    """Create the events stream unless it exists (one with other limits is left as it is)."""
+    from nats.js.api import StreamConfig
+    from nats.js.errors import NotFoundError
+
+    try:
+        await js.stream_info(STREAM)
+        return
+    except NotFoundError:
+        pass
+    try:
+        await js.add_stream(StreamConfig(name=STREAM, subjects=[f"{SUBJECT_PREFIX}.>"], max_age=max_age_s,
+                                         max_bytes=max_bytes))
+    except Exception as e:  # created by another worker meanwhile
+        if "already in use" not in str(e):
+            raise
+
+
+Sink = Callable[[EventBatch], None]
+
+
+class EventPublisher:
+    """Drains an EventQueue every `flush_s` seconds into batches for each sink (NATS, ZMQ, tests).
+
+    A sink that fails is logged once per change of error and the batch goes on to the others; the
+    batch is not retried (its `seq` shows the gap to consumers)."""
+
+    def __init__(self, cache: Any, worker_id: str, node_id: str, sinks: list[Sink], *,
+                 flush_s: float = FLUSH_S) -> None:
+        self.queue = EventQueue()
+        self.worker_id, self.node_id, self.sinks, self.flush_s = worker_id, node_id, sinks, flush_s
+        self.boot = os.urandom(4).hex()
+        self.seq = 0
+        self._errors: dict[int, str] = {}
+        self._cache = cache
+        self._stop = threading.Event()
+        cache.add_listener(self.queue, replay=True)  # what it holds already (e.g. a restart's SSD tier)
+        self._thread = threading.Thread(target=self._run, name="kvpool-events", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.flush_s):
+            self.flush()
+        self.flush()
+
+    def flush(self) -> None:
+        """Publish everything queued now (in batches of at most MAX_BATCH)."""
+        while True:
+            events = self.queue.take()
+            if not events:
+                return
+            batch = EventBatch(self.worker_id, self.node_id, self.boot, self.seq, time.time(), self.queue.lost, events)
+            self.seq += 1
+            for i, sink in enumerate(self.sinks):
+                try:
+                    sink(batch)
+                    if self._errors.pop(i, None):
+                        log.info("event sink %d publishing again", i)
+                except Exception as e:  # a sink down must not stop the others, nor the worker
+                    why = f"{type(e).__name__}: {e}"
+                    if self._errors.get(i) != why:
+                        self._errors[i] = why
+                        log.warning("event sink %d failed (%s); its batches are dropped meanwhile", i, why)
+
+    def close(self) -> None:
+        """Publish what is queued, stop listening and stop the thread (sinks are closed by their owner)."""
+        self._cache.remove_listener(self.queue)
+        self._stop.set()
+        self._thread.join(10)
+
+
+class NatsSink:
+    """Publishes batches on `kvpool.events.<worker>` (JetStream keeps them in `KVPOOL_EVENTS`)."""
+
+    def __init__(self, nats_url: str, worker_id: str, timeout_s: float = 5.0) -> None:
+        self.subject = subject_of(worker_id)
+        self.timeout_s = timeout_s
+        self._io = LoopThread("kvpool-events-nats")
+        try:
+            self._nc = self._io.run(nats_connect(nats_url, timeout_s, log), timeout=timeout_s + 2)
+            self._io.run(ensure_stream(self._nc.jetstream()), timeout=timeout_s + 2)
+        except Exception as e:
+            self._io.stop()
+            raise PoolUnavailable(f"cannot publish events at {nats_url}: {e}") from e
+
+    def __call__(self, batch: EventBatch) -> None:
+        self._io.run(self._nc.publish(self.subject, batch.encode()), timeout=self.timeout_s)
+
+    def close(self) -> None:
+        try:
+            self._io.run(self._nc.drain(), timeout=self.timeout_s)
+        except Exception:
+            pass
+        self._io.stop()
+
+
+class EventIndex:
+    """What the pool holds, rebuilt from its events: (worker, key) -> the tiers holding the block.
+
+    Feed it every batch in order (`EventFeed(replay=True)` from the start of retention); a router
+    or prefix index asks `workers(key)` where a block is."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[str, bytes], set[str]] = {}
+        self.seen: set[bytes] = set()
+        """every key any event named"""
+
+    def apply(self, batch: EventBatch) -> None:
+        for e in batch.events:
+            k = (batch.worker, e.key)
+            self.seen.add(e.key)
+            if e.kind == "stored":
+                self.held[k] = {e.tier}
+            elif e.kind == "copied":
+                self.held.setdefault(k, set()).add(e.tier)
+            elif e.kind == "dropped":
+                self.held.get(k, set()).discard(e.tier)
+            elif e.kind == "removed":
+                self.held.pop(k, None)
+            elif e.kind == "cleared":
+                self.held = {h: t for h, t in self.held.items() if h[0] != batch.worker}
+
+    def workers(self, key: bytes) -> set[str]:
+        """The workers holding `key` (in any tier)."""
+        return {w for (w, k) in self.held if k == key}
+
+    def keys(self) -> set[bytes]:
+        return {k for (_, k) in self.held}
+
+
+class EventFeed:
+    """The pool's event batches from NATS, oldest first: every batch still retained (`replay=True`)
+    or only those published from now on. Iterate it, or `next_batch(timeout)`; `close()` ends it."""
+
+    def __init__(self, nats_url: str, *, replay: bool = False, timeout_s: float = 5.0) -> None:
+        self._io = LoopThread("kvpool-events-feed")
+        self._q: queue.Queue[EventBatch] = queue.Queue()
+        self.malformed = 0
+        try:
+            self._nc = self._io.run(nats_connect(nats_url, timeout_s, log), timeout=timeout_s + 2)
+            self._sub = self._io.run(self._subscribe(replay), timeout=timeout_s + 2)
+        except Exception as e:
+            self._io.stop()
+            raise PoolUnavailable(f"cannot read events at {nats_url}: {e}") from e
+
+    async def _subscribe(self, replay: bool) -> Any:
+        from nats.js.api import DeliverPolicy
+
+        js = self._nc.jetstream()
+        await ensure_stream(js)
+
+        async def on_msg(msg: Any) -> None:
+            try:
+                self._q.put(EventBatch.decode(msg.data))
+            except ProtocolError as e:
+                self.malformed += 1
+                log.warning("skipping an event batch: %s", e)
+
+        policy = DeliverPolicy.ALL if replay else DeliverPolicy.NEW
+        return await js.subscribe(f"{SUBJECT_PREFIX}.>", cb=on_msg, ordered_consumer=True, deliver_policy=policy)
+
+    def next_batch(self, timeout: float | None = None) -> EventBatch | None:
+        """The next batch, or None after `timeout` seconds without one."""
+        try:
+            return self._q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def __iter__(self) -> Iterator[EventBatch]:
+        while True:
+            batch = self.next_batch(0.5)
+            if batch is not None:
+                yield batch
+
+    def close(self) -> None:
+        async def _close() -> None:
+            try:
+                await self._sub.unsubscribe()
+            finally:
+                await self._nc.close()
+
+        try:
+            self._io.run(_close(), timeout=5)
+        except Exception:
+            pass
+        self._io.stop()
+
+    def __enter__(self) -> EventFeed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

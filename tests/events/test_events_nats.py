@@ -1,0 +1,86 @@
+"""Block events on NATS: replayable from JetStream, they rebuild what every worker holds; a worker
+asked for events it cannot publish fails to start with a clear error."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+
+from evhelp import replay
+from kvpool.core import PoolClient
+
+
+def test_replayed_events_rebuild_what_the_pool_holds(nats, spawn) -> None:
+    for _ in range(2):
+        spawn(nats_url=nats.url, extra=["--events"])
+    keys = [f"r/{i}" for i in range(40)]
+    with PoolClient(mode="cluster", nats_url=nats.url) as pool:
+        assert pool.wait_for_members(lambda m: len(m) == 2, 15)
+        pool.batch_put(keys, [np.full(4096, i, dtype=np.uint8) for i in range(len(keys))])
+        pool.remove(keys[:10])
+        workers = set(pool.stats())
+        expected = {k.encode() for k in keys[10:]}  # events are ordered per worker: wait for both
+        index = replay(nats.url, {k.encode() for k in keys}, lambda ix: ix.keys() == expected)
+        assert all(tiers == {"dram"} for tiers in index.held.values())
+        assert {w for (w, _) in index.held} == workers  # both workers published
+        assert all(len(index.workers(k.encode())) == 1 for k in keys[10:])
+        assert all(pool.exists([k.decode() for k in index.keys()]))
+        pool.clear()
+        index = replay(nats.url, {k.encode() for k in keys} | {b"*"}, lambda ix: not ix.keys())
+        assert sum(1 for (w, _) in index.held) == 0  # each worker's clear emptied its part
+
+
+def test_events_need_a_cluster(tmp_path) -> None:
+    done = subprocess.run([sys.executable, "-m", "kvpool.core.cli", "worker", "--port", "0", "--dram-bytes", "16MiB",
+                           "--events"], env={**os.environ, "KVPOOL_STATE_DIR": str(tmp_path)},
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode != 0
+    assert "ConfigError: events on NATS (--events) need the worker in a cluster (--nats-url)" in done.stderr
+
+
+def test_kvpool_events_prints_batches_as_json_lines(nats, spawn) -> None:
+    spawn(nats_url=nats.url, extra=["--events"])
+    with PoolClient(mode="cluster", nats_url=nats.url) as pool:
+        assert pool.wait_for_members(lambda m: len(m) == 1, 15)
+        pool.put("printed/1", b"x")
+        tail = subprocess.Popen([sys.executable, "-m", "kvpool.core.cli", "events", "--nats-url", nats.url, "--replay"],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert tail.stdout is not None
+            line = json.loads(tail.stdout.readline())
+        finally:
+            tail.send_signal(signal.SIGTERM)
+            rc = tail.wait(10)
+            tail.stdout.close()  # type: ignore[union-attr]
+    assert rc == 0
+    assert line["seq"] == 0 and line["lost"] == 0 and ["stored", "dram", "", "printed/1"] in line["events"]
+
+
+def test_a_restarted_worker_announces_what_its_ssd_tier_kept(nats, tmp_path) -> None:
+    from kvpool.core.events import EventFeed
+    from kvpool.core.procs import WorkerProcess
+
+    keys = [f"kept/{i}" for i in range(20)]
+    first = WorkerProcess(tmp_path / "w", nats_url=nats.url, ssd=True, dram_bytes="64MiB", extra=["--events"])
+    try:
+        first.wait_ready()
+        with PoolClient(mode="cluster", nats_url=nats.url) as pool:
+            assert pool.wait_for_members(lambda m: len(m) == 1, 15)
+            pool.batch_put(keys, [np.full(4096, i, dtype=np.uint8) for i in range(len(keys))])
+    finally:
+        assert first.stop() == 0  # SIGTERM: DRAM flushed to the SSD tier
+    with EventFeed(nats.url) as feed:  # from now on: only the restarted worker's announcements
+        second = WorkerProcess(tmp_path / "w", nats_url=nats.url, ssd=True, dram_bytes="64MiB", extra=["--events"])
+        try:
+            second.wait_ready()
+            announced: set[bytes] = set()
+            while not {k.encode() for k in keys} <= announced:
+                batch = feed.next_batch(15)
+                assert batch is not None, "the restarted worker did not announce its SSD blocks"
+                announced |= {e.key for e in batch.events if (e.kind, e.tier) == ("stored", "ssd")}
+        finally:
+            second.stop()
