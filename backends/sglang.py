@@ -6,6 +6,8 @@
 indices and the pages move by pointer between its host KV pool and the pool, one copy each way;
 without it, it hands over flat page tensors (the "tensor form"). Either way pool failures become
 misses and failed writes, logged once, so the scheduler never sees an exception from the pool.
+Hybrid models' side pools (Mamba, SWA, indexer, DeepSeek-V4, draft) go through HiCache v2
+(`register_mem_host_pool_v2`, `batch_*_v2`; see `_sglang_v2`).
 """
 from __future__ import annotations
 
@@ -17,12 +19,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo,
+                                                  PoolName, PoolTransfer, PoolTransferResult)
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvpool.core.client import PoolClient
 
 from ._hostio import HostIO, Status
+from ._sglang_keys import page_format, shard, side_shard, split_factor
+from ._sglang_v2 import SidePools, fold_hits, host_regions
 
 log = logging.getLogger("kvpool.backends.sglang")
 
@@ -108,63 +113,100 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     SGLang's factory constructs it as `KVPoolHiCacheStorage(storage_config, {})` once per rank (the
     second argument is the factory's keyword dict, empty from the engine, unused), then calls
-    `register_mem_pool_host(host_pool)` before any I/O. How the pool is reached comes from the
-    extra config (see `pool_options`), then `KVPOOL_*` variables; the default is an embedded pool.
+    `register_mem_pool_host(host_pool)` before any I/O, and for a hybrid model
+    `register_mem_host_pool_v2(pool, name)` per pool. How the pool is reached comes from the extra
+    config (see `pool_options`), then `KVPOOL_*` variables; the default is an embedded pool.
     `retry_s` (1.0) is how long an unreachable pool is reported as misses before it is tried again.
 
-    Keys: SGLang's page hashes, namespaced as SGLang's file backend namespaces them (model; TP rank
-    and size for MHA, none for MLA, whose pages are the same on every rank and written by one;
-    PP/CP/DCP shards), plus the host pool's layout and dtype, since pages of different layouts have
-    the same size but not the same byte order. v1 stores one object per pointer of
-    `get_page_buffer_meta` (MHA page_first: K and V of all layers; layer_first: one per layer), the
-    tensor form one object per flat page; each instance answers `batch_exists` for the form it uses.
+    Keys: `sglang/<model>/<shard>/<layout>/<dtype>/<page hash>.<part>`. The shard is which rank's
+    share of a page a key names, as SGLang's file backend tells shards apart (`tp<r>of<n>` for MHA,
+    `mla` for pages that are the same on every rank and written by one; PP/CP/DCP shards); layout and
+    dtype are the host pool's, since pages of different layouts have the same size but not the same
+    byte order. v1 stores one object per pointer of `get_page_buffer_meta` (MHA page_first: K and V
+    of all layers; layer_first: one per layer), the tensor form one object per flat page; each
+    instance answers `batch_exists` for the form it uses. A side pool's objects are under
+    `<its shard>/<layout>/<dtype>/<pool>/<its layout>/<its dtype>/`.
+
+    Across TP sizes: with SGLang's `tp_lcm_size` in the extra config and the `page_head` layout,
+    an MHA rank stores its K and V per group of KV heads, named by the group's rank among
+    `tp_lcm_size` (`tp<g>of<lcm>`), so instances with any TP size dividing `tp_lcm_size` share pages.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         extra = dict(storage_config.extra_config or {})
         self.storage_config = storage_config
         self.v1 = bool(extra.get("interface_v1", 0))
-        self._shard = _shard_namespace(storage_config)
-        self._prefix = self._shard  # completed with the layout once the host pool is registered
-        self._parts: list[str] = _PAGE  # the v1 path's parts replace it once the host pool is registered
+        self._model = f"sglang/{storage_config.model_name or 'model'}/"
+        self._shard = shard(storage_config)
+        self._format = ""  # "<layout>/<dtype>/" of the host pool, once registered
+        self._kv: list[tuple[str, str]] = []  # (prefix, suffix) of each part of a page on the v1 path
+        self._split = 0  # head groups per page when SGLang splits heads (tp_lcm_size, page_head)
+        self._logical = False  # the KV anchor holds no bytes (DeepSeek-V4): side pools carry the data
         self._page_tokens = 0
         self._stats = _Recorder(per_batch=storage_config.enable_storage_metrics)
         opts = pool_options(extra)
         self._io = HostIO(lambda: PoolClient(**opts), logger=log, retry_s=float(extra.get("retry_s", 1.0)))
-        log.info("kvpool HiCache storage: %s, keys %s*, %s", opts or "KVPOOL_* settings", self._shard,
+        self._side = SidePools(self._io)
+        log.info("kvpool HiCache storage: %s, keys %s%s*, %s", opts or "KVPOOL_* settings", self._model, self._shard,
                  "zero-copy v1" if self.v1 else "tensor form")
+
+    @property
+    def _prefix(self) -> str:
+        """The key prefix of this rank's own KV pages (the tensor form's, and v1's unless heads are split)."""
+        return f"{self._model}{self._shard}{self._format}"
 
     # ----- registration (once, before any I/O) ---------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Remember the host KV pool and make its buffers addressable for the pointer path."""
         super().register_mem_pool_host(mem_pool_host)
-        # as SGLang's Mooncake backend finds them: split K/V pools list theirs, the others have kv_buffer
-        buffers = getattr(mem_pool_host, "get_hybrid_pool_buffer", lambda: [getattr(mem_pool_host, "kv_buffer", None)])
-        for buf in buffers():
-            if isinstance(buf, torch.Tensor) and buf.numel() > 0:
-                self._io.buffers.register(buf.data_ptr(), buf.numel() * buf.element_size())
+        self._logical = getattr(mem_pool_host, "kv_buffer", None) is None
+        for ptr, size in host_regions(mem_pool_host):
+            self._io.buffers.register(ptr, size)
         cfg = self.storage_config
         dcp = cfg.dcp_size > 1 and cfg.logical_page_size
         self._page_tokens = cfg.logical_page_size if dcp else mem_pool_host.page_size
-        dtype = str(getattr(mem_pool_host, "dtype", "")).removeprefix("torch.")
-        self._prefix = f"{self._shard}{getattr(mem_pool_host, 'layout', '')}/{dtype}/"
-        if self.v1:
-            try:
-                ptrs, _ = mem_pool_host.get_page_buffer_meta(torch.arange(self._page_tokens, dtype=torch.int64))
-            except (ValueError, NotImplementedError) as e:
-                self._io.once("layout", "kvpool: host pool layout %r has no zero-copy page meta (%s); every v1 "
-                              "call will miss. Drop interface_v1 from the extra config to use the tensor form",
-                              getattr(mem_pool_host, "layout", None), e)
-                ptrs = []
-            self._parts = [f".{j}" for j in range(len(ptrs))]
+        self._format = page_format(mem_pool_host)
+        self._split = split_factor(cfg) if getattr(mem_pool_host, "layout", "") == "page_head" else 0
+        if self._logical or not self.v1:
+            return
+        try:
+            ptrs, _ = self._meta(mem_pool_host, torch.arange(self._page_tokens, dtype=torch.int64))
+        except (ValueError, NotImplementedError, AssertionError) as e:
+            self._io.once("layout", "kvpool: host pool layout %r has no zero-copy page meta (%s); every v1 "
+                          "call will miss. Drop interface_v1 from the extra config to use the tensor form",
+                          getattr(mem_pool_host, "layout", None), e)
+            return
+        if self._split:
+            lcm, first = self._split * cfg.tp_size, cfg.tp_rank * self._split
+            self._kv = [(f"{self._model}{shard(cfg, tp=(first + j // 2, lcm))}{self._format}", f".{j % 2}")
+                        for j in range(len(ptrs))]
+        else:
+            self._kv = [(self._prefix, f".{j}") for j in range(len(ptrs))]
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Remember a pool of a hybrid model (SGLang calls it once per pool after
+        `register_mem_pool_host`, and again for pools added later). The KV anchor itself needs nothing
+        more; any other pool gets its own key prefix (see the class) and its buffers registered."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if host_pool is getattr(self, "mem_pool_host", None) and str(host_pool_name) == PoolName.KV.value:
+            return
+        pool_shard = side_shard(self.storage_config, str(host_pool_name), host_pool)
+        pool = self._side.register(host_pool_name, host_pool, f"{self._model}{pool_shard}{self._format}"
+                                   f"{host_pool_name}/{page_format(host_pool)}")
+        log.info("kvpool: HiCache pool %s (%s): %s", host_pool_name, type(host_pool).__name__,
+                 f"{pool.parts} zero-copy objects per page" if pool.zero_copy
+                 else "no bytes" if pool.parts == 0 else "one flat page per key")
 
     # ----- the zero-copy path (interface_v1) ------------------------------------------------------
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Store the pages at `host_indices` (page_size slots per key) under `keys`: True per page
-        stored (or already present; a page's bytes are fixed by its key)."""
+        stored (or already present; a page's bytes are fixed by its key). A KV anchor without bytes
+        (DeepSeek-V4) reports True: its side pools carry the pages, through `batch_set_v2`."""
+        if self._logical:
+            return [True] * len(keys)
         plan = self._plan(keys, host_indices)
         if plan is None:
             return [False] * len(keys)
@@ -185,6 +227,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Copy the pages of `keys` into the host pool at `host_indices`: True per page read whole.
         A False page's slots may hold partial bytes; SGLang stops at the first False."""
+        if self._logical:
+            return [True] * len(keys)
         plan = self._plan(keys, host_indices)
         if plan is None:
             return [False] * len(keys)
@@ -195,12 +239,17 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._stats.read(len(keys), sum(ok), sum(n for n in got if n > 0), time.perf_counter() - t)
         return ok
 
+    def _meta(self, host: Any, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        if self._split:
+            return host.get_split_heads_page_buffer_meta(indices, self._split)  # type: ignore[no-any-return]
+        return host.get_page_buffer_meta(indices)  # type: ignore[no-any-return]
+
     def _plan(self, keys: Sequence[str],
               host_indices: torch.Tensor) -> tuple[list[str], list[int], list[int]] | None:
         """(object names, pointers, sizes) of the pages, or None (logged once) when they cannot be
         addressed: no host pool registered, a slot count that does not match, an unsupported layout."""
         host = getattr(self, "mem_pool_host", None)
-        if host is None or not self._parts or not self.v1:
+        if host is None or not self._kv or not self.v1:
             self._io.once("v1 unusable", "kvpool: batch_get_v1/batch_set_v1 need interface_v1 in the extra config, "
                           "a registered host pool and a layout with page meta; reporting failures")
             return None
@@ -208,19 +257,48 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self._io.once("slots", "kvpool: %d host slots for %d pages of %d tokens; reporting failures",
                           len(host_indices), len(keys), self._page_tokens)
             return None
-        ptrs, sizes = host.get_page_buffer_meta(host_indices)
-        if len(ptrs) != len(keys) * len(self._parts):
+        ptrs, sizes = self._meta(host, host_indices)
+        if len(ptrs) != len(keys) * len(self._kv):
             self._io.once("meta", "kvpool: the host pool gave %d buffers for %d pages (expected %d per page)",
-                          len(ptrs), len(keys), len(self._parts))
+                          len(ptrs), len(keys), len(self._kv))
             return None
         return self._names(keys), ptrs, sizes
+
+    # ----- HiCache v2: the side pools of hybrid models --------------------------------------------
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
+        """The usable prefix of `keys`: the KV pages stored whole from the start (every page when the
+        anchor holds no bytes and some pool decides), cut by each pool's hit policy (see
+        `_sglang_v2.fold_hits`), with every restorable stop point for SGLang to agree on across ranks."""
+        transfers = list(pool_transfers or [])
+        kv_pages = (len(keys) if transfers else 0) if self._logical else self.batch_exists(keys, extra_info)
+        return fold_hits(kv_pages, transfers, lambda t, n: self._side.present(t, keys[:n]))
+
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        """Read each transfer's pages (`keys`, `host_indices` of its pool) into its host pool: per pool
+        name, True per page read whole. All zero-copy pools move in one pool call."""
+        t = time.perf_counter()
+        out, nbytes = self._side.transfer(transfers, write=False)
+        pages = sum(len(v) for v in out.values())
+        self._stats.read(pages, sum(sum(v) for v in out.values()), nbytes, time.perf_counter() - t)
+        return out
+
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        """Store each transfer's pages: per pool name, True per page stored (or already present)."""
+        t = time.perf_counter()
+        out, nbytes = self._side.transfer(transfers, write=True)
+        self._stats.wrote(sum(len(v) for v in out.values()), nbytes, time.perf_counter() - t)
+        return out
 
     # ----- the tensor form (no interface_v1) ------------------------------------------------------
 
     def batch_set(self, keys: list[str], values: Sequence[torch.Tensor] | None = None,
                   target_locations: Any = None, target_sizes: Any = None) -> bool:
         """Store each flat page tensor under its key (keys already present are kept): True if all are."""
-        if not keys:
+        if not keys or self._logical:
             return True
         if values is None or len(values) != len(keys):
             self._io.once("values", "kvpool: batch_set got %d keys and %s values; reporting a failure",
@@ -246,6 +324,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 self._io.once("no host pool", "kvpool: batch_get without targets before register_mem_pool_host")
                 return [None] * len(keys)
             target_locations = [host.get_dummy_flat_data_page() for _ in keys]
+        if self._logical:
+            return list(target_locations)
         t = time.perf_counter()
         names = self._names(keys, _PAGE)
         got = self._io.call(lambda c: c.batch_get_into(names, list(target_locations)), lambda st: [-1] * len(keys))
@@ -267,20 +347,26 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     # ----- queries and housekeeping ---------------------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        """How many leading pages of `keys` are stored whole (0 when the pool cannot answer)."""
-        if not keys or not self._parts:
+        """How many leading pages of `keys` are stored whole (0 when the pool cannot answer, and for
+        an anchor without bytes, whose pages only `batch_exists_v2` can answer for)."""
+        parts = len(self._kv) if self.v1 else 1
+        if not keys or not parts or self._logical:
             return 0
         names = self._names(keys)
-        parts = len(self._parts)
         return int(self._io.call(lambda c: c.prefix_match(names) // parts, lambda st: 0))
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
     def clear(self) -> None:
-        """Remove every block of the pool (every model and rank: the pool keeps no per-namespace
-        index). SGLang calls it from its clear-storage admin request."""
-        self._io.clear()
+        """Remove this backend's blocks: every block under the key prefixes this rank writes (its KV
+        shard or head groups and its side pools, in this model, layout and dtype). Other models,
+        layouts, dtypes and shards are left alone; SGLang's clear-storage request reaches every rank,
+        so together they clear the model's namespace."""
+        prefixes = {self._prefix, *(p for p, _ in self._kv), *(pool.prefix for pool in self._side.pools.values())}
+        for prefix in sorted(prefixes):
+            if not any(prefix.startswith(p) and prefix != p for p in prefixes):
+                self._io.clear(prefix)
 
     def get_stats(self) -> KVPoolStorageMetrics:
         """What SGLang's storage metrics collector expects, plus kvpool's totals (see the class)."""
@@ -293,26 +379,16 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     # ----- helpers --------------------------------------------------------------------------------
 
     def _names(self, keys: Sequence[str], parts: Sequence[str] | None = None) -> list[str]:
-        """Pool keys of `keys`' pages: one per part (`self._parts` unless given), page by page."""
-        p = self._prefix
-        return [f"{p}{k}{s}" for k in keys for s in (self._parts if parts is None else parts)]
+        """Pool keys of `keys`' KV pages: one per part (v1's parts unless `parts`, suffixes under this
+        rank's own prefix, are given), page by page."""
+        if parts is not None or not self.v1:
+            p = self._prefix
+            return [f"{p}{k}{s}" for k in keys for s in (parts or _PAGE)]
+        return [f"{p}{k}{s}" for k in keys for p, s in self._kv]
 
     def _per_page(self, flags: list[bool], pages: int) -> list[bool]:
-        n = len(self._parts)
+        n = len(self._kv)
         return [all(flags[i * n:(i + 1) * n]) for i in range(pages)]
-
-
-def _shard_namespace(cfg: HiCacheStorageConfig) -> str:
-    """`sglang/<model>/<shard>/`: which rank's share of a page a key names, as SGLang's file backend
-    tells shards apart (TP only for MHA: MLA pages are replicated across TP ranks)."""
-    shard = "mla" if cfg.is_mla_model else f"tp{cfg.tp_rank}of{cfg.tp_size}"
-    if cfg.pp_size > 1:
-        shard += f"-pp{cfg.pp_rank}of{cfg.pp_size}"
-    if cfg.attn_cp_size > 1:
-        shard += f"-cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}"
-    if cfg.dcp_size > 1:
-        shard += f"-tp{cfg.tp_size}-dcp{cfg.dcp_rank}of{cfg.dcp_size}-page{cfg.logical_page_size}"
-    return f"sglang/{cfg.model_name or 'model'}/{shard}/"
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -1,9 +1,11 @@
-"""Backends: SGLang HiCache v1 and FastDeploy batches through kvpool vs memcpy and SGLang's file backend.
+"""Backends: SGLang HiCache v1 and v2 and FastDeploy batches through kvpool vs memcpy and SGLang's file backend.
 
 One batch is SGLang's backup/prefetch unit here: 64 pages of an MHA model with 32 layers and 64-token
 pages in bf16, in a real SGLang host pool (page_first layout), each page one K and one V block of all
 layers. `KVPoolHiCacheStorage.batch_set_v1` / `batch_get_v1` move it between the host pool and an
-embedded pool, and a local worker (shared memory); the peer is SGLang's built-in `file` backend on
+embedded pool, and a local worker (shared memory); `batch_set_v2` / `batch_get_v2` move the same pages
+as a hybrid model's side pool (registered as SGLang's SWA pool, an MHA host pool of the same shape,
+through `register_mem_host_pool_v2`); the peer is SGLang's built-in `file` backend on
 the same pages, driven as SGLang's controller drives a backend without v1 (its files stay in the page
 cache). FastDeploy's `KVPoolStore.batch_set` / `batch_get` move the same bytes between registered
 staging buffers and the pool. The baseline of each is numpy copies of the same blocks between the
@@ -84,7 +86,7 @@ def _sglang(geo: _Geometry, repeat: int, worker: WorkerProcess) -> dict[str, flo
 
     sglang_cpu.install()
     with sglang_cpu.quiet_import():
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     host = sglang_cpu.host_pool("page_first", pages=2 * _PAGES, page=_PAGE_TOKENS, layers=_LAYERS,
@@ -119,11 +121,15 @@ def _sglang(geo: _Geometry, repeat: int, worker: WorkerProcess) -> dict[str, flo
                        ("_local", {**dynamic, "mode": "local", "worker": worker.unix_path})):
         kv = StorageBackendFactory.create_backend("dynamic", config(extra), host)
         kv.register_mem_pool_host(host)
+        kv.register_mem_host_pool_v2(host, PoolName.SWA)
         try:
             r = timed(kv, functools.partial(kv.batch_set_v1, keys, src), functools.partial(kv.batch_get_v1, keys, dst))
+            v2 = timed(kv, functools.partial(kv.batch_set_v2, [PoolTransfer(PoolName.SWA, src, keys=keys)]),
+                       functools.partial(kv.batch_get_v2, [PoolTransfer(PoolName.SWA, dst, keys=keys)]))
         finally:
             kv.close()
         out.update({f"{k}{tag}": v for k, v in r.items()})
+        out.update({f"v2_{k}{tag}": v for k, v in v2.items()})
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-hicache-") as d:
         fb = StorageBackendFactory.create_backend("file", config({"file_storage_path": d}), host)
         fb.register_mem_pool_host(host)
@@ -196,6 +202,9 @@ def run(args: argparse.Namespace) -> int:
             ratios[f"{path}_get_vs_memcpy{tag}"] = got[f"get{tag}"] / got[f"memcpy{tag}"]
             ratios[f"{path}_set_vs_memcpy{tag}"] = got[f"put{tag}"] / got[f"memcpy{tag}"]
     if sg is not None:
+        for tag in ("", "_local"):
+            ratios[f"sglang_v2_get_vs_memcpy{tag}"] = sg[f"v2_get{tag}"] / sg[f"v2_memcpy{tag}"]
+            ratios[f"sglang_v2_set_vs_memcpy{tag}"] = sg[f"v2_put{tag}"] / sg[f"v2_memcpy{tag}"]
         ratios["sglang_get_vs_file_backend"] = sg["get"] / sg["file_get"]
         ratios["sglang_set_vs_file_backend"] = sg["put"] / sg["file_put"]
     emit("backends", metrics, ratios, args.json,

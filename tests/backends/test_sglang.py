@@ -179,7 +179,7 @@ def test_round_trip_through_a_local_worker(make: Make, spawn: Any, layout: str) 
     assert backend.batch_get_v1(keys, dst) == [True] * 6
     _assert_same_pages(host, src, dst, 6)
     with PoolClient(mode="local", worker=worker.unix_path) as pool:  # the pages are in the worker
-        assert pool.exists(backend._names(keys)) == [True] * 6 * len(backend._parts)
+        assert pool.exists(backend._names(keys)) == [True] * 6 * len(backend._kv)
 
 
 def test_clear(make: Make) -> None:

@@ -1,0 +1,48 @@
+"""Where `KVPoolHiCacheStorage` keeps SGLang's pages: the parts of its pool keys that say which model,
+rank share, layout and dtype a page belongs to (`sglang/<model>/<shard>/<layout>/<dtype>/...`)."""
+from __future__ import annotations
+
+from typing import Any
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
+
+__all__ = ["page_format", "shard", "side_shard", "split_factor"]
+
+
+def shard(cfg: HiCacheStorageConfig, replicated: bool | None = None, tp: tuple[int, int] | None = None) -> str:
+    """`<shard>/`: which rank's share of a page a key names, as SGLang's file backend tells shards
+    apart (TP only for MHA: MLA pages are replicated across TP ranks; `replicated` overrides the
+    model's kind, for side pools; `tp` names another (rank, size) than the config's, for a head group)."""
+    rank, size = tp or (cfg.tp_rank, cfg.tp_size)
+    name = "mla" if (cfg.is_mla_model if replicated is None else replicated) else f"tp{rank}of{size}"
+    if cfg.pp_size > 1:
+        name += f"-pp{cfg.pp_rank}of{cfg.pp_size}"
+    if cfg.attn_cp_size > 1:
+        name += f"-cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}"
+    if cfg.dcp_size > 1:
+        name += f"-tp{cfg.tp_size}-dcp{cfg.dcp_rank}of{cfg.dcp_size}-page{cfg.logical_page_size}"
+    return name + "/"
+
+
+def side_shard(cfg: HiCacheStorageConfig, name: str, host: Any) -> str:
+    """A side pool's shard. On a rank-replicated (MLA) model every pool is replicated too, except
+    Mamba state (always split across TP ranks) and MHA-shaped pools (an MHA draft model or SWA pool
+    on an MLA target), which SGLang's Mooncake backend keys per rank as well."""
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKOnlyPoolHost, MHATokenToKVPoolHost
+
+    per_rank = name == PoolName.MAMBA.value or isinstance(host, (MHATokenToKVPoolHost, MHATokenToKOnlyPoolHost))
+    return shard(cfg, cfg.is_mla_model and not per_rank)
+
+
+def split_factor(cfg: HiCacheStorageConfig) -> int:
+    """Head groups per page when this rank writes for TP size `tp_lcm_size` (0: no split)."""
+    lcm = cfg.tp_lcm_size or 0
+    if cfg.is_mla_model or lcm <= 0 or lcm % cfg.tp_size:
+        return 0
+    return lcm // cfg.tp_size
+
+
+def page_format(host: Any) -> str:
+    """`<layout>/<dtype>/` of a host pool."""
+    dtype = str(getattr(host, "dtype", "")).removeprefix("torch.")
+    return f"{getattr(host, 'layout', '')}/{dtype}/"
