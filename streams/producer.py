@@ -95,6 +95,12 @@ class Producer:
         ref = put_blocks(pool, block_keys, tensors, request=request_id, layer=layer, pin_s=self.pin_ttl_s)
         self._announcer.send(subj, ref.encode(), ref.keys)
 
+    def flush(self) -> None:
+        """Wait until JetStream has stored every kv announcement sent so far (publish_kv does not wait);
+        raises the error of any it refused."""
+        if self._announcer is not None:
+            self._announcer.flush()
+
     def end_request(self, request_id: str, layers: int | None = None) -> int:
         """Tell the decode side that request `request_id` has no more layers, once JetStream has stored
         every layer announced before; raises the error of any it refused. Returns the end's sequence."""

@@ -38,6 +38,7 @@ def _prefill(nats_url: str, stream: str, request: str, layers: int, end: bool) -
             if {end}:
                 p.end_request({request!r}, {layers})
             else:
+                p.flush()  # every layer stored before the test kills us: publish_kv does not wait
                 print("published", flush=True)
                 time.sleep(600)
         pool.close()
