@@ -158,18 +158,18 @@ _ITEM_META = 2 + MAX_KEY_BYTES + 8 * 4
 _SAFE_BATCH = min(MAX_BATCH, (MAX_META - 4) // _ITEM_META)
 
 
-def frames(n: int, sizes: Sequence[int] | None = None) -> list[slice]:
+def frames(n: int, sizes: Sequence[int] | None = None, max_bytes: int = MAX_DATA) -> list[slice]:
     """Slices of a batch of `n` items such that each fits one frame: at most MAX_BATCH items, their
     metadata within MAX_META whatever their keys, and (given the items' data `sizes`) their data within
-    MAX_DATA. Almost every batch is one slice; a client splits bigger ones rather than have a
-    healthy worker refuse them."""
-    if n <= _SAFE_BATCH and (sizes is None or sum(sizes) <= MAX_DATA):
+    `max_bytes` (MAX_DATA; an item larger than that goes alone). Almost every batch is one slice; a
+    client splits bigger ones rather than have a healthy worker refuse them."""
+    if n <= _SAFE_BATCH and (sizes is None or sum(sizes) <= max_bytes):
         return [slice(0, n)]
     out: list[slice] = []
     start, data = 0, 0
     for i in range(n):
         size = 0 if sizes is None else int(sizes[i])
-        if i > start and (i - start >= _SAFE_BATCH or data + size > MAX_DATA):
+        if i > start and (i - start >= _SAFE_BATCH or data + size > max_bytes):
             out.append(slice(start, i))
             start, data = i, 0
         data += size

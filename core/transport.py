@@ -230,11 +230,9 @@ class ShmTransport(_Connection):
         """Store blocks; with `pin_s` > 0, pinned for that many seconds (see `pin`). A batch larger
         than the worker lets one connection reserve at once goes in several rounds."""
         arena = self.arena  # connects, so `info` is known
-        budget = int(self.info.get("max_reserve") or 0)
-        for f in P.frames(len(keys)):
-            for part in _rounds([v.nbytes for v in views[f]], budget):
-                idx = range(f.start + part.start, f.start + part.stop)
-                self._put_frame(arena, [keys[i] for i in idx], [views[i] for i in idx], pin_s)
+        budget = int(self.info.get("max_reserve") or P.MAX_DATA)
+        for f in P.frames(len(keys), [v.nbytes for v in views], budget):
+            self._put_frame(arena, keys[f], views[f], pin_s)
 
     def _put_frame(self, arena: memoryview, keys: Sequence[bytes], views: Sequence[memoryview], pin_s: float) -> None:
         sizes = np.array([v.nbytes for v in views], dtype="<i8")
@@ -309,21 +307,6 @@ class ShmTransport(_Connection):
                 mapping.close()  # type: ignore[union-attr]
             except BufferError:
                 pass  # a caller still holds a leased view; the mapping goes when it does
-
-
-def _rounds(sizes: list[int], budget: int) -> list[slice]:
-    """Consecutive slices of `sizes` summing to at most `budget` each (a larger item alone); one slice
-    when `budget` is 0 (unknown) or not exceeded."""
-    if not budget or sum(sizes) <= budget:
-        return [slice(0, len(sizes))]
-    out, start, total = [], 0, 0
-    for i, n in enumerate(sizes):
-        if i > start and total + n > budget:
-            out.append(slice(start, i))
-            start, total = i, 0
-        total += n
-    out.append(slice(start, len(sizes)))
-    return out
 
 
 def connect(address: str, token: str | None = None, timeout: float = 5.0) -> TcpTransport | ShmTransport:
