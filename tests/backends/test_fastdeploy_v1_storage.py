@@ -87,14 +87,21 @@ class Host:
         return [self.buf.ptr + (first + i) * BLOCK for i in range(n)]
 
 
+def manager(storage: Any, master: str, tp_rank: int, blocks: int) -> tuple[Any, Any, Host]:
+    """FastDeploy's storage scheduler and a connected connector of rank `tp_rank` at `master`, with a
+    registered host cache of `blocks` blocks, as the v1 cache manager sets them up."""
+    cfg = cache_config(master)
+    scheduler = storage.create_storage_scheduler(cfg)  # connects (with its warm-up round trip) or raises
+    connector = storage.create_storage_connector(cfg, tp_rank=tp_rank)
+    assert connector.connect() and scheduler.is_connected()
+    host = Host(blocks)
+    connector.register_buffer(host.buf.ptr, host.buf.nbytes)
+    return scheduler, connector, host
+
+
 def test_the_v1_manager_stores_and_finds_blocks_through_the_drop_in(storage: Any, spawn: Any) -> None:
     worker = spawn()
-    cfg = cache_config(worker.unix_path)
-    scheduler = storage.create_storage_scheduler(cfg)  # connects (with its warm-up round trip) or raises
-    connector = storage.create_storage_connector(cfg, tp_rank=0)
-    assert connector.connect() and scheduler.is_connected()
-    host = Host(16)
-    connector.register_buffer(host.buf.ptr, host.buf.nbytes)
+    scheduler, connector, host = manager(storage, worker.unix_path, 0, 16)
     k, v, ks, vs = fastdeploy_keys([f"{i:064x}" for i in range(3)], scales=True)
     keys = k + v + ks + vs
     for i, key in enumerate(keys):
@@ -116,12 +123,7 @@ def test_the_v1_manager_stores_and_finds_blocks_through_the_drop_in(storage: Any
 
 def test_a_missing_block_ends_the_prefix(storage: Any, spawn: Any) -> None:
     worker = spawn()
-    cfg = cache_config(worker.unix_path)
-    scheduler = storage.create_storage_scheduler(cfg)
-    connector = storage.create_storage_connector(cfg, tp_rank=1)
-    assert connector.connect()
-    host = Host(8)
-    connector.register_buffer(host.buf.ptr, host.buf.nbytes)
+    scheduler, connector, host = manager(storage, worker.unix_path, 1, 8)
     k, v = fastdeploy_keys([f"{i:064x}" for i in range(4)], rank=1)
     assert connector.batch_set(k + v, host.ptrs(0, 8), [BLOCK] * 8) == [True] * 8
     assert connector.delete(v[2])
@@ -148,12 +150,7 @@ def test_an_unreachable_pool_fails_the_connect_and_a_lost_one_reads_as_misses(st
     with pytest.raises(RuntimeError, match="Failed to connect"):
         storage.create_storage_scheduler(cache_config(str(tmp_path / "no-worker.sock")))
     worker = spawn()
-    cfg = cache_config(worker.unix_path)
-    scheduler = storage.create_storage_scheduler(cfg)
-    connector = storage.create_storage_connector(cfg, tp_rank=0)
-    assert connector.connect()
-    host = Host(4)
-    connector.register_buffer(host.buf.ptr, host.buf.nbytes)
+    scheduler, connector, host = manager(storage, worker.unix_path, 0, 4)
     k, v = fastdeploy_keys([f"{i:064x}" for i in range(2)])
     assert connector.batch_set(k + v, host.ptrs(0, 4), [BLOCK] * 4) == [True] * 4
     worker.kill()
