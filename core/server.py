@@ -204,8 +204,7 @@ class Worker:
         self._stopping.set()
         if self.membership is not None:
             self.membership.close()
-        for lsock in (self._tcp, self._unix):
-            lsock.close()
+        self._close_listeners()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._conns_lock:
@@ -218,10 +217,6 @@ class Worker:
             time.sleep(0.01)
         for t in list(self._threads):
             t.join(max(0.0, deadline - time.monotonic()))
-        try:
-            os.unlink(self.unix_path)
-        except FileNotFoundError:
-            pass
         self.cache.flush()
         self.cache.close()
         if self.events is not None:
