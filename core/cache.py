@@ -454,13 +454,18 @@ class TieredCache:
                 slabs.setdefault(self.arena.slab_of(b.offset))
         if same:
             return same[:1], same
-        by_slab: dict[int, list[_Block]] = {}
-        for b in self._dram.values():
-            by_slab.setdefault(self.arena.slab_of(b.offset), []).append(b)
+        by_slab = self._blocks_by_slab()
         for slab in slabs:
             if all(self._evictable(b) for b in by_slab[slab]):
                 return by_slab[slab], by_slab[slab]
         return [], []
+
+    def _blocks_by_slab(self) -> dict[int, list[_Block]]:
+        """The DRAM blocks grouped by the slab that holds them. Caller holds the lock."""
+        by_slab: dict[int, list[_Block]] = {}
+        for b in self._dram.values():
+            by_slab.setdefault(self.arena.slab_of(b.offset), []).append(b)
+        return by_slab
 
     def _free_a_slab_by_moving(self, n: int) -> bool:
         """Free a whole slab of another size class for a block of `n` bytes when every slab holds some
@@ -469,9 +474,7 @@ class TieredCache:
         slots of their class in other slabs. Only a slab with no leased block moves (a reader's view
         stays valid); the fewest pinned blocks move first. False if no slab can be freed so."""
         cls = self.arena.class_of(n)
-        by_slab: dict[int, list[_Block]] = {}
-        for b in self._dram.values():
-            by_slab.setdefault(self.arena.slab_of(b.offset), []).append(b)
+        by_slab = self._blocks_by_slab()
         candidates = sorted((sum(b.pinned for b in bs), slab) for slab, bs in by_slab.items()
                             if self.arena.class_of(bs[0].size) != cls and not any(b.leases for b in bs))
         for _, slab in candidates:
