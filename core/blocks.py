@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from .errors import CorruptBlock  # noqa: F401  (re-exported: the tiers catch it here)
+
 MAGIC = b"KVB1"
 _HEADER = struct.Struct("<4sHHQQd")  # magic, version, flags, size, checksum, expires (unix s; 0 = never)
 HEADER_SIZE = _HEADER.size
@@ -19,10 +21,6 @@ VERSION = 1
 def checksum(data: memoryview | bytes) -> int:
     """XXH3-64 of `data` (the 64-bit member of the xxhash family; ~80 GB/s in cache here)."""
     return xxhash.xxh3_64_intdigest(data)
-
-
-class CorruptBlock(Exception):
-    """Internal: a stored block failed its header or checksum check (callers see a miss)."""
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,30 @@
 """The one error hierarchy of kvpool.
 
-Every error a caller can see derives from `KVPoolError`; messages name the bad value and the limit.
+Every error a caller can see derives from `KVPoolError`; messages name the bad value and the limit, and
+the values travel as attributes too (`key`, `size`, `limit`), as nats.py's errors carry theirs.
 Third-party exceptions (lmdb, sockets, nats) are translated at the boundary that meets them.
 """
 from __future__ import annotations
 
 
 class KVPoolError(Exception):
-    """Root of every kvpool error."""
+    """Root of every kvpool error. `key`, `size` and `limit` are set where the error concerns one block,
+    one byte count or one bound (None otherwise); `str(error)` says the same in words."""
+
+    def __init__(self, message: str = "", *, key: bytes | str | None = None, size: int | None = None,
+                 limit: int | float | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        self.size = size
+        self.limit = limit
 
 
 class InvalidKey(KVPoolError, ValueError):
     """A key is empty, too long, or of the wrong type."""
+
+
+class InvalidArgument(KVPoolError, ValueError):
+    """An argument other than a key is invalid: lists of different lengths, a size or count out of range."""
 
 
 class BlockTooLarge(KVPoolError, ValueError):
@@ -43,8 +56,17 @@ class AuthError(KVPoolError, PermissionError):
 
 
 class ProtocolError(KVPoolError):
-    """A malformed, truncated or corrupt frame."""
+    """A malformed or truncated frame, or a peer that does not speak the protocol."""
+
+
+class CorruptBlock(KVPoolError):
+    """A block's bytes disagree with its checksum (in transit or at rest). The block is never returned;
+    where the pool can, it drops the copy and reports a miss instead of raising."""
 
 
 class ConfigError(KVPoolError, ValueError):
     """A configuration value is invalid."""
+
+
+class StorageError(KVPoolError, OSError):
+    """The SSD tier (LMDB) cannot be opened, read or written: a missing folder, a full map, an I/O error."""
