@@ -18,9 +18,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvpool.core.client import PoolClient
-from kvpool.core.errors import CapacityError, KVPoolError, PoolUnavailable
-from kvpool.core.keys import key_bytes
+from kvpool.core import CapacityError, InvalidArgument, KVPoolError, PoolClient, PoolUnavailable, key_bytes
 
 T = TypeVar("T")
 
@@ -45,7 +43,7 @@ STATUS_OF_ERROR: tuple[tuple[type[BaseException], Status], ...] = (
     (PoolUnavailable, Status.RPC_FAIL),  # includes PoolTimeout
     (OSError, Status.RPC_FAIL),          # AuthError, and socket/shm errors not typed on the way up
     (CapacityError, Status.NO_AVAILABLE_HANDLE),
-    (ValueError, Status.INVALID_PARAMS),  # InvalidKey, BlockTooLarge, BufferSizeError, ConfigError
+    (ValueError, Status.INVALID_PARAMS),  # InvalidKey, InvalidArgument, BlockTooLarge, BufferSizeError, ConfigError
     (KVPoolError, Status.INTERNAL_ERROR),  # ProtocolError, PoolClosed, anything newer
 )
 """How each pool error becomes a status; first match wins. Only errors of these types are caught."""
@@ -73,7 +71,8 @@ class HostBuffers:
         """Make [ptr, ptr + size) addressable; re-registering a base address replaces its size."""
         ptr, size = int(ptr), int(size)
         if ptr <= 0 or size <= 0:
-            raise ValueError(f"cannot register buffer at {ptr:#x} of {size} bytes: need a non-null pointer and size > 0")
+            raise InvalidArgument(f"cannot register buffer at {ptr:#x} of {size} bytes: need a non-null pointer and "
+                                  "size > 0", size=size)
         arr = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(ptr))
         with self._lock:
             self._regions[ptr] = arr
@@ -235,11 +234,11 @@ class HostIO:
             views.append(view)
         return views
 
-    def put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+    def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """Store `sizes[i]` bytes at `ptrs[i]` under `keys[i]`: OK or a negative Status per key."""
-        return self.put_from_parts(keys, [[p] for p in ptrs], [[n] for n in sizes])
+        return self.batch_put_from_parts(keys, [[p] for p in ptrs], [[n] for n in sizes])
 
-    def put_from_parts(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+    def batch_put_from_parts(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
                        sizes: Sequence[Sequence[int]]) -> list[int]:
         """Store under `keys[i]` the concatenation of the parts (`ptrs[i][j]`, `sizes[i][j]` bytes):
         OK or a negative Status per key. Several parts cost one gathering copy."""
@@ -260,7 +259,7 @@ class HostIO:
         st = self.call(lambda c: c.batch_put([key], [view]), lambda s: s)
         return Status.OK if st is None else st
 
-    def get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+    def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """Copy each block to `ptrs[i]` (at most `sizes[i]` bytes): bytes read, or a negative Status per
         key (OBJECT_NOT_FOUND on a miss, INVALID_PARAMS when the block is larger than `sizes[i]`)."""
         out: list[int] = [Status.OK] * len(keys)
@@ -268,7 +267,7 @@ class HostIO:
         self._get_views(idx, raw, [p[0] for p in parts], out)
         return out
 
-    def get_into_parts(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+    def batch_get_into_parts(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
                        sizes: Sequence[Sequence[int]]) -> list[int]:
         """Scatter each block over its parts, in order: bytes read, or a negative Status per key
         (OBJECT_NOT_FOUND on a miss; INVALID_PARAMS when the block's size is not the parts' total, so a
@@ -305,7 +304,7 @@ class HostIO:
         n = self.call(lambda c: c.batch_get_into([key], [view])[0], lambda s: s)
         return n if isinstance(n, Status) or n >= 0 else Status.OBJECT_NOT_FOUND
 
-    def exists(self, keys: Sequence[str]) -> list[bool]:
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         """Presence of each key; False for a malformed key (logged once), all False when the pool
         cannot answer."""
         out = [False] * len(keys)
@@ -318,16 +317,16 @@ class HostIO:
             except KVPoolError as e:
                 self.once("bad key", "kvpool: %s", str(e))
         if raw:
-            flags = self.call(lambda c: c.exists(raw), lambda st: [False] * len(raw))
+            flags = self.call(lambda c: c.batch_exists(raw), lambda st: [False] * len(raw))
             for i, f in zip(good, flags):
                 out[i] = f
         return out
 
-    def remove(self, keys: Sequence[str]) -> list[int]:
+    def batch_remove(self, keys: Sequence[str]) -> list[int]:
         """OK where a block was removed, OBJECT_NOT_FOUND where none was, RPC_FAIL when unreachable."""
         if not keys:
             return []
-        return self.call(lambda c: [Status.OK if f else Status.OBJECT_NOT_FOUND for f in c.remove(keys)],
+        return self.call(lambda c: [Status.OK if f else Status.OBJECT_NOT_FOUND for f in c.batch_remove(keys)],
                          lambda st: [st] * len(keys))
 
     def clear(self, prefix: str | None = None) -> int:
@@ -335,7 +334,8 @@ class HostIO:
         blocks the pool held before (best effort: a block held by two tiers counts twice; all of the
         pool's, whatever the prefix), or a negative Status."""
         def clear_all(c: PoolClient) -> int:
-            n = _block_count(c.stats())
+            total = c.stats().total
+            n = total.dram_blocks + total.ssd_blocks
             c.clear(prefix)
             self.log.info("kvpool: cleared %s (%d blocks in the pool before)",
                           f"the keys under {prefix!r}" if prefix else "every block", n)
@@ -349,9 +349,3 @@ class HostIO:
                 self._client = None
             self._retry_at = float("inf")  # closed: every later call reports RPC_FAIL
 
-
-def _block_count(stats: dict[str, Any]) -> int:
-    """Blocks in DRAM + SSD from PoolClient.stats() (embedded: flat; workers: {id: {"stats": ...}})."""
-    if "dram_blocks" in stats:
-        return int(stats.get("dram_blocks", 0)) + int(stats.get("ssd_blocks", 0))
-    return sum(_block_count(s.get("stats", {})) for s in stats.values() if isinstance(s, dict))

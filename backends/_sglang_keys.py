@@ -36,10 +36,11 @@ def side_shard(cfg: HiCacheStorageConfig, name: str, host: Any) -> str:
 
 def split_factor(cfg: HiCacheStorageConfig) -> int:
     """Head groups per page when this rank writes for TP size `tp_lcm_size` (0: no split)."""
-    lcm = cfg.tp_lcm_size or 0
-    if cfg.is_mla_model or lcm <= 0 or lcm % cfg.tp_size:
+    lcm: int = cfg.tp_lcm_size or 0
+    size: int = cfg.tp_size
+    if cfg.is_mla_model or lcm <= 0 or lcm % size:
         return 0
-    return lcm // cfg.tp_size
+    return lcm // size
 
 
 def page_format(host: Any) -> str:

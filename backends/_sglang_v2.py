@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult
 
+from kvpool.core import InvalidArgument
+
 from ._hostio import HostIO, Status
 
 log = logging.getLogger("kvpool.backends.sglang")
@@ -39,7 +41,7 @@ def host_regions(host: Any) -> list[tuple[int, int]]:
     def add(t: Any) -> None:
         if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel() > 0:
             start = t.data_ptr()
-            spans.append((start, start + t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()))
+            spans.append((start, start + int(t.untyped_storage().nbytes() - t.storage_offset() * t.element_size())))
 
     for t in getattr(host, "get_hybrid_pool_buffer", lambda: [])():
         add(t)
@@ -121,7 +123,7 @@ def fold_hits(kv_pages: int, transfers: Sequence[PoolTransfer],
                 groups += 1
             boundary, allowed = groups * group, set(restorable)
         else:
-            raise ValueError(f"unsupported pool hit policy {policy!r} for pool {transfer.name}")
+            raise InvalidArgument(f"unsupported pool hit policy {policy!r} for pool {transfer.name}")
         if boundary:
             hits[transfer.name] = boundary
         restorable = [p for p in restorable if p in allowed]
@@ -156,7 +158,7 @@ class SidePools:
             return [False] * len(keys)
         if pool.parts == 0:
             return [True] * len(keys)
-        flags = self._io.exists(pool.names(keys))
+        flags = self._io.batch_exists(pool.names(keys))
         n = pool.parts
         return [all(flags[i * n:(i + 1) * n]) for i in range(len(keys))]
 
@@ -215,14 +217,14 @@ class SidePools:
     def _zero_copy(self, names: list[str], ptrs: list[int], sizes: list[int],
                    write: bool) -> tuple[list[bool], int]:
         if not write:
-            got = self._io.get_into(names, ptrs, sizes)
+            got = self._io.batch_get_into(names, ptrs, sizes)
             ok = [n == size for n, size in zip(got, sizes)]
             return ok, sum(n for n in got if n > 0)
-        present = self._io.exists(names)
+        present = self._io.batch_exists(names)
         todo = [i for i, p in enumerate(present) if not p]
         ok = list(present)
         if todo:
-            for i, st in zip(todo, self._io.put_from([names[i] for i in todo], [ptrs[i] for i in todo],
+            for i, st in zip(todo, self._io.batch_put_from([names[i] for i in todo], [ptrs[i] for i in todo],
                                                       [sizes[i] for i in todo])):
                 ok[i] = st == Status.OK
         return ok, sum(sizes[i] for i in todo if ok[i])
@@ -233,10 +235,10 @@ class SidePools:
         slots = [int(host_indices[i * pool.page_tokens]) for i in range(len(keys))]
         names = pool.names(keys)
         if write:
-            todo = [i for i, p in enumerate(self._io.exists(names)) if not p]
+            todo = [i for i, p in enumerate(self._io.batch_exists(names)) if not p]
             pages = [pool.host.get_data_page(slots[i], flat=True).contiguous() for i in todo]
-            stored = not todo or self._io.call(
-                lambda c: c.batch_put([names[i] for i in todo], pages) or True, lambda st: False)
+            stored = not todo or self._io.call(  # batch_put returns None; the fallback, the failure's Status
+                lambda c: c.batch_put([names[i] for i in todo], pages), lambda st: st) is None
             return [stored] * len(keys), sum(_nbytes(p) for p in pages) if stored and todo else 0
         dsts = [pool.host.get_dummy_flat_data_page() for _ in keys]
         got = self._io.call(lambda c: c.batch_get_into(names, dsts), lambda st: [-1] * len(keys))

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvpool.core.client import PoolClient
+from kvpool.core import InvalidArgument, PoolClient
 
 from ._hostio import HostIO
 from ._vllm_plan import MAX_PART_BYTES, layer_groups, part_keys
@@ -39,13 +39,13 @@ class PagedKV:
     def __init__(self, layers: Sequence[torch.Tensor], num_blocks: int, staging_bytes: int = STAGING_BYTES,
                  max_part_bytes: int = MAX_PART_BYTES) -> None:
         if not layers:
-            raise ValueError("no KV cache layers to move")
-        grouped = [t if t.shape[0] == num_blocks else t.unflatten(0, (num_blocks, -1)) for t in layers]
+            raise InvalidArgument("no KV cache layers to move")
+        grouped = [t if t.shape[0] == num_blocks else torch.unflatten(t, 0, (num_blocks, -1)) for t in layers]
         shape, dtype = grouped[0].shape, grouped[0].dtype
         for t in grouped:
             if t.shape != shape or t.dtype != dtype or t.device.type != "cpu":
-                raise ValueError(f"KV layers differ or are not on the CPU: {tuple(t.shape)} {t.dtype} {t.device} "
-                                 f"vs {tuple(shape)} {dtype}; kvpool moves uniform CPU layers only")
+                raise InvalidArgument(f"KV layers differ or are not on the CPU: {tuple(t.shape)} {t.dtype} {t.device} "
+                                      f"vs {tuple(shape)} {dtype}; kvpool moves uniform CPU layers only")
         self.layer_block_bytes = math.prod(shape[1:]) * grouped[0].element_size()
         self.block_bytes = len(grouped) * self.layer_block_bytes
         """Bytes of one token block of every layer."""
@@ -55,7 +55,9 @@ class PagedKV:
         self.num_blocks = num_blocks
         self._layers = grouped
         self._word = _common_word(grouped, self.layer_block_bytes)
-        self._rows = [_rows(t, self._word) for t in grouped]
+        rows = [r for t in grouped if (r := _rows(t, self._word)) is not None]
+        self._rows = rows if len(rows) == len(grouped) else None
+        """Each layer as [blocks, words] when every layer's blocks are contiguous, else None."""
         self._cap = max(1, staging_bytes // self.block_bytes)
         self._stage: torch.Tensor | None = None
 
@@ -63,7 +65,7 @@ class PagedKV:
     def fast(self) -> bool:
         """True when every layer's blocks are contiguous (vectorized gather/scatter); else one copy
         per (block, layer)."""
-        return all(r is not None for r in self._rows)
+        return self._rows is not None
 
     def _staging(self, n: int) -> torch.Tensor:
         """[n, layers, words per layer block] of the reused staging buffer."""
@@ -79,10 +81,10 @@ class PagedKV:
         """The blocks' bytes as [n, layers, words]; a view of the staging buffer, valid until the
         next gather or load."""
         stage = self._staging(len(block_ids))
-        if self.fast:
+        if self._rows is not None:
             idx = torch.tensor(block_ids, dtype=torch.int64)
             for j, rows in enumerate(self._rows):
-                torch.index_select(rows, 0, idx, out=stage[:, j])  # type: ignore[arg-type]
+                torch.index_select(rows, 0, idx, out=stage[:, j])
         else:
             for i, b in enumerate(block_ids):
                 for j, t in enumerate(self._layers):
@@ -91,10 +93,10 @@ class PagedKV:
 
     def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> None:
         """Write `src` ([n, layers, words], as gather returns) into the blocks."""
-        if self.fast:
+        if self._rows is not None:
             idx = torch.tensor(block_ids, dtype=torch.int64)
             for j, rows in enumerate(self._rows):
-                rows.index_copy_(0, idx, src[:, j])  # type: ignore[union-attr]
+                rows.index_copy_(0, idx, src[:, j])
         else:
             for i, b in enumerate(block_ids):
                 for j, t in enumerate(self._layers):
@@ -116,7 +118,7 @@ class PagedKV:
         stored = 0
         for r in self.chunks(len(keys)):
             ks, bufs = self._parts(self.gather([block_ids[i] for i in r]), [keys[i] for i in r])
-            if not io.call(lambda c: _put(c, ks, bufs), lambda st: False):
+            if not _put(io, ks, bufs):
                 break
             stored += len(r)
         return stored
@@ -129,7 +131,7 @@ class PagedKV:
         for r in self.chunks(len(keys)):
             stage = self._staging(len(r))
             ks, bufs = self._parts(stage, [keys[i] for i in r])
-            sizes = io.call(lambda c: c.batch_get_into(ks, bufs), lambda st: [int(st)] * len(ks))
+            sizes = _get_into(io, ks, bufs)
             bad = next((j for j, n in enumerate(sizes) if n != self._part_bytes[j % n_parts]), len(sizes))
             whole = bad // n_parts
             if whole:
@@ -143,9 +145,18 @@ class PagedKV:
         return loaded
 
 
-def _put(client: PoolClient, keys: list[str], bufs: list[torch.Tensor]) -> bool:
-    client.batch_put(keys, bufs)
-    return True
+def _put(io: HostIO, keys: list[str], bufs: list[torch.Tensor]) -> bool:
+    """Store the parts: False when the pool is unavailable."""
+    def put(client: PoolClient) -> bool:
+        client.batch_put(keys, bufs)
+        return True
+
+    return io.call(put, lambda st: False)
+
+
+def _get_into(io: HostIO, keys: list[str], bufs: list[torch.Tensor]) -> list[int]:
+    """Bytes read into each part (-1: a miss), or the pool's status for every part when it cannot answer."""
+    return io.call(lambda c: c.batch_get_into(keys, bufs), lambda st: [int(st)] * len(keys))
 
 
 def _size(word: torch.dtype) -> int:

@@ -10,10 +10,8 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from kvpool.core.client import ClientConfig
-from kvpool.core.config import load
-from kvpool.core.errors import ConfigError
-from kvpool.core.keys import block_keys
+from kvpool.core import ClientConfig, ConfigError, InvalidArgument, block_keys
+from kvpool.core import load_config as load
 
 ADAPTER_KEYS = frozenset({"model_name", "retry_s"})
 """Keys of `kv_connector_extra_config` that are the connector's own, not PoolClient options."""
@@ -74,7 +72,8 @@ def layer_groups(num_layers: int, layer_block_bytes: int,
     """[first, end) layer ranges of the pool blocks one token block is stored as: as many whole
     layers per part as fit `max_part_bytes` (at least one), all parts but the last equal."""
     if num_layers <= 0 or layer_block_bytes <= 0:
-        raise ValueError(f"{num_layers} layers of {layer_block_bytes} bytes: both must be > 0")
+        raise InvalidArgument(f"{num_layers} layers of {layer_block_bytes} bytes: both must be > 0",
+                              size=layer_block_bytes)
     per = max(1, min(num_layers, max_part_bytes // layer_block_bytes))
     return [(lo, min(num_layers, lo + per)) for lo in range(0, num_layers, per)]
 
@@ -142,7 +141,7 @@ class Planner:
 
     def __init__(self, block_size: int, *, save: bool = True) -> None:
         if block_size <= 0:
-            raise ValueError(f"block_size is {block_size}; it must be > 0")
+            raise InvalidArgument(f"block_size is {block_size}; it must be > 0 tokens")
         self.block_size = block_size
         self.save = save
         self._reqs: dict[str, _Req] = {}

@@ -13,21 +13,21 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.core.client import PoolClient
+from kvpool.core import InvalidArgument, PoolClient
 
 from ._hostio import HostIO, Status
 
 try:  # FastDeploy's base class needs paddle; its manager only duck-types, so a plain class also works
     from fastdeploy.cache_manager.transfer_factory.kvcache_storage import KVCacheStorage as _Base
 except (ImportError, OSError):
-    _Base = object  # type: ignore[assignment,misc]
+    _Base = object
 
 log = logging.getLogger("kvpool.backends.fastdeploy")
 
 __all__ = ["KVPoolStore", "Status"]
 
 
-class KVPoolStore(_Base):  # type: ignore[misc,valid-type]
+class KVPoolStore(_Base):
     """FastDeploy's `KVCacheStorage` contract on a kvpool `PoolClient`.
 
     Constructed by the patched cache transfer manager as
@@ -39,7 +39,8 @@ class KVPoolStore(_Base):  # type: ignore[misc,valid-type]
     Pointers passed to `batch_set` / `batch_get` must lie inside a buffer given to `register_buffer`
     (FastDeploy registers its staging buffers at start-up); an item that does not gets
     `Status.INVALID_PARAMS` (-600), never an exception, so one bad pointer cannot stop the engine.
-    Empty or mismatched argument lists raise ValueError, as FastDeploy's Mooncake backend does.
+    Empty or mismatched argument lists raise InvalidArgument, a ValueError as FastDeploy's Mooncake backend
+    raises.
     When the pool is down or times out, reads are misses, writes report `Status.RPC_FAIL` (-900),
     `exists` is False and `query` is 0; the first failure logs a warning, and the pool is retried
     after `retry_s` seconds.
@@ -74,7 +75,7 @@ class KVPoolStore(_Base):  # type: ignore[misc,valid-type]
         """Store `target_sizes[i]` bytes at pointer `target_locations[i]` under `keys[i]` (a key already
         present is replaced). Per key: 0, or a negative `Status`."""
         locs, sizes = _check_lists(keys, target_locations, target_sizes)
-        return [int(s) for s in self._io.put_from(self._keys(keys), locs, sizes)]
+        return [int(s) for s in self._io.batch_put_from(self._keys(keys), locs, sizes)]
 
     def batch_get(self, keys: Sequence[str], target_locations: Sequence[int] | None = None,
                   target_sizes: Sequence[int] | None = None) -> list[int]:
@@ -82,7 +83,7 @@ class KVPoolStore(_Base):  # type: ignore[misc,valid-type]
         the bytes read (> 0), `Status.OBJECT_NOT_FOUND` (-704) on a miss, or another negative `Status`
         (INVALID_PARAMS when the block is larger than the room given)."""
         locs, sizes = _check_lists(keys, target_locations, target_sizes)
-        return [int(s) for s in self._io.get_into(self._keys(keys), locs, sizes)]
+        return [int(s) for s in self._io.batch_get_into(self._keys(keys), locs, sizes)]
 
     def set(self, key: str, target_location: int | None = None, target_size: int | None = None) -> int:
         """`batch_set` of one key: 0 or a negative `Status`."""
@@ -98,20 +99,21 @@ class KVPoolStore(_Base):  # type: ignore[misc,valid-type]
 
     def exists(self, keys: Sequence[str]) -> dict[str, bool]:
         """{key: present} for each key (all False when the pool is unavailable)."""
-        return dict(zip(keys, self._io.exists(self._keys(keys))))
+        return dict(zip(keys, self._io.batch_exists(self._keys(keys))))
 
     def query(self, k_keys: Sequence[str], v_keys: Sequence[str], k_scale_keys: Sequence[str] | None = None,
               v_scale_keys: Sequence[str] | None = None, timeout: float = 1.0) -> int:
         """How many leading blocks have every key present: K and V, and both scales when both scale lists
-        are given (block_wise_fp8): the pool's prefix match over the keys laid out block by block. `timeout` is accepted for
-        FastDeploy's signature; each pool call is bounded by the client's `timeout_s` instead."""
+        are given (block_wise_fp8): the pool's prefix match over the keys laid out block by block.
+        `timeout` is accepted for FastDeploy's signature; each pool call is bounded by the client's
+        `timeout_s` instead."""
         if len(k_keys) != len(v_keys):
-            raise ValueError(f"{len(k_keys)} k_keys but {len(v_keys)} v_keys; they must match")
+            raise InvalidArgument(f"{len(k_keys)} k_keys but {len(v_keys)} v_keys; they must match")
         groups = [list(k_keys), list(v_keys)]
         if k_scale_keys is not None and v_scale_keys is not None:
             if not len(k_scale_keys) == len(v_scale_keys) == len(k_keys):
-                raise ValueError(f"{len(k_scale_keys)} k_scale_keys and {len(v_scale_keys)} v_scale_keys "
-                                 f"for {len(k_keys)} blocks; they must match")
+                raise InvalidArgument(f"{len(k_scale_keys)} k_scale_keys and {len(v_scale_keys)} v_scale_keys "
+                                      f"for {len(k_keys)} blocks; they must match")
             groups += [list(k_scale_keys), list(v_scale_keys)]
         n = len(k_keys)
         if n == 0:
@@ -126,7 +128,7 @@ class KVPoolStore(_Base):  # type: ignore[misc,valid-type]
         `timeout` seconds have passed (as FastDeploy's Mooncake backend does)."""
         deadline = time.monotonic() + timeout
         while True:
-            st = self._io.remove(self._keys([key]))[0]
+            st = self._io.batch_remove(self._keys([key]))[0]
             if st != Status.RPC_FAIL or time.monotonic() >= deadline:
                 return st == Status.OK
             time.sleep(min(self._io.retry_s, max(0.0, deadline - time.monotonic())))
@@ -149,10 +151,10 @@ class KVPoolStore(_Base):  # type: ignore[misc,valid-type]
 def _check_lists(keys: Sequence[str], locations: Sequence[int] | None,
                  sizes: Sequence[int] | None) -> tuple[Sequence[int], Sequence[int]]:
     if locations is None or sizes is None:
-        raise ValueError("target_locations and target_sizes are required (pointers into registered buffers)")
+        raise InvalidArgument("target_locations and target_sizes are required (pointers into registered buffers)")
     if not len(keys) == len(locations) == len(sizes):
-        raise ValueError(f"{len(keys)} keys, {len(locations)} target_locations and {len(sizes)} target_sizes; "
-                         "the lengths must match")
+        raise InvalidArgument(f"{len(keys)} keys, {len(locations)} target_locations and {len(sizes)} "
+                              "target_sizes; the lengths must match")
     if len(keys) == 0:
-        raise ValueError("keys, target_locations and target_sizes are empty; pass at least one block")
+        raise InvalidArgument("keys, target_locations and target_sizes are empty; pass at least one block")
     return locations, sizes

@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from kvpool.core.errors import KVPoolError
+from kvpool.core import KVPoolError, Subparsers
 
 MARK = "  # kvpool"
 """Ends every line enable() adds."""
@@ -80,7 +80,8 @@ class Report:
 # ----- where the lines go ------------------------------------------------------------------------
 
 _CHOICES = re.compile(r'^(?P<head>\s*choices\s*=\s*\[)(?P<items>[^\]]*"mooncake"[^\]]*?)(?P<tail>,?\s*\]\s*,?\s*)$')
-_DISPATCH = re.compile(r'(storage_backend_type\s+(?:not\s+)?in\s+)(?P<open>[(\[])(?P<items>[^)\]]*"mooncake"[^)\]]*?)(?P<close>,?\s*[)\]])')
+_DISPATCH = re.compile(r'(storage_backend_type\s+(?:not\s+)?in\s+)(?P<open>[(\[])'
+                       r'(?P<items>[^)\]]*"mooncake"[^)\]]*?)(?P<close>,?\s*[)\]])')
 _UNSUPPORTED = re.compile(r'^\s*raise NotImplementedError\(f?"Unsupported storage backend')
 
 
@@ -254,7 +255,7 @@ def enable(path: str | os.PathLike[str] | None = None) -> Report:
     pkg = find_package(path)
     files = []
     changed = False
-    for rel, current, base, target, changes in _survey(pkg):
+    for rel, current, _base, target, changes in _survey(pkg):
         if current != target:
             _write(pkg / rel, target)
             changed = True
@@ -291,7 +292,7 @@ def status(path: str | os.PathLike[str] | None = None) -> Report:
 
 # ----- command line ------------------------------------------------------------------------------
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     """`kvpool fastdeploy enable|disable|status [--path DIR]`."""
     p = subparsers.add_parser(
         "fastdeploy", help="register kvpool as FastDeploy's --kvcache-storage-backend (edits FastDeploy; reversible)",

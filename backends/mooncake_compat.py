@@ -13,10 +13,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.core.buffers import readable
-from kvpool.core.client import ClientConfig, PoolClient
-from kvpool.core.config import load
-from kvpool.core.errors import KVPoolError
+from kvpool.core import ClientConfig, KVPoolError, PoolClient, readable
+from kvpool.core import load_config as load
 
 from ._hostio import HostBuffers, HostIO, Status
 from .mooncake_shim import shim_path
@@ -178,7 +176,7 @@ class MooncakeDistributedStore:
         """Store `sizes[i]` bytes at `buffer_ptrs[i]` under `keys[i]`: 0 or a negative status per key."""
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [int(Status.INVALID_PARAMS)] * len(keys)
-        return [int(s) for s in self._io.put_from(self._keys(keys), buffer_ptrs, sizes)]
+        return [int(s) for s in self._io.batch_put_from(self._keys(keys), buffer_ptrs, sizes)]
 
     batch_upsert_from = batch_put_from
 
@@ -187,7 +185,7 @@ class MooncakeDistributedStore:
         -600 when the object is larger than the room, -900 when the pool is unreachable."""
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [int(Status.INVALID_PARAMS)] * len(keys)
-        return [int(s) for s in self._io.get_into(self._keys(keys), buffer_ptrs, sizes)]
+        return [int(s) for s in self._io.batch_get_into(self._keys(keys), buffer_ptrs, sizes)]
 
     def batch_put_from_multi_buffers(self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]],
                                      all_sizes: Sequence[Sequence[int]],
@@ -196,7 +194,7 @@ class MooncakeDistributedStore:
         bytes; SGLang's MLA and layer-first layouts: one part per layer): 0 or a negative status per key."""
         if not len(keys) == len(all_buffer_ptrs) == len(all_sizes):
             return [int(Status.INVALID_PARAMS)] * len(keys)
-        return [int(s) for s in self._io.put_from_parts(self._keys(keys), all_buffer_ptrs, all_sizes)]
+        return [int(s) for s in self._io.batch_put_from_parts(self._keys(keys), all_buffer_ptrs, all_sizes)]
 
     def batch_get_into_multi_buffers(self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]],
                                      all_sizes: Sequence[Sequence[int]],
@@ -205,7 +203,7 @@ class MooncakeDistributedStore:
         object's size is not the parts' total, -900 when the pool is unreachable."""
         if not len(keys) == len(all_buffer_ptrs) == len(all_sizes):
             return [int(Status.INVALID_PARAMS)] * len(keys)
-        return [int(s) for s in self._io.get_into_parts(self._keys(keys), all_buffer_ptrs, all_sizes)]
+        return [int(s) for s in self._io.batch_get_into_parts(self._keys(keys), all_buffer_ptrs, all_sizes)]
 
     def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
         return self.batch_put_from([key], [buffer_ptr], [size])[0]
@@ -221,7 +219,8 @@ class MooncakeDistributedStore:
         if view.nbytes == 0:
             return int(Status.INVALID_PARAMS)
         name = self._keys([key])[0]
-        return int(self._io.call(lambda c: c.put(name, view) or Status.OK, lambda st: st))
+        failed = self._io.call(lambda c: c.put(name, view), lambda st: st)  # put returns None
+        return int(Status.OK if failed is None else failed)
 
     upsert = put
 
@@ -246,11 +245,11 @@ class MooncakeDistributedStore:
 
     def get_size(self, key: str) -> int:
         """The object's size in bytes, -704 on a miss, another negative status on failure."""
-        names = self._keys([key])
+        name = self._keys([key])[0]
 
         def size(c: PoolClient) -> int:
-            with c.lease(names) as views:
-                return views[0].nbytes if views[0] is not None else int(Status.OBJECT_NOT_FOUND)
+            with c.lease(name) as view:
+                return view.nbytes if view is not None else int(Status.OBJECT_NOT_FOUND)
         return int(self._io.call(size, lambda st: st))
 
     # ----- existence and removal ----------------------------------------------------------------
@@ -261,14 +260,14 @@ class MooncakeDistributedStore:
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         """1 / 0 per key (0 also when the pool cannot answer)."""
-        return [int(f) for f in self._io.exists(self._keys(keys))]
+        return [int(f) for f in self._io.batch_exists(self._keys(keys))]
 
     def remove(self, key: str, force: bool = False) -> int:
         """0 if removed, -704 if absent, -900 when the pool is unreachable."""
         return self.batch_remove([key], force)[0]
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
-        return [int(s) for s in self._io.remove(self._keys(keys))]
+        return [int(s) for s in self._io.batch_remove(self._keys(keys))]
 
     def remove_all(self, force: bool = False) -> int:
         """Remove every object of the pool, or with a tenant set only the tenant's; how many the pool
@@ -281,7 +280,7 @@ class MooncakeDistributedStore:
         """0 healthy, 1 not set up or closed, 2 pool unreachable or without workers (Mooncake's meanings)."""
         if self._io.closed:
             return 1
-        return 0 if self._io.call(lambda c: bool(c.stats()), lambda st: False) else 2
+        return 0 if self._io.call(lambda c: c.stats().total.dram_capacity > 0, lambda st: False) else 2
 
     def get_hostname(self) -> str:
         return self._hostname

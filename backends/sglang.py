@@ -19,11 +19,17 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo,
-                                                  PoolName, PoolTransfer, PoolTransferResult)
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
-from kvpool.core.client import PoolClient
+from kvpool.core import PoolClient
 
 from ._hostio import HostIO, Status
 from ._sglang_keys import page_format, shard, side_shard, split_factor
@@ -52,7 +58,7 @@ def pool_options(extra_config: dict[str, Any] | None) -> dict[str, Any]:
 
 
 @dataclasses.dataclass
-class KVPoolStorageMetrics(StorageMetrics):  # type: ignore[misc]
+class KVPoolStorageMetrics(StorageMetrics):
     """SGLang's StorageMetrics (pages and GB/s of each batch since the last call, which SGLang turns
     into its `sglang:prefetch_*` / `sglang:backup_*` histograms under `--enable-metrics`) plus kvpool's
     running totals: pages hit and missed by reads, bytes moved, seconds spent in batch reads and writes."""
@@ -108,7 +114,7 @@ class _Recorder:
         return snap
 
 
-class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
+class KVPoolHiCacheStorage(HiCacheStorage):
     """SGLang's `HiCacheStorage` contract on a kvpool `PoolClient`.
 
     SGLang's factory constructs it as `KVPoolHiCacheStorage(storage_config, {})` once per rank (the
@@ -212,11 +218,11 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return [False] * len(keys)
         names, ptrs, sizes = plan
         t = time.perf_counter()
-        present = self._io.exists(names)
+        present = self._io.batch_exists(names)
         todo = [i for i, p in enumerate(present) if not p]
         status: list[int] = [Status.OK] * len(names)
         if todo:
-            for i, st in zip(todo, self._io.put_from([names[i] for i in todo], [ptrs[i] for i in todo],
+            for i, st in zip(todo, self._io.batch_put_from([names[i] for i in todo], [ptrs[i] for i in todo],
                                                       [sizes[i] for i in todo])):
                 status[i] = st
         written = sum(sizes[i] for i in todo if status[i] == Status.OK)
@@ -234,15 +240,19 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return [False] * len(keys)
         names, ptrs, sizes = plan
         t = time.perf_counter()
-        got = self._io.get_into(names, ptrs, sizes)
+        got = self._io.batch_get_into(names, ptrs, sizes)
         ok = self._per_page([n == size for n, size in zip(got, sizes)], len(keys))
         self._stats.read(len(keys), sum(ok), sum(n for n in got if n > 0), time.perf_counter() - t)
         return ok
 
     def _meta(self, host: Any, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        """(pointers, sizes) of the pages at `indices`, as the (untyped) SGLang host pool gives them."""
+        meta: tuple[list[int], list[int]]
         if self._split:
-            return host.get_split_heads_page_buffer_meta(indices, self._split)  # type: ignore[no-any-return]
-        return host.get_page_buffer_meta(indices)  # type: ignore[no-any-return]
+            meta = host.get_split_heads_page_buffer_meta(indices, self._split)
+        else:
+            meta = host.get_page_buffer_meta(indices)
+        return meta
 
     def _plan(self, keys: Sequence[str],
               host_indices: torch.Tensor) -> tuple[list[str], list[int], list[int]] | None:
@@ -306,9 +316,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return False
         t = time.perf_counter()
         names = self._names(keys, _PAGE)
-        todo = [i for i, p in enumerate(self._io.exists(names)) if not p]
-        ok = not todo or self._io.call(
-            lambda c: c.batch_put([names[i] for i in todo], [values[i] for i in todo]) or True, lambda st: False)
+        todo = [i for i, p in enumerate(self._io.batch_exists(names)) if not p]
+        ok = not todo or self._io.call(  # batch_put returns None; the fallback, the failure's Status
+            lambda c: c.batch_put([names[i] for i in todo], [values[i] for i in todo]), lambda st: st) is None
         self._stats.wrote(len(keys), sum(_nbytes(values[i]) for i in todo) if ok else 0, time.perf_counter() - t)
         return ok
 

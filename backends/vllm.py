@@ -20,19 +20,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.config import VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.platforms import current_platform
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, compute_layer_kv_cache_shape_bytes
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvpool.core.client import PoolClient
+from kvpool.core import ConfigError, PoolClient
 
 from ._hostio import HostIO
 from ._vllm_paged import PagedKV
-from ._vllm_plan import (Planner, StepPlan, layer_groups, namespace, part_keys, pool_config, pool_keys,
-                         request_namespace)
+from ._vllm_plan import Planner, StepPlan, layer_groups, namespace, part_keys, pool_config, pool_keys, request_namespace
 
 if TYPE_CHECKING:
     import torch
@@ -51,7 +49,7 @@ T = TypeVar("T")
 
 
 @dataclasses.dataclass
-class KVPoolConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+class KVPoolConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> worker, once per step: which blocks to load before the forward pass and save
     after it."""
 
@@ -66,17 +64,16 @@ def _fail_soft(default: Callable[..., Any]) -> Callable[[Callable[..., T]], Call
         def hook(self: KVPoolConnector, *args: Any, **kwargs: Any) -> T:
             try:
                 return fn(self, *args, **kwargs)
-            except Exception:  # noqa: BLE001 - the engine must never see it
-                first = fn.__name__ not in self._crashed
-                self._crashed.add(fn.__name__)
-                log.log(logging.WARNING if first else logging.DEBUG, "kvpool connector: %s failed; treated as a "
-                        "miss / skipped save", fn.__name__, exc_info=first)
-                return default(self, *args, **kwargs)  # type: ignore[no-any-return]
+            except Exception:  # the engine must never see it
+                self._log_crash(fn.__name__, "kvpool connector: %s failed; treated as a miss / skipped save",
+                                fn.__name__)
+                fallback: T = default(self, *args, **kwargs)  # what the engine accepts from this hook
+                return fallback
         return hook
     return wrap
 
 
-class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class KVPoolConnector(KVConnectorBase_V1):
     """vLLM's KV connector contract on a kvpool `PoolClient`.
 
     vLLM builds one per role: in the scheduler (`get_num_new_matched_tokens`,
@@ -96,8 +93,8 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
     `usage.prompt_tokens_details.cached_tokens` (server flag `--enable-prompt-tokens-details`),
     vLLM's periodic `External prefix cache hit rate` line and `vllm:external_prefix_cache_hits_total`.
 
-    Refused at start-up with a ValueError: tensor or pipeline parallelism > 1, decode context
-    parallelism, and KV cache configs with more than one group (the hybrid allocator) or with
+    Refused at start-up with a ConfigError (a ValueError): tensor or pipeline parallelism > 1, decode
+    context parallelism, and KV cache configs with more than one group (the hybrid allocator) or with
     non-attention layers.
     """
 
@@ -213,6 +210,13 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
                  "%s copies", len(self._layer_names), self._block_size, kv.block_bytes, len(kv.groups),
                  "vectorized" if kv.fast else "per-block")
 
+    def _log_crash(self, kind: str, msg: str, *args: Any) -> None:
+        """Log an unexpected failure (from an `except` block): a warning with its traceback the first
+        time per `kind`, at debug level after that, so a failure in every step does not flood the log."""
+        first = kind not in self._crashed
+        self._crashed.add(kind)
+        log.log(logging.WARNING if first else logging.DEBUG, msg, *args, exc_info=first)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Load this step's planned blocks into the paged KV before the forward pass (synchronously:
         wait_for_layer_load has nothing to wait for). A block that cannot be loaded is reported
@@ -225,9 +229,9 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for t in meta.plan.loads:
             try:
                 n = self._kv.load(self._io, t.keys, t.block_ids) if self._kv is not None else 0
-            except Exception:  # noqa: BLE001 - never into the engine
-                log.warning("kvpool: loading %d blocks of request %s failed; vLLM recomputes them",
-                            len(t.keys), t.req_id, exc_info=True)
+            except Exception:  # never into the engine
+                self._log_crash("load", "kvpool: loading %d blocks of request %s failed; vLLM recomputes them",
+                                len(t.keys), t.req_id)
                 n = 0
             if n < len(t.keys):
                 self._failed_blocks.update(t.block_ids[n:])
@@ -267,27 +271,27 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
 
 def _check_supported(cfg: VllmConfig, kv_cache_config: KVCacheConfig | None) -> tuple[AttentionSpec, list[str]]:
-    """The attention spec and layer names of the one KV cache group, or a ValueError saying what is
-    not supported."""
+    """The attention spec and layer names of the one KV cache group, or a ConfigError (a ValueError)
+    saying what is not supported."""
     par = cfg.parallel_config
     if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
-        raise ValueError(f"the kvpool connector supports tensor_parallel_size=1 and pipeline_parallel_size=1 "
-                         f"(got {par.tensor_parallel_size} and {par.pipeline_parallel_size}); run one instance "
-                         f"per device, they share the pool")
+        raise ConfigError(f"the kvpool connector supports tensor_parallel_size=1 and pipeline_parallel_size=1 "
+                          f"(got {par.tensor_parallel_size} and {par.pipeline_parallel_size}); run one instance "
+                          f"per device, they share the pool")
     if getattr(par, "decode_context_parallel_size", 1) > 1:
-        raise ValueError("the kvpool connector does not support decode context parallelism")
+        raise ConfigError("the kvpool connector does not support decode context parallelism")
     if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) != 1:
         groups = None if kv_cache_config is None else len(kv_cache_config.kv_cache_groups)
-        raise ValueError(f"the kvpool connector needs exactly one KV cache group (got {groups}): models that "
-                         f"need vLLM's hybrid KV cache allocator (sliding-window + full attention, Mamba) "
-                         f"are not supported; run with --disable-hybrid-kv-cache-manager where the model allows")
+        raise ConfigError(f"the kvpool connector needs exactly one KV cache group (got {groups}): models that "
+                          f"need vLLM's hybrid KV cache allocator (sliding-window + full attention, Mamba) "
+                          f"are not supported; run with --disable-hybrid-kv-cache-manager where the model allows")
     group = kv_cache_config.kv_cache_groups[0]
     spec = group.kv_cache_spec
     if not isinstance(spec, AttentionSpec):
-        raise ValueError(f"the kvpool connector stores attention KV only; this model's cache is {type(spec).__name__}")
+        raise ConfigError(f"the kvpool connector stores attention KV only; this model's cache is {type(spec).__name__}")
     if spec.block_size != cfg.cache_config.block_size:
-        raise ValueError(f"KV cache block size {spec.block_size} differs from cache_config.block_size "
-                         f"{cfg.cache_config.block_size}; the kvpool connector needs them equal")
+        raise ConfigError(f"KV cache block size {spec.block_size} differs from cache_config.block_size "
+                          f"{cfg.cache_config.block_size}; the kvpool connector needs them equal")
     return spec, list(group.layer_names)
 
 

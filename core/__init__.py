@@ -1,14 +1,43 @@
-"""kvpool core: the tiered block cache (device, shared-memory DRAM, LMDB SSD) its client, keys and errors."""
-from .cache import TieredCache
+"""kvpool core: the tiered block cache (device, shared-memory DRAM, LMDB SSD) its client, keys and errors.
+
+Also what the faces (kvpool.backends, kvpool.streams) build on, so that they need no module of core by
+name: the client's configuration, keys, block checksums, buffer views, the asyncio loop thread and
+NATS helpers, and the command-line hook type (`registry`). Their bench suites use `kvpool.core.bench`.
+"""
+from .aio import LoopThread, nats_connect, nats_failure
 from .async_client import AsyncPoolClient
-from .client import PoolClient
+from .blocks import checksum
+from .buffers import readable
+from .cache import TieredCache
+from .client import ClientConfig, PoolClient
 from .config import CacheConfig
-from .errors import (AuthError, BlockTooLarge, BufferSizeError, CapacityError, ConfigError, InvalidKey,
-                     KVPoolError, PoolClosed, PoolTimeout, PoolUnavailable, ProtocolError)
-from .keys import MAX_KEY_BYTES, block_keys
+from .config import load as load_config
+from .errors import (
+    AuthError,
+    BenchError,
+    BlockTooLarge,
+    BufferSizeError,
+    CapacityError,
+    ConfigError,
+    CorruptBlock,
+    InvalidArgument,
+    InvalidKey,
+    KVPoolError,
+    PoolClosed,
+    PoolTimeout,
+    PoolUnavailable,
+    ProtocolError,
+    StorageError,
+)
+from .keys import MAX_KEY_BYTES, Key, block_keys, key_bytes
+from .registry import AddParser, Subparsers
 
 __all__ = [
     "TieredCache", "PoolClient", "AsyncPoolClient", "CacheConfig", "block_keys", "MAX_KEY_BYTES",
     "KVPoolError", "InvalidKey", "BlockTooLarge", "BufferSizeError", "CapacityError", "ConfigError",
     "PoolClosed", "PoolTimeout", "PoolUnavailable", "AuthError", "ProtocolError",
+    "InvalidArgument", "CorruptBlock", "StorageError", "BenchError",
+    # what the faces build on
+    "ClientConfig", "load_config", "Key", "key_bytes", "checksum", "readable", "LoopThread", "nats_connect",
+    "nats_failure", "AddParser", "Subparsers",
 ]

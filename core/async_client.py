@@ -3,19 +3,22 @@
 Every call runs the blocking `PoolClient` call in a thread (`asyncio.to_thread`), so the event loop
 never waits on the pool, and calls from many tasks overlap (PoolClient is thread-safe: each
 connection is used by one call at a time, the cluster bookkeeping is locked). Semantics, errors and
-timeouts are PoolClient's. `lease` (zero-copy views valid inside a `with`) stays synchronous: use
-`client.sync.lease(...)`.
+timeouts are PoolClient's. `lease` / `batch_lease` (zero-copy views valid inside a `with`) stay
+synchronous: use `client.sync.batch_lease(...)`.
 """
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from .client import PoolClient
 from .keys import Key
+from .pool_backend import MembersPredicate
+from .records import PoolStats, WorkerInfo
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class AsyncPoolClient:
@@ -26,11 +29,11 @@ class AsyncPoolClient:
     def __init__(self, client: PoolClient | None = None, **options: Any) -> None:
         self.sync = client if client is not None else PoolClient(**options)
 
-    async def _run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+    async def _run(self, fn: Callable[P, T], *args: P.args, **kw: P.kwargs) -> T:
         return await asyncio.to_thread(fn, *args, **kw)
 
-    async def put(self, key: Key, data: Any) -> None:
-        await self._run(self.sync.put, key, data)
+    async def put(self, key: Key, data: Any, *, pin_s: float = 0.0) -> None:
+        await self._run(self.sync.put, key, data, pin_s=pin_s)
 
     async def batch_put(self, keys: Sequence[Key], buffers: Sequence[Any], *, pin_s: float = 0.0) -> None:
         await self._run(self.sync.batch_put, keys, buffers, pin_s=pin_s)
@@ -38,25 +41,43 @@ class AsyncPoolClient:
     async def get(self, key: Key) -> bytes | None:
         return await self._run(self.sync.get, key)
 
+    async def get_into(self, key: Key, buffer: Any) -> int:
+        return await self._run(self.sync.get_into, key, buffer)
+
     async def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[int]:
         return await self._run(self.sync.batch_get_into, keys, buffers)
 
-    async def exists(self, keys: Sequence[Key]) -> list[bool]:
-        return await self._run(self.sync.exists, keys)
+    async def exists(self, key: Key) -> bool:
+        return await self._run(self.sync.exists, key)
+
+    async def batch_exists(self, keys: Sequence[Key]) -> list[bool]:
+        return await self._run(self.sync.batch_exists, keys)
 
     async def prefix_match(self, keys: Sequence[Key]) -> int:
         return await self._run(self.sync.prefix_match, keys)
 
-    async def remove(self, keys: Sequence[Key]) -> list[bool]:
-        return await self._run(self.sync.remove, keys)
+    async def remove(self, key: Key) -> bool:
+        return await self._run(self.sync.remove, key)
 
-    async def pin(self, keys: Sequence[Key], seconds: float) -> None:
-        await self._run(self.sync.pin, keys, seconds)
+    async def batch_remove(self, keys: Sequence[Key]) -> list[bool]:
+        return await self._run(self.sync.batch_remove, keys)
+
+    async def pin(self, key: Key, pin_s: float) -> None:
+        await self._run(self.sync.pin, key, pin_s)
+
+    async def batch_pin(self, keys: Sequence[Key], pin_s: float) -> None:
+        await self._run(self.sync.batch_pin, keys, pin_s)
 
     async def clear(self, prefix: Key | None = None) -> None:
         await self._run(self.sync.clear, prefix)
 
-    async def stats(self) -> dict[str, Any]:
+    async def members(self) -> dict[str, WorkerInfo]:
+        return await self._run(self.sync.members)
+
+    async def wait_for_members(self, predicate: MembersPredicate, timeout_s: float) -> bool:
+        return await self._run(self.sync.wait_for_members, predicate, timeout_s)
+
+    async def stats(self) -> PoolStats:
         return await self._run(self.sync.stats)
 
     async def close(self) -> None:

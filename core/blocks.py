@@ -10,7 +10,10 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .errors import CorruptBlock  # noqa: F401  (re-exported: the tiers catch it here)
+from .errors import CorruptBlock
+
+__all__ = ["MAGIC", "HEADER_SIZE", "VERSION", "BlockMeta", "CorruptBlock", "checksum", "decode", "decode_header",
+           "encode_header"]  # CorruptBlock: re-exported, the tiers catch it here
 
 MAGIC = b"KVB1"
 _HEADER = struct.Struct("<4sHHQQd")  # magic, version, flags, size, checksum, expires (unix s; 0 = never)

@@ -18,15 +18,16 @@ def _torch_host_bytes(t: Any) -> np.ndarray:
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    return flat.numpy()
+    host: np.ndarray = flat.numpy()
+    return host
 
 
 def readable(buf: Any) -> memoryview:
     """A flat read-only byte view of `buf` (bytes-like, numpy array or torch tensor)."""
     if type(buf).__module__.startswith("torch"):
-        return memoryview(_torch_host_bytes(buf)).cast("B")
+        return _torch_host_bytes(buf).data.cast("B")
     if isinstance(buf, np.ndarray):
-        return memoryview(np.ascontiguousarray(buf).reshape(-1).view(np.uint8))
+        return np.ascontiguousarray(buf).reshape(-1).view(np.uint8).data
     mv = memoryview(buf)
     if mv.format != "B" or mv.ndim != 1 or not mv.c_contiguous:
         mv = mv.cast("B") if mv.c_contiguous else memoryview(mv.tobytes())
@@ -56,11 +57,11 @@ class Destination:
                 self.view = memoryview(self.tensor.numpy())
             else:
                 self._staged = True
-                self.view = memoryview(np.empty(self.tensor.numel(), dtype=np.uint8))
+                self.view = np.empty(self.tensor.numel(), dtype=np.uint8).data
         elif isinstance(buf, np.ndarray):
             if not buf.flags.c_contiguous or not buf.flags.writeable:
                 raise BufferSizeError("destination array must be C-contiguous and writeable")
-            self.view = memoryview(buf.reshape(-1).view(np.uint8))
+            self.view = buf.reshape(-1).view(np.uint8).data
         else:
             mv = memoryview(buf)
             if mv.readonly:

@@ -10,10 +10,18 @@ import sys
 import threading
 from typing import Any
 
-from kvpool.backends import fastdeploy_patch, mooncake_shim
-from kvpool.streams.cli import add_parser as add_streams_parser
+from .registry import add_command
 
-from . import bench, events_cli
+COMMANDS: dict[str, str] = {
+    "bench": "kvpool.core.bench",
+    "events": "kvpool.core.events_cli",
+    "streams": "kvpool.streams.cli",
+    "fastdeploy": "kvpool.backends.fastdeploy_patch",
+    "mooncake-shim": "kvpool.backends.mooncake_shim",
+}
+"""Subcommands by module path (`registry`): each module's `add_parser(subparsers)` adds its own. The
+faces' modules are named here as data only, imported when the parser is built: core imports no face,
+and a face that cannot be imported is listed as unavailable instead of breaking every command."""
 
 
 def _worker_args(p: argparse.ArgumentParser) -> None:
@@ -23,6 +31,10 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", help="shared secret clients must present (or KVPOOL_TOKEN)")
     p.add_argument("--nats-url", help="register in the cluster at this NATS server")
     p.add_argument("--worker-id", help="this worker's id in the cluster (default: kept with its SSD tier or state)")
+    p.add_argument("--advertise-host", help="the address other machines reach this worker at (default --host; "
+                                            "required with a wildcard --host in a cluster)")
+    p.add_argument("--node-id", help="this machine's id for same-node shared memory (default: hostname, boot id "
+                                     "and network namespace)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     p.add_argument("--dram-bytes", help="DRAM arena size, e.g. 4GiB")
     p.add_argument("--ssd-path", help="LMDB directory of the SSD tier (none by default)")
@@ -36,9 +48,12 @@ def _build_worker(args: argparse.Namespace) -> Any:
     from .config import CacheConfig, WorkerConfig, load
     from .server import Worker
 
-    pick = lambda names: {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}  # noqa: E731
+    def pick(names: list[str]) -> dict[str, Any]:  # the options given on the command line
+        return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
     wcfg = load(WorkerConfig, file=args.config, section="worker",
-                **pick(["host", "port", "token", "nats_url", "metrics_port", "worker_id", "events", "events_zmq"]))
+                **pick(["host", "port", "token", "nats_url", "metrics_port", "worker_id", "advertise_host", "node_id",
+                         "events", "events_zmq"]))
     ccfg = load(CacheConfig, file=args.config, section="cache", **pick(["dram_bytes", "ssd_path", "ssd_map_size"]))
     return Worker(wcfg, ccfg)
 
@@ -109,21 +124,22 @@ def cmd_status(args: argparse.Namespace) -> int:
 
             client.wait_for_members(bool, 3.0)  # membership arrives over NATS just after connecting
             return watch(client, args.nats_url, args.interval, args.count)
-        stats = client.stats()
+        workers = client.stats().workers
     if args.json:
-        print(json.dumps(stats))
+        print(json.dumps({w: s.as_dict() for w, s in workers.items()}))
         return 0
-    if not stats:
+    if not workers:
         print(f"no live workers at {args.nats_url}")
         return 1
     print(f"{'worker':<10} {'node':<16} {'address':<22} {'dram used/cap':>22} {'ssd bytes':>12} {'hit rate':>9}")
-    for w, s in sorted(stats.items()):
-        c = s.get("stats", {})
-        hits = c.get("hits_dram", 0) + c.get("hits_ssd", 0) + c.get("hits_device", 0)
-        total = hits + c.get("misses", 0)
+    for w, s in sorted(workers.items()):
+        c = s.cache
+        hits = c.hits_dram + c.hits_ssd + c.hits_device if c is not None else 0
+        total = hits + c.misses if c is not None else 0
         rate = f"{hits / total:.1%}" if total else "-"
-        fill = f"{s.get('dram_bytes', 0) >> 20}/{s.get('dram_capacity', 0) >> 20} MiB"
-        print(f"{w:<10} {s.get('node_id', '?'):<16} {s.get('tcp', '?'):<22} {fill:>22} {s.get('ssd_bytes', 0):>12} {rate:>9}")
+        i = s.info
+        fill = f"{i.dram_bytes >> 20}/{i.dram_capacity >> 20} MiB"
+        print(f"{w:<10} {i.node_id or '?':<16} {i.tcp or '?':<22} {fill:>22} {i.ssd_bytes:>12} {rate:>9}")
     return 0
 
 
@@ -131,7 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool", description="kvpool: a shared, tiered KV-cache pool")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    bench.add_parsers(sub)
     w = sub.add_parser("worker", help="serve this node's tiered cache to local and remote clients")
     _worker_args(w)
     w.set_defaults(func=cmd_worker)
@@ -147,10 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--interval", type=float, default=2.0, help="seconds between redraws with --watch (2)")
     s.add_argument("--count", type=int, default=0, help="with --watch: stop after this many tables (0 = until Ctrl-C)")
     s.set_defaults(func=cmd_status)
-    events_cli.add_parser(sub)
-    fastdeploy_patch.add_parser(sub)
-    mooncake_shim.add_parser(sub)
-    add_streams_parser(sub)
+    for name, module in COMMANDS.items():
+        add_command(sub, name, module)
     return parser
 
 

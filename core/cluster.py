@@ -7,6 +7,7 @@ rendezvous hashing, so a worker joining or leaving moves only about 1/N of the k
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import threading
@@ -18,6 +19,7 @@ import xxhash
 
 from .aio import LoopThread, nats_connect
 from .errors import PoolUnavailable
+from .records import WorkerInfo
 
 log = logging.getLogger("kvpool.cluster")
 
@@ -33,11 +35,12 @@ def rank(key: bytes, worker_ids: Sequence[str]) -> list[str]:
 class Membership:
     """A NATS connection that registers a worker and/or watches the member list."""
 
-    def __init__(self, nats_url: str, ttl_s: float = 10.0, connect_timeout: float = 5.0) -> None:
+    def __init__(self, nats_url: str, ttl_s: float = 10.0, connect_timeout_s: float = 5.0, replicas: int = 1) -> None:
         self.url = nats_url
         self.ttl_s = ttl_s
+        self.replicas = replicas
         self._io = LoopThread("kvpool-nats")
-        self._members: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._members: dict[str, tuple[float, WorkerInfo]] = {}  # worker id -> (heard at, its entry)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._registered: str | None = None
@@ -45,9 +48,9 @@ class Membership:
         self._watcher: Any = None
 
         try:
-            self._nc = self._io.run(nats_connect(nats_url, connect_timeout, log, disconnected_cb=self._disconnected,
-                                                 reconnected_cb=self._reconnected), timeout=connect_timeout + 2)
-            self._kv = self._io.run(self._bucket(), timeout=connect_timeout + 2)
+            self._nc = self._io.run(nats_connect(nats_url, connect_timeout_s, log, disconnected_cb=self._disconnected,
+                                                 reconnected_cb=self._reconnected), timeout=connect_timeout_s + 2)
+            self._kv = self._io.run(self._bucket(), timeout=connect_timeout_s + 2)
         except Exception as e:
             self._io.stop()
             raise PoolUnavailable(f"cannot reach the cluster at {nats_url}: {e}") from e
@@ -59,28 +62,52 @@ class Membership:
 
         js = self._nc.jetstream()
         try:
-            return await js.key_value(BUCKET)
+            kv = await js.key_value(BUCKET)
         except BucketNotFoundError:
-            return await js.create_key_value(KeyValueConfig(bucket=BUCKET, history=1, ttl=self.ttl_s))
+            return await js.create_key_value(KeyValueConfig(bucket=BUCKET, history=1, ttl=self.ttl_s,
+                                                            replicas=self.replicas))
+        if self.replicas > 1:  # a bucket made by a client (1 replica) is raised to the workers' setting
+            info = await js.stream_info(f"KV_{BUCKET}")
+            if (info.config.num_replicas or 1) < self.replicas:
+                await js.update_stream(dataclasses.replace(info.config, num_replicas=self.replicas))
+        return kv
+
+    async def _reopen_bucket(self) -> None:
+        """After a failure on the bucket (NATS restarting, the bucket lost): open or recreate it; a
+        failure here is retried by the caller's next round."""
+        try:
+            self._kv = await self._bucket()
+        except Exception as e:
+            log.debug("members bucket not reachable yet: %s", e)
 
     # ----- worker side ------------------------------------------------------------------------
 
-    def register(self, worker_id: str, info: Callable[[], dict[str, Any]], heartbeat_s: float) -> None:
-        """Publish `info()` under `worker_id` now and every `heartbeat_s` until `close()`."""
+    def register(self, worker_id: str, info: Callable[[], dict[str, Any]], heartbeat_s: float,
+                 on_rejoin: Callable[[float], None] | None = None) -> None:
+        """Publish `info()` under `worker_id` now and every `heartbeat_s` until `close()`.
+
+        `on_rejoin(gap_s)` runs once per outage (in the NATS thread) as soon as no heartbeat got through
+        for so long that the entry may have expired: clients then place this worker's keys elsewhere, so
+        what it holds may become older than what they write meanwhile."""
         self._registered = worker_id
+        last_ok = time.monotonic()
+        told = last_ok  # the gap on_rejoin was last called for, by its start
 
         async def beat() -> None:
+            nonlocal last_ok, told
             while True:
                 try:
+                    gap = time.monotonic() - last_ok
+                    if gap >= self.ttl_s - heartbeat_s and told != last_ok and on_rejoin is not None:
+                        told = last_ok
+                        on_rejoin(gap)
                     await self._kv.put(worker_id, json.dumps({**info(), "ts": time.time()}).encode())
+                    last_ok = time.monotonic()
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:  # NATS restarting: keep beating; recreate the bucket if lost
                     log.warning("heartbeat failed: %s", e)
-                    try:
-                        self._kv = await self._bucket()
-                    except Exception:
-                        pass
+                    await self._reopen_bucket()
                 await asyncio.sleep(heartbeat_s)
 
         self._io.run(self._kv.put(worker_id, json.dumps({**info(), "ts": time.time()}).encode()), timeout=10)
@@ -107,26 +134,27 @@ class Membership:
                     log.warning("member watch interrupted: %s; retrying", e)
                     ready.set()
                     await asyncio.sleep(0.5)
-                    try:
-                        self._kv = await self._bucket()
-                    except Exception:
-                        pass
+                    await self._reopen_bucket()
 
         self._io.spawn(follow())
         ready.wait(10)
 
     def _apply(self, entry: Any) -> None:
+        info: WorkerInfo | None = None
+        if entry.operation not in ("DEL", "PURGE") and entry.value:
+            try:
+                info = WorkerInfo.from_dict(json.loads(entry.value), entry.key)
+            except (ValueError, TypeError, AttributeError) as e:  # not a JSON object of member fields
+                log.warning("ignoring member entry %r: %s", entry.key, e)
+                return
         with self._lock:
-            if entry.operation in ("DEL", "PURGE") or not entry.value:
+            if info is None:
                 self._members.pop(entry.key, None)
             else:
-                try:
-                    self._members[entry.key] = (time.monotonic(), json.loads(entry.value))
-                except ValueError:
-                    return
+                self._members[entry.key] = (time.monotonic(), info)
             self._changed.notify_all()
 
-    def members(self) -> dict[str, dict[str, Any]]:
+    def members(self) -> dict[str, WorkerInfo]:
         """Live workers (heard from within `ttl_s`) by worker id. While NATS is unreachable this is the
         last list seen: silence then says nothing about the workers, and data does not go through NATS."""
         with self._lock:
@@ -154,8 +182,9 @@ class Membership:
             except Exception as e:
                 log.debug("stopping the member watch after a reconnect: %s", e)
 
-    def wait_for(self, predicate: Callable[[dict[str, dict[str, Any]]], bool], timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
+    def wait_for(self, predicate: Callable[[dict[str, WorkerInfo]], bool], timeout_s: float) -> bool:
+        """Whether `predicate(members())` holds within `timeout_s` seconds (checked on every change)."""
+        deadline = time.monotonic() + timeout_s
         while not predicate(self.members()):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -173,6 +202,6 @@ class Membership:
                 log.warning("could not deregister %s: %s", self._registered, e)
         try:
             self._io.run(self._nc.close(), timeout=2)
-        except Exception:
-            pass
+        except Exception as e:  # leaving anyway: the loop stops and the socket goes with it
+            log.debug("closing the NATS connection: %s", e)
         self._io.stop()

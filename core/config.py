@@ -10,14 +10,19 @@ import dataclasses
 import json
 import os
 import re
+import socket
+import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar, get_type_hints
+from typing import TYPE_CHECKING, Any, TypeVar, get_type_hints
 
 from .errors import ConfigError
 from .policies import EVICTION_POLICY
 
-C = TypeVar("C")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+C = TypeVar("C", bound="DataclassInstance")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -37,6 +42,20 @@ def default_state_dir() -> Path:
     """Where kvpool keeps its SSD tier and service state: $KVPOOL_STATE_DIR or ~/.local/state/kvpool."""
     env = os.environ.get("KVPOOL_STATE_DIR")
     return Path(env) if env else Path.home() / ".local" / "state" / "kvpool"
+
+
+def default_node_id() -> str:
+    """This machine's identity for same-node shared memory: the hostname, the kernel's boot id and the
+    network namespace. A hostname alone is shared by cloned machines and by every network namespace
+    (container) of one kernel; processes agree on all three only when they can share /dev/shm and
+    reach each other's Unix sockets."""
+    parts = [socket.gethostname()]
+    try:
+        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8])
+        parts.append(str(os.stat("/proc/self/ns/net").st_ino))
+    except OSError:  # not Linux: the hostname is all there is
+        pass
+    return "/".join(parts)
 
 
 def _coerce(name: str, kind: Any, value: Any) -> Any:
@@ -64,9 +83,12 @@ def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = Path(path)
     try:
         if p.suffix == ".toml":
-            import tomllib
+            if sys.version_info >= (3, 11):
+                import tomllib
 
-            return tomllib.loads(p.read_text())
+                return tomllib.loads(p.read_text())
+            # tomllib came with 3.11: on 3.10, say so (as the ConfigError below), not with an ImportError
+            raise ConfigError("TOML needs Python 3.11 or later; use JSON")
         return dict(json.loads(p.read_text()))
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read config file {p}: {e}") from e
@@ -80,7 +102,7 @@ def load(cls: type[C], *, prefix: str = "KVPOOL_", file: str | os.PathLike[str] 
     """
     env = os.environ if env is None else env
     hints = get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    names = {f.name for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     file = file or env.get(prefix + "CONFIG")
     if file:
@@ -125,7 +147,8 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if not 0 < self.low_watermark < self.high_watermark <= 1:
-            raise ConfigError(f"watermarks low={self.low_watermark} high={self.high_watermark}: need 0 < low < high <= 1")
+            raise ConfigError(f"watermarks low={self.low_watermark} high={self.high_watermark}: "
+                              f"need 0 < low < high <= 1")
         if self.dram_bytes < self.dram_slab_size:
             raise ConfigError(f"dram_bytes {self.dram_bytes} is smaller than one slab ({self.dram_slab_size})")
         if self.policy not in EVICTION_POLICY:
@@ -161,7 +184,8 @@ class WorkerConfig:
     oldest, so strangers only displace each other and a client with the token (which authenticates
     at once) always gets in."""
     node_id: str | None = None
-    """Identifies the machine (clients with the same node id use shared memory); default hostname."""
+    """Identifies the machine (clients with the same node id use shared memory); default
+    `default_node_id()`: hostname, boot id and network namespace."""
     worker_id: str | None = None
     """Names the worker in the cluster (placement follows it); default: the id kept beside its SSD tier
     (`<ssd_path>/kvpool-worker-id`, else `<state dir>/worker-<port>.id`), made once, so a restart on
@@ -173,7 +197,11 @@ class WorkerConfig:
     heartbeat_s: float = 2.0
     member_ttl_s: float = 10.0
     advertise_host: str | None = None
-    """Address other machines use to reach this worker; default `host`."""
+    """Address other machines use to reach this worker; default `host`. Required with a wildcard bind
+    (`0.0.0.0`, `::`) in a cluster."""
+    nats_replicas: int = 1
+    """JetStream replicas of the member bucket when this worker creates it: 3 on a 3-node NATS cluster,
+    so membership survives the loss of one NATS node."""
     events: bool = False
     """Publish the cache's block events (stored, moved, removed) on NATS `kvpool.events.<worker_id>`
     (needs `nats_url`); see `kvpool.core.events`."""

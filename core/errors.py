@@ -70,3 +70,13 @@ class ConfigError(KVPoolError, ValueError):
 
 class StorageError(KVPoolError, OSError):
     """The SSD tier (LMDB) cannot be opened, read or written: a missing folder, a full map, an I/O error."""
+
+
+class ListenError(KVPoolError, OSError):
+    """A worker cannot listen: its TCP port (or metrics port) is in use or not allowed, or its Unix socket
+    cannot be created."""
+
+
+class BenchError(KVPoolError, RuntimeError):
+    """A benchmark could not measure: a peer, baseline or engine process it drives failed or did not
+    start, or bytes read back differ from those written."""

@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .aio import LoopThread, nats_connect
+from .aio import LoopThread, nats_connect, nats_error
 from .cache_events import CacheListener
-from .errors import PoolUnavailable, ProtocolError
+from .errors import ProtocolError
 
 log = logging.getLogger("kvpool.events")
 
@@ -146,7 +146,7 @@ class EventQueue(CacheListener):
 async def ensure_stream(js: Any, max_age_s: float = 3600.0, max_bytes: int = 1 << 30) -> None:
     """Create the events stream unless it exists (one with other limits is left as it is)."""
     from nats.js.api import StreamConfig
-    from nats.js.errors import NotFoundError
+    from nats.js.errors import APIError, NotFoundError
 
     try:
         await js.stream_info(STREAM)
@@ -156,7 +156,7 @@ async def ensure_stream(js: Any, max_age_s: float = 3600.0, max_bytes: int = 1 <
     try:
         await js.add_stream(StreamConfig(name=STREAM, subjects=[f"{SUBJECT_PREFIX}.>"], max_age=max_age_s,
                                          max_bytes=max_bytes))
-    except Exception as e:  # created by another worker meanwhile
+    except APIError as e:  # created by another worker meanwhile
         if "already in use" not in str(e):
             raise
 
@@ -226,7 +226,7 @@ class NatsSink:
             self._io.run(ensure_stream(self._nc.jetstream()), timeout=timeout_s + 2)
         except Exception as e:
             self._io.stop()
-            raise PoolUnavailable(f"cannot publish events at {nats_url}: {e}") from e
+            raise nats_error(e, f"cannot publish events at {nats_url}") from e
 
     def __call__(self, batch: EventBatch) -> None:
         self._io.run(self._nc.publish(self.subject, batch.encode()), timeout=self.timeout_s)
@@ -234,8 +234,8 @@ class NatsSink:
     def close(self) -> None:
         try:
             self._io.run(self._nc.drain(), timeout=self.timeout_s)
-        except Exception:
-            pass
+        except Exception as e:  # NATS away: what was not published yet is lost, as while it was down
+            log.warning("events to %s not drained at close: %r", self.subject, e)
         self._io.stop()
 
 
@@ -286,7 +286,7 @@ class EventFeed:
             self._sub = self._io.run(self._subscribe(replay), timeout=timeout_s + 2)
         except Exception as e:
             self._io.stop()
-            raise PoolUnavailable(f"cannot read events at {nats_url}: {e}") from e
+            raise nats_error(e, f"cannot read events at {nats_url}") from e
 
     async def _subscribe(self, replay: bool) -> Any:
         from nats.js.api import DeliverPolicy
@@ -326,8 +326,8 @@ class EventFeed:
 
         try:
             self._io.run(_close(), timeout=5)
-        except Exception:
-            pass
+        except Exception as e:  # NATS away: the server drops the ordered consumer by itself
+            log.debug("closing the event feed: %r", e)
         self._io.stop()
 
     def __enter__(self) -> EventFeed:

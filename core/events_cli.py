@@ -11,9 +11,10 @@ import threading
 from .errors import ConfigError, PoolUnavailable
 from .events import EventBatch, EventFeed
 from .events_zmq import HASHES, LAYOUTS, VllmFormat, ZmqSink
+from .registry import Subparsers
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     p = sub.add_parser("events", help="follow the pool's block events (workers started with --events)")
     p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
     p.add_argument("--replay", action="store_true", help="start with every event still retained (default: new ones)")
@@ -25,6 +26,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--tier-moves", action="store_true", help="also moves between tiers (for media-aware routers)")
     p.add_argument("--topic", default="", help="ZMQ topic frame (default empty, as vLLM's)")
     p.set_defaults(func=run)
+    return p
 
 
 def _line(batch: EventBatch) -> str:

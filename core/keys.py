@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Union
 
 import numpy as np
 
-from .errors import InvalidKey
+from .errors import InvalidArgument, InvalidKey
 
-Key = Union[str, bytes]
+Key = str | bytes
 
 MAX_KEY_BYTES = 511
 """Longest key accepted, in bytes (UTF-8 for str keys): LMDB's largest key, so every key fits every tier."""
@@ -45,7 +44,7 @@ def block_keys(token_ids: Sequence[int] | np.ndarray, block_size: int, namespace
     partial block gets no key. Stable across processes, machines and Python versions.
     """
     if block_size <= 0:
-        raise ValueError(f"block_size is {block_size}; it must be > 0")
+        raise InvalidArgument(f"block_size is {block_size}; it must be > 0 tokens")
     tokens = np.ascontiguousarray(np.asarray(token_ids, dtype="<i8"))
     ns = namespace.encode()
     ns = len(ns).to_bytes(4, "little") + ns

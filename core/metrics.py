@@ -1,10 +1,15 @@
 """Prometheus metrics of a worker: operations, bytes, latency, tier fill, evictions, connections."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
+
+from .errors import ListenError
+
+log = logging.getLogger("kvpool.metrics")
 
 _LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 2.0)
 
@@ -36,7 +41,10 @@ class WorkerMetrics:
         self.registry.register(_CacheCollector(cache_stats))
 
     def serve(self, host: str, port: int) -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        try:
+            start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise ListenError(f"cannot serve metrics on {host}:{port}: {e.strerror or e}") from e
 
 
 class _CacheCollector:
@@ -51,7 +59,8 @@ class _CacheCollector:
     def collect(self) -> list[GaugeMetricFamily]:
         try:
             s = self._stats()
-        except Exception:  # a closing cache: no sample this scrape
+        except Exception as e:  # a closing cache: no sample this scrape
+            log.debug("no cache sample this scrape: %r", e)
             return []
         out = []
         for name, value in s.items():

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import PoolUnavailable
+from .errors import PoolTimeout, PoolUnavailable
 
 
 def binary() -> str:
@@ -54,7 +54,7 @@ class NatsServer:
             except OSError:
                 time.sleep(0.05)
         self.stop()
-        raise PoolUnavailable(f"nats-server did not listen on {self.url} within {timeout} s")
+        raise PoolTimeout(f"nats-server did not listen on {self.url} within {timeout} s", limit=timeout)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -65,3 +65,15 @@ class NatsServer:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+
+def cluster_config(name: str, host: str, peers: list[str], store_dir: str, *, port: int = 4222,
+                   cluster_port: int = 6222, cluster_name: str = "kvpool") -> str:
+    """nats-server configuration for one node of a NATS cluster with JetStream: `name` unique per node,
+    `host` the address it listens on (clients on `port`, routes on `cluster_port`), `peers` every node's
+    route address (its own may be listed: nats-server ignores a route to itself). Three nodes keep
+    membership and streams (with 3 replicas) through the loss of any one; see the README."""
+    routes = ", ".join(f'"nats-route://{p}:{cluster_port}"' for p in peers)
+    return (f'server_name: "{name}"\nlisten: "{host}:{port}"\n'
+            f'jetstream {{ store_dir: "{store_dir}" }}\n'
+            f'cluster {{\n  name: "{cluster_name}"\n  listen: "{host}:{cluster_port}"\n  routes: [{routes}]\n}}\n')

@@ -1,8 +1,9 @@
 """Pins with deadlines: blocks kept in DRAM (never evicted) until unpinned or until their pin expires.
 
 A pin is on a key, not on a block: a key pinned before its block is committed (a put that carries a
-pin) is committed pinned. The deadline is what keeps a pin from outliving the client that made it: a
-client that dies without unpinning (a stream producer, say) costs DRAM for at most that long.
+pin) is committed pinned, and a block that replaces a pinned one is pinned too. The deadline is what
+keeps a pin from outliving the client that made it: a client that dies without unpinning (a stream
+producer, say) costs DRAM for at most that long.
 
 What pins may cost a worker is bounded: a pin on a key that is not (yet) in DRAM waits at most
 `PENDING_PIN_S` for its block and at most `MAX_PENDING_PINS` such pins exist at once (more are
@@ -12,11 +13,14 @@ not pile up deadlines; and every operation is linear in the keys it names.
 from __future__ import annotations
 
 import heapq
-import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Protocol
 
-from .cache import TieredCache
+if TYPE_CHECKING:
+    pass
+
+__all__ = ["MAX_PIN_S", "PENDING_PIN_S", "MAX_PENDING_PINS", "Pins"]
 
 MAX_PIN_S = 3600.0
 """The longest a pin lasts without being renewed, in seconds (longer requests are cut to it)."""
@@ -24,19 +28,25 @@ PENDING_PIN_S = 30.0
 """How long a pin on a key that is not in DRAM waits for its block (a put that carries a pin sends
 the pin just before the block)."""
 MAX_PENDING_PINS = 1 << 16
-"""Pins waiting for their blocks, at most, per table; further ones are refused (counted in `refused`)."""
+"""Pins waiting for their blocks, at most, per cache; further ones are refused (counted in `refused`)."""
 
 
-class PinTable:
-    """Pins of one TieredCache. Thread-safe; expiry is applied lazily by `expire` (call it before
-    space is needed) and by every `pin`."""
+class Pinnable(Protocol):
+    """A DRAM block as the pins see it: pinned blocks are never evicted."""
 
-    def __init__(self, cache: TieredCache) -> None:
-        self._cache = cache
-        self._until: dict[bytes, float] = {}
+    pinned: bool
+
+
+class Pins:
+    """The pins of one DRAM tier, over its index `blocks` (key -> block). Not thread-safe: the cache
+    calls it with its lock held. Expiry is lazy: `expire` (the cache calls it before it looks for
+    room) and every `pin` apply the deadlines that have passed."""
+
+    def __init__(self, blocks: Mapping[bytes, Pinnable]) -> None:
+        self._blocks = blocks
+        self._until: dict[bytes, float] = {}  # key -> monotonic deadline
         self._pending: dict[bytes, float] = {}  # key not in DRAM -> the pin's full length, for `claim`
         self._deadlines: list[tuple[float, bytes]] = []  # a heap; entries whose key was re-pinned are stale
-        self._lock = threading.Lock()
         self.refused = 0
         """Pins refused because `MAX_PENDING_PINS` were already waiting for their blocks."""
 
@@ -46,22 +56,23 @@ class PinTable:
         committed meanwhile, gets the whole pin through `claim`)."""
         now = time.monotonic()
         seconds = min(seconds, MAX_PIN_S)
-        with self._lock:
-            self._expire(now)
-            for key in keys:
-                if seconds <= 0:
-                    self._pending.pop(key, None)
-                    if self._until.pop(key, None) is not None:
-                        self._cache.pin(key, False)
-                elif self._cache.pin(key, True):
-                    self._pending.pop(key, None)
-                    self._set(key, now + seconds)
-                elif key in self._pending or len(self._pending) < MAX_PENDING_PINS:
-                    self._pending[key] = seconds
-                    self._set(key, now + min(seconds, PENDING_PIN_S))
-                else:
-                    self.refused += 1
-            self._compact()
+        self._expire(now)
+        for key in keys:
+            block = self._blocks.get(key)
+            if seconds <= 0:
+                self._pending.pop(key, None)
+                if self._until.pop(key, None) is not None and block is not None:
+                    block.pinned = False
+            elif block is not None:
+                block.pinned = True
+                self._pending.pop(key, None)
+                self._set(key, now + seconds)
+            elif key in self._pending or len(self._pending) < MAX_PENDING_PINS:
+                self._pending[key] = seconds
+                self._set(key, now + min(seconds, PENDING_PIN_S))
+            else:
+                self.refused += 1
+        self._compact()
 
     def _set(self, key: bytes, until: float) -> None:
         self._until[key] = until
@@ -75,29 +86,29 @@ class PinTable:
 
     def holds(self, key: bytes) -> bool:
         """Whether `key` has a live pin (a block committed under it now is committed pinned)."""
-        with self._lock:
-            return self._until.get(key, 0.0) > time.monotonic()
+        return self._until.get(key, 0.0) > time.monotonic()
 
     def claim(self, key: bytes) -> bool:
-        """`holds(key)`, for a block being committed under `key`: a pin that was waiting for this
-        block now runs its whole length."""
+        """`holds(key)`, for a block being committed under `key` (once per block put, so the common
+        case of no pins at all costs one test): a pin that was waiting for this block now runs its
+        whole length."""
+        if not self._until:
+            return False
         now = time.monotonic()
-        with self._lock:
-            if self._until.get(key, 0.0) <= now:
-                return False
-            seconds = self._pending.pop(key, None)
-            if seconds is not None:
-                self._set(key, now + seconds)
-            return True
+        if self._until.get(key, 0.0) <= now:
+            return False
+        seconds = self._pending.pop(key, None)
+        if seconds is not None:
+            self._set(key, now + seconds)
+        return True
 
-    def counts(self) -> dict[str, int]:
-        """Live pins, those still waiting for their blocks, and pins refused so far."""
-        with self._lock:
-            return {"pins": len(self._until), "pending_pins": len(self._pending), "pins_refused": self.refused}
+    def counts(self) -> tuple[int, int, int]:
+        """Live pins (those waiting for their blocks included), those waiting, and pins refused so far."""
+        return len(self._until), len(self._pending), self.refused
 
     def expire(self) -> None:
         """Unpin the keys whose pins have expired."""
-        with self._lock:
+        if self._deadlines:
             self._expire(time.monotonic())
 
     def _expire(self, now: float) -> None:
@@ -106,4 +117,29 @@ class PinTable:
             if self._until.get(key) == until:
                 del self._until[key]
                 self._pending.pop(key, None)
-                self._cache.pin(key, False)
+                block = self._blocks.get(key)
+                if block is not None:
+                    block.pinned = False
+
+    def check(self) -> list[str]:
+        """What is wrong with the pins (empty when consistent): a pinned block has a pin, an unexpired
+        pin on a key in DRAM pins its block, pending pins are pins and within their bound, every pin
+        has its deadline in the heap."""
+        now = time.monotonic()
+        errors = []
+        pinned = {k for k, b in self._blocks.items() if b.pinned}
+        if pinned - self._until.keys():
+            errors.append(f"{len(pinned - self._until.keys())} pinned DRAM blocks have no pin, e.g. "
+                          f"{min(pinned - self._until.keys())[:24]!r}")
+        unpinned = {k for k, u in self._until.items()
+                    if u > now and k in self._blocks and k not in self._pending and k not in pinned}
+        if unpinned:
+            errors.append(f"{len(unpinned)} pinned keys have an unpinned DRAM block, e.g. {min(unpinned)[:24]!r}")
+        if self._pending.keys() - self._until.keys():
+            errors.append(f"{len(self._pending.keys() - self._until.keys())} pending pins are not pins")
+        if len(self._pending) > MAX_PENDING_PINS or self.refused < 0:
+            errors.append(f"{len(self._pending)} pending pins (at most {MAX_PENDING_PINS}), {self.refused} refused")
+        if set(self._until.items()) - {(k, u) for u, k in self._deadlines}:
+            errors.append("a pin's deadline is missing from the deadline heap")
+        return errors
+

@@ -9,10 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import PoolUnavailable
+from .errors import PoolTimeout, PoolUnavailable
 from .nats_server import free_port
 from .tiers.dram import arena_names
-
 
 _READY_LINE = "kvpool worker "
 """How `kvpool worker` starts the line it prints once it serves (core/cli.py)."""
@@ -40,7 +39,7 @@ class WorkerProcess:
         if node_id:
             child_env["KVPOOL_NODE_ID"] = node_id
         self.log_path = self.state_dir / f"worker-{self.port}.log"
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - the worker's output, for its lifetime (closed in stop)
         self.proc = subprocess.Popen(args, env=child_env, stdout=self._log, stderr=subprocess.STDOUT)
 
     @property
@@ -62,7 +61,7 @@ class WorkerProcess:
                     pass
             time.sleep(0.05)
         self.kill()
-        raise PoolUnavailable(f"worker on port {self.port} not ready within {timeout} s")
+        raise PoolTimeout(f"worker on port {self.port} not ready within {timeout} s", limit=timeout)
 
     def stop(self, timeout: float = 15.0) -> int:
         if self.proc.poll() is None:

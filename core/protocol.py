@@ -100,7 +100,9 @@ def recv_frame(sock: socket.socket, max_meta: int = MAX_META) -> Frame:
     if version != VERSION:
         raise ProtocolError(f"protocol version {version}; this side speaks {VERSION}")
     if meta_len > max_meta or data_len > MAX_DATA:
-        raise ProtocolError(f"frame of {meta_len} meta / {data_len} data bytes exceeds {max_meta} / {MAX_DATA}")
+        big, limit = (meta_len, max_meta) if meta_len > max_meta else (data_len, MAX_DATA)
+        raise ProtocolError(f"frame of {meta_len} meta / {data_len} data bytes exceeds {max_meta} / {MAX_DATA}",
+                            size=big, limit=limit)
     meta = _recv_meta(sock, meta_len)
     if xxhash.xxh32_intdigest(meta) != meta_crc:
         raise ProtocolError("metadata checksum mismatch")
@@ -190,14 +192,15 @@ def unpack_batch(meta: bytes, *dtypes: str) -> tuple[list[bytes], list[np.ndarra
     try:
         (n,) = struct.unpack_from("<I", meta)
         if n > MAX_BATCH:
-            raise ProtocolError(f"batch of {n} items exceeds {MAX_BATCH}")
+            raise ProtocolError(f"batch of {n} items exceeds {MAX_BATCH}", size=n, limit=MAX_BATCH)
         pos = 4
         lens = np.frombuffer(meta, dtype="<u2", count=n, offset=pos)
         pos += 2 * n
         keys = []
         for ln in lens.tolist():
             if not 0 < ln <= MAX_KEY_BYTES:
-                raise ProtocolError(f"key of {ln} bytes in batch; keys are 1 to {MAX_KEY_BYTES} bytes")
+                raise ProtocolError(f"key of {ln} bytes in batch; keys are 1 to {MAX_KEY_BYTES} bytes", size=ln,
+                                    limit=MAX_KEY_BYTES)
             keys.append(meta[pos:pos + ln])
             pos += ln
         cols = []
@@ -215,7 +218,8 @@ def unpack_batch(meta: bytes, *dtypes: str) -> tuple[list[bytes], list[np.ndarra
 def unpack_ids(meta: bytes) -> np.ndarray:
     """A bare little-endian int64 array (ABORT offsets, RELEASE lease ids)."""
     if len(meta) % 8 or len(meta) > 8 * MAX_BATCH:
-        raise ProtocolError(f"id list of {len(meta)} bytes is not a whole number of int64 (max {MAX_BATCH})")
+        raise ProtocolError(f"id list of {len(meta)} bytes is not a whole number of int64 (max {MAX_BATCH})",
+                            size=len(meta), limit=8 * MAX_BATCH)
     return np.frombuffer(meta, dtype="<i8")
 
 

@@ -23,11 +23,10 @@ import numpy as np
 import xxhash
 
 from . import protocol as P
-from .cache import TieredCache
-from .config import CacheConfig, WorkerConfig, default_state_dir
-from .errors import BlockTooLarge, CapacityError, ConfigError, KVPoolError, ProtocolError
+from .cache import BlockRef, TieredCache
+from .config import CacheConfig, WorkerConfig, default_node_id, default_state_dir
+from .errors import BlockTooLarge, CapacityError, ConfigError, KVPoolError, ListenError, ProtocolError
 from .metrics import WorkerMetrics
-from .pins import PinTable
 
 log = logging.getLogger("kvpool.worker")
 
@@ -48,6 +47,9 @@ def _unix_listener(path: str) -> socket.socket:
     try:
         sock.bind(path)
         sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise ListenError(f"cannot listen on the Unix socket {path}: {e.strerror or e}") from e
     except BaseException:
         sock.close()
         raise
@@ -98,7 +100,7 @@ class _Conn:
         self.closing = ""  # why the watchdog shut the connection down
         self.busy = False
         self.reserved: dict[int, int] = {}  # offset -> size
-        self.leases: dict[int, Any] = {}  # lease id -> block
+        self.leases: dict[int, BlockRef] = {}  # lease id -> block
         self.next_lease = 1
 
 
@@ -111,8 +113,11 @@ class Worker:
         self.config = cfg = config if config is not None else load(WorkerConfig)
         if not is_local_only(cfg.host) and not cfg.token:
             raise ConfigError(f"binding {cfg.host} (not 127.0.0.1) needs a token: set KVPOOL_TOKEN or --token")
+        if cfg.host in ("0.0.0.0", "::", "") and not cfg.advertise_host and cfg.nats_url:
+            raise ConfigError(f"binding the wildcard {cfg.host!r} in a cluster needs --advertise-host (the address "
+                              "other machines reach this worker at); a wildcard is no address to advertise")
         cache_cfg = cache if cache is not None else load(CacheConfig)
-        self.node_id = cfg.node_id or socket.gethostname()
+        self.node_id = cfg.node_id or default_node_id()
         self._stopping = threading.Event()
         self._conns: set[_Conn] = set()
         self._conns_lock = threading.Lock()
@@ -122,7 +127,10 @@ class Worker:
         self.membership: Any = None
         self.events: Any = None  # block-event publishing (--events, --events-zmq), from start() to stop()
         # Sockets first: a port in use must fail before a pre-faulted arena of many GiB exists.
-        self._tcp = socket.create_server((cfg.host, cfg.port), backlog=128, reuse_port=False)
+        try:
+            self._tcp = socket.create_server((cfg.host, cfg.port), backlog=128, reuse_port=False)
+        except OSError as e:
+            raise ListenError(f"cannot listen on tcp {cfg.host}:{cfg.port}: {e.strerror or e}") from e
         try:
             self.port = self._tcp.getsockname()[1]
             self.unix_path = cfg.unix_path or str(default_state_dir() / f"worker-{self.port}.sock")
@@ -136,12 +144,11 @@ class Worker:
         except BaseException:
             self._close_listeners()
             raise
-        self.pins = PinTable(self.cache)
         self.max_reserve = max(self.cache.max_block, self.cache.arena.size // _RESERVE_SHARE)
         """Bytes one same-node connection may hold allocated but not committed: a client that stalls
         between ALLOC and COMMIT (it writes the arena itself, so its slots cannot be taken back while
         it lives) blocks at most this much of the arena."""
-        self.metrics = WorkerMetrics(self.cache.stats)
+        self.metrics = WorkerMetrics(lambda: self.cache.stats().as_dict())
         self._handlers: dict[int, Callable[[_Conn, P.Frame], None]] = {
             P.Op.HELLO: self._hello, P.Op.AUTH: self._auth, P.Op.PUT: self._put, P.Op.GET: self._get,
             P.Op.EXISTS: self._exists, P.Op.PREFIX: self._prefix, P.Op.REMOVE: self._remove,
@@ -161,9 +168,10 @@ class Worker:
         s = self.cache.stats()
         return {"worker_id": self.worker_id, "node_id": self.node_id, "tcp": self.address,
                 "unix": self.unix_path, "arena": self.cache.arena.name, "arena_size": self.cache.arena.size,
-                "dram_capacity": s["dram_capacity"], "dram_bytes": s["dram_bytes"],
-                "ssd_bytes": s["ssd_bytes"], "hits": s["hits_dram"] + s["hits_ssd"] + s["hits_device"],
-                "misses": s["misses"], "max_block": self.cache.max_block, "max_reserve": self.max_reserve, "transports": ["tcp", "shm"],
+                "dram_capacity": s.dram_capacity, "dram_bytes": s.dram_bytes,
+                "ssd_bytes": s.ssd_bytes, "hits": s.hits_dram + s.hits_ssd + s.hits_device,
+                "misses": s.misses, "max_block": self.cache.max_block, "max_reserve": self.max_reserve,
+                "transports": ["tcp", "shm"],
                 "auth": bool(self.config.token), "pid": os.getpid()}
 
     def start(self) -> Worker:
@@ -175,8 +183,10 @@ class Worker:
             if self.config.nats_url:
                 from .cluster import Membership
 
-                self.membership = Membership(self.config.nats_url, self.config.member_ttl_s)
-                self.membership.register(self.worker_id, self.info, self.config.heartbeat_s)
+                self.membership = Membership(self.config.nats_url, self.config.member_ttl_s,
+                                             replicas=self.config.nats_replicas)
+                self.membership.register(self.worker_id, self.info, self.config.heartbeat_s,
+                                         on_rejoin=self._left_cluster)
             if self.config.events or self.config.events_zmq:
                 from .worker_events import WorkerEvents
 
@@ -222,6 +232,14 @@ class Worker:
         if self.events is not None:
             self.events.close()  # after the flush: its last tier moves are published too
         log.info("worker %s stopped", self.worker_id)
+
+    def _left_cluster(self, gap_s: float) -> None:
+        """Heartbeats lapsed past the member TTL: clients dropped this worker and write its keys to
+        others, so its blocks may turn stale. It drops them (misses cost a recompute; a stale hit would
+        cost a wrong answer) and comes back empty."""
+        log.warning("worker %s: no heartbeat got through for %.1f s (member TTL %.1f s): dropping its blocks, "
+                    "which clients may overwrite elsewhere meanwhile", self.worker_id, gap_s, self.config.member_ttl_s)
+        self.cache.clear()
 
     def _close_listeners(self) -> None:
         self._tcp.close()
@@ -415,7 +433,6 @@ class Worker:
         status = np.zeros(len(keys), dtype="<i1")
         arena = self.cache.arena
         scratch: bytearray | None = None
-        self.pins.expire()  # expired pins are evictable again before this put looks for room
         for i, (key, size, csum) in enumerate(zip(keys, sizes.tolist(), csums.tolist())):
             try:
                 offset = self.cache.reserve(size)
@@ -430,7 +447,7 @@ class Worker:
                 self.cache.abort(offset)
                 raise
             if ok:
-                self.cache.commit(key, offset, size, csum, pin=self.pins.claim(key))
+                self.cache.commit(key, offset, size, csum)  # a pin sent before the block pins it
             else:
                 self.cache.abort(offset)
                 self.metrics.corrupt_blocks.inc()
@@ -476,12 +493,11 @@ class Worker:
         self._reply(conn, frame)
 
     def _stats(self, conn: _Conn, frame: P.Frame) -> None:
-        self._reply(conn, frame, P.pack_json({**self.info(), "stats": {**self.cache.stats(), **self.pins.counts()}}))
+        self._reply(conn, frame, P.pack_json({**self.info(), "stats": self.cache.stats().as_dict()}))
 
     def _alloc(self, conn: _Conn, frame: P.Frame) -> None:
         keys, (sizes,) = P.unpack_batch(frame.meta, "<i8")
         offsets = np.full(len(keys), P.ITEM_FULL, dtype="<i8")
-        self.pins.expire()  # expired pins are evictable again before this alloc looks for room
         budget = self.max_reserve - sum(conn.reserved.values())
         for i, size in enumerate(sizes.tolist()):
             if size > budget and size <= self.cache.max_block:
@@ -504,7 +520,7 @@ class Worker:
             if conn.reserved.get(off) != size:
                 raise ProtocolError(f"COMMIT of offset {off} ({size} bytes) that this connection did not reserve")
             del conn.reserved[off]
-            self.cache.commit(key, off, size, csum, pin=self.pins.claim(key))
+            self.cache.commit(key, off, size, csum)
         self.metrics.bytes.labels("in").inc(int(sizes.sum()))
         self._reply(conn, frame, np.zeros(len(keys), dtype="<i1").tobytes())
 
@@ -537,7 +553,7 @@ class Worker:
         for k, s in zip(keys, seconds.tolist()):  # clients send one duration per frame: one call each
             groups.setdefault(s, []).append(k)
         for s, ks in groups.items():
-            self.pins.pin(ks, s)
+            self.cache.batch_pin(ks, s)
 
     def _release(self, conn: _Conn, frame: P.Frame) -> None:
         for lid in P.unpack_ids(frame.meta).tolist():

@@ -10,7 +10,13 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO
+
+from .records import PoolStats
+from .stats import CacheStats
+
+if TYPE_CHECKING:
+    from .client import PoolClient
 
 _HITS = ("hits_dram", "hits_ssd", "hits_device")
 _CLEAR = "\x1b[H\x1b[2J"
@@ -33,32 +39,34 @@ class Row:
     ssd_bytes: int
 
 
-def _lookups(c: dict[str, Any]) -> int:
-    return sum(int(c.get(k, 0)) for k in _HITS) + int(c.get("misses", 0))
+def _lookups(c: CacheStats) -> int:
+    return c.hits_dram + c.hits_ssd + c.hits_device + c.misses
 
 
-def _deltas(c: dict[str, Any], p: dict[str, Any]) -> dict[str, float] | None:
+def _deltas(c: CacheStats, p: CacheStats) -> dict[str, float] | None:
     """Counter increases between two polls of one worker; None if any went back (it restarted)."""
-    d = {k: float(c.get(k, 0)) - float(p.get(k, 0)) for k in ("puts", "evictions", "demotions", "promotions")}
+    d = {k: float(getattr(c, k) - getattr(p, k)) for k in ("puts", "evictions", "demotions", "promotions")}
     d["lookups"] = float(_lookups(c) - _lookups(p))
-    d["hits"] = sum(float(c.get(k, 0)) - float(p.get(k, 0)) for k in _HITS)
+    d["hits"] = float(sum(getattr(c, k) - getattr(p, k) for k in _HITS))
     return None if any(v < 0 for v in d.values()) else d
 
 
-def rates(prev: dict[str, Any], cur: dict[str, Any], seconds: float) -> list[Row]:
+def rates(prev: PoolStats, cur: PoolStats, seconds: float) -> list[Row]:
     """One row per worker in `cur` (both are `PoolClient.stats()` of a cluster), sorted by worker id."""
     rows = []
-    for w, s in sorted(cur.items()):
-        c, p = s.get("stats", {}), prev.get(w, {}).get("stats")
-        d = _deltas(c, p) if p is not None and seconds > 0 else None
+    for w, s in sorted(cur.workers.items()):
+        c = s.cache if s.cache is not None else CacheStats()
+        before = prev.workers.get(w)
+        p = before.cache if before is not None else None
+        d = _deltas(c, p) if p is not None and s.cache is not None and seconds > 0 else None
         r: dict[str, float | None] = {k: (d[k] / seconds if d is not None else None)
                                       for k in ("lookups", "puts", "evictions", "demotions", "promotions")}
-        rows.append(Row(w, str(s.get("node_id", "?")), str(s.get("tcp", "?")), r["lookups"], r["puts"],
+        i = s.info
+        fill = i if s.cache is None else c  # a worker that did not answer: its last heartbeat's figures
+        rows.append(Row(w, i.node_id or "?", i.tcp or "?", r["lookups"], r["puts"],
                         (d["hits"] / d["lookups"]) if d is not None and d["lookups"] > 0 else None,
                         r["evictions"], r["demotions"], r["promotions"],
-                        int(c.get("dram_bytes", s.get("dram_bytes", 0))),
-                        int(c.get("dram_capacity", s.get("dram_capacity", 0))),
-                        int(c.get("ssd_bytes", s.get("ssd_bytes", 0)))))
+                        fill.dram_bytes, fill.dram_capacity, fill.ssd_bytes))
     return rows
 
 
@@ -90,11 +98,11 @@ def render(rows: list[Row], where: str, interval: float) -> str:
     return "\n".join(lines)
 
 
-def watch(client: Any, where: str, interval: float = 2.0, count: int = 0, out: TextIO = sys.stdout) -> int:
+def watch(client: PoolClient, where: str, interval: float = 2.0, count: int = 0, out: TextIO = sys.stdout) -> int:
     """Poll `client.stats()` every `interval` seconds and redraw; `count` > 0 stops after that many
     tables (the first has no rates yet). Ctrl-C ends it."""
     prev, t_prev = client.stats(), time.monotonic()
-    rows = rates({}, prev, 0)  # the first table: who is there, no rates yet
+    rows = rates(PoolStats(CacheStats()), prev, 0)  # the first table: who is there, no rates yet
     shown = 0
     clear = _CLEAR if out.isatty() else ""
     try:

@@ -1,22 +1,20 @@
 """One NATS connection for synchronous callers, and the one place NATS exceptions become stream errors.
 
 nats-py is asyncio-only; `Link` runs it on a private loop thread (`kvpool.core.aio.LoopThread`) so
-Producer/Consumer can offer a blocking API. `translate` maps every nats-py exception to `StreamError`s.
+Producer/Consumer can offer a blocking API. `translate` maps every nats-py exception to a `StreamError`
+(`tests/streams/test_stream_errors.py` checks that no nats-py exception class is left out).
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-import nats
-import nats.errors
 import nats.js.errors
 
-from kvpool.core.aio import LoopThread, nats_connect
+from kvpool.core import LoopThread, nats_connect, nats_failure
 
-from .errors import StreamError, StreamFull, StreamNotFound, StreamTimeout, StreamUnavailable
+from .errors import StreamError, StreamFull, StreamNotFound, StreamRefused, StreamTimeout, StreamUnavailable
 
 T = TypeVar("T")
 
@@ -29,28 +27,31 @@ log = logging.getLogger("kvpool.streams")
 
 
 def translate(err: BaseException, what: str) -> BaseException:
-    """The stream error for a nats-py exception raised while doing `what`; other exceptions unchanged."""
+    """The stream error for a nats-py exception (or a timeout or socket error) raised while doing
+    `what`; other exceptions unchanged. How NATS failed is `kvpool.core.aio.nats_failure`'s call."""
     if isinstance(err, StreamError):
         return err
+    # some APIError subclasses (KeyDeletedError, ...) skip APIError.__init__: no description, no err_code
+    code, desc = getattr(err, "err_code", None) or 0, getattr(err, "description", None) or ""
     if isinstance(err, nats.js.errors.APIError):
-        code, desc = err.err_code or 0, err.description or ""
         limit = next((name for text, name in sorted(_FULL.items(), reverse=True) if desc.startswith(text)), None)
         if limit:
             return StreamFull(f"{what}: stream is full ({desc}); it refuses new messages at its {limit} "
                               "limit until consumers ack or retention drops some")
         if code in _NOT_FOUND_CODES or isinstance(err, nats.js.errors.NotFoundError):
-            return StreamNotFound(f"{what}: {err.description or 'not found'}")
-        return StreamError(f"{what}: JetStream error {code}: {desc}")
+            return StreamNotFound(f"{what}: {desc or 'not found'}")
     if isinstance(err, nats.js.errors.NoStreamResponseError):
         return StreamNotFound(f"{what}: no stream takes this subject")
-    if isinstance(err, (nats.errors.TimeoutError, asyncio.TimeoutError, TimeoutError)):
+    kind = nats_failure(err)
+    if kind is None:
+        return err
+    if kind == "timeout":
         return StreamTimeout(f"{what}: timed out")
-    if isinstance(err, (nats.errors.NoServersError, nats.errors.ConnectionClosedError, OSError,
-                        nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError)):
+    if kind == "unavailable":
         return StreamUnavailable(f"{what}: NATS unavailable: {err!r}")
-    if isinstance(err, nats.errors.Error):
-        return StreamError(f"{what}: {err!r}")
-    return err
+    if isinstance(err, nats.js.errors.APIError):
+        return StreamRefused(f"{what}: JetStream error {code}: {desc}")
+    return StreamRefused(f"{what}: {err!r}")
 
 
 async def connect(url: str, timeout_s: float) -> Any:
@@ -75,15 +76,20 @@ class Link:
         self.js = self.nc.jetstream(timeout=timeout_s)
 
     def call(self, coro: Coroutine[Any, Any, T], what: str, timeout: float | None = None) -> T:
-        """Run `coro` on the loop; NATS errors come back as stream errors."""
+        """Run `coro` on the loop; NATS errors come back as stream errors (StreamUnavailable after close)."""
+        if self.io.loop.is_closed():
+            coro.close()
+            raise StreamUnavailable(f"{what}: the connection to {self.url} is closed")
         try:
             return self.io.run(coro, (timeout if timeout is not None else self.timeout_s) + 2)
         except Exception as e:
             raise translate(e, what) from e
 
     def close(self) -> None:
+        if self.io.loop.is_closed():
+            return
         try:
             self.io.run(self.nc.close(), 5)
-        except Exception:  # closing a connection whose server is gone: nothing left to release
-            pass
+        except Exception as e:  # closing a connection whose server is gone: nothing left to release
+            log.debug("closing the NATS connection to %s: %r", self.url, e)
         self.io.stop()

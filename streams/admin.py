@@ -12,7 +12,7 @@ from typing import Any
 
 from nats.js import api
 
-from kvpool.core.errors import ConfigError
+from kvpool.core import ConfigError
 
 from ._link import Link
 
@@ -48,12 +48,17 @@ class StreamConfig:
     'workqueue' drops one once any consumer acked it."""
     memory: bool = False
     """keep messages in memory instead of the server's file store."""
+    replicas: int = 1
+    """copies JetStream keeps on a NATS cluster (3 on a 3-node cluster survives the loss of a node)."""
 
     def __post_init__(self) -> None:
         if self.discard not in DISCARDS:
             raise ConfigError(f"discard {self.discard!r} is not one of {', '.join(DISCARDS)}")
         if self.retention not in RETENTIONS:
             raise ConfigError(f"retention {self.retention!r} is not one of {', '.join(RETENTIONS)}")
+        if not 1 <= self.replicas <= 5:
+            raise ConfigError(f"replicas is {self.replicas}; JetStream keeps 1 to 5 copies",
+                              size=self.replicas, limit=5)
         for name in ("max_age_s", "max_bytes", "max_msgs"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} is {getattr(self, name)}; it must be >= 0 (0 = unlimited)")
@@ -63,7 +68,7 @@ class StreamConfig:
             name=check_token(name, "stream name"), subjects=[subject(name, ">")],
             retention=api.RetentionPolicy(self.retention), discard=api.DiscardPolicy(self.discard),
             max_age=self.max_age_s or None, max_bytes=self.max_bytes or -1, max_msgs=self.max_msgs or -1,
-            storage=api.StorageType.MEMORY if self.memory else api.StorageType.FILE)
+            storage=api.StorageType.MEMORY if self.memory else api.StorageType.FILE, num_replicas=self.replicas)
 
 
 def create_stream(nats_url: str, name: str, config: StreamConfig | None = None) -> dict[str, Any]:

@@ -24,14 +24,14 @@ from typing import Any
 
 import nats.errors
 
-from kvpool.core.client import PoolClient
+from kvpool.core import PoolClient
 
 from . import envelope as env
 from ._link import connect, translate
 from .admin import check_token, subject
 from .consumer import Start, consumer_config, decode
 from .errors import PayloadError, StreamError, StreamUnavailable
-from .message import Message
+from .message import BaseMessage
 
 log = logging.getLogger("kvpool.streams")
 
@@ -39,19 +39,23 @@ _RETRY_S = 0.5
 """Pause before `consume` asks again after NATS was unreachable (the connection reconnects by itself)."""
 
 
-class AsyncMessage(Message):
-    """A Message whose ack/nak/term are coroutines (they run on the consumer's loop)."""
+class AsyncMessage(BaseMessage):
+    """A delivery from `AsyncConsumer`: `Message`'s fields, with ack/nak/term as coroutines (they run on
+    the consumer's loop)."""
 
     _raw: Any = None
     _settled = False
 
-    async def ack(self) -> None:  # type: ignore[override]  # the asyncio twin of Message.ack
+    async def ack(self) -> None:
+        """Done with it: never deliver it to this consumer (or group) again."""
         await self._op("ack")
 
-    async def nak(self, delay_s: float = 0.0) -> None:  # type: ignore[override]
+    async def nak(self, delay_s: float = 0.0) -> None:
+        """Not processed: deliver it again after `delay_s` seconds."""
         await self._op("nak", delay_s)
 
-    async def term(self) -> None:  # type: ignore[override]
+    async def term(self) -> None:
+        """Never deliver it again, unprocessed (e.g. its payload is missing from the pool)."""
         await self._op("term")
 
     async def _op(self, op: str, delay_s: float = 0.0) -> None:

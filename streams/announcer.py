@@ -21,11 +21,11 @@ from typing import Any
 import nats.js.errors
 from nats.js import api
 
-from kvpool.core.keys import Key
+from kvpool.core import Key
 
 from . import envelope as env
 from ._link import Link, translate
-from .errors import StreamNotFound, StreamTimeout
+from .errors import StreamNotFound, StreamRefused, StreamTimeout
 
 WINDOW = 256
 """Announcements a caller may queue before `ready` waits for them all to be stored."""
@@ -89,8 +89,10 @@ class Announcer:
             if "error" in reply:
                 nats.js.errors.APIError.from_error(reply["error"])  # raises the typed error
             self._settle(token, int(reply["seq"]))
-        except (ValueError, KeyError, TypeError, nats.js.errors.Error) as e:
+        except nats.js.errors.Error as e:
             self._settle(token, translate(e, what))
+        except (ValueError, KeyError, TypeError) as e:
+            self._settle(token, StreamRefused(f"{what}: malformed acknowledgement {bytes(msg.data[:200])!r}: {e!r}"))
 
     def _settle(self, token: str, outcome: int | BaseException) -> None:
         entry = self._unacked.pop(token, None)
@@ -110,7 +112,8 @@ class Announcer:
         try:
             await asyncio.wait_for(self._queue.join(), timeout)
         except asyncio.TimeoutError:
-            raise StreamTimeout(f"publish to stream {self.stream!r}: announcements not sent within {timeout} s") from None
+            raise StreamTimeout(f"publish to stream {self.stream!r}: announcements not sent "
+                                f"within {timeout} s") from None
         waiting = {token: done for token, (_, _, done) in self._unacked.items()}
         if waiting:
             await asyncio.wait(waiting.values(), timeout=timeout)

@@ -7,12 +7,14 @@ import os
 import sys
 from typing import Any
 
+from kvpool.core import Subparsers
+
 from .admin import StreamConfig, create_stream, delete_stream, list_streams, stream_info
 
 _COLUMNS = ("name", "messages", "bytes", "first_seq", "last_seq", "consumers", "retention", "discard")
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     """Add the `streams` command (with its subcommands) to the `kvpool` command line."""
     top = subparsers.add_parser("streams", help="publish/subscribe streams of notifications and KV blocks")
     top.add_argument("--nats-url", default=os.environ.get("KVPOOL_NATS_URL", "nats://127.0.0.1:4222"))
@@ -27,6 +29,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="when full: drop the oldest, or refuse publishes (backpressure)")
     c.add_argument("--retention", choices=("limits", "interest", "workqueue"), default="limits")
     c.add_argument("--memory", action="store_true", help="keep messages in memory, not on disk")
+    c.add_argument("--replicas", type=int, default=1, help="copies on a NATS cluster (3 survives losing a node)")
     c.set_defaults(func=_create)
 
     ls = sub.add_parser("ls", help="list kvpool streams")
@@ -60,7 +63,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _create(args: argparse.Namespace) -> int:
     cfg = StreamConfig(max_age_s=args.max_age_s, max_bytes=args.max_bytes, max_msgs=args.max_msgs,
-                       discard=args.discard, retention=args.retention, memory=args.memory)
+                       discard=args.discard, retention=args.retention, memory=args.memory,
+                       replicas=args.replicas)
     print(json.dumps(create_stream(args.nats_url, args.name, cfg)))
     return 0
 
@@ -107,7 +111,7 @@ def _tail(args: argparse.Namespace) -> int:
 
 
 def _pub(args: argparse.Namespace) -> int:
-    from kvpool.core.client import PoolClient
+    from kvpool.core import PoolClient
 
     from .producer import INLINE_MAX, Producer, encode
 

@@ -9,22 +9,21 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterator
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 import nats.errors
 from nats.js import api
 
-from kvpool.core.client import PoolClient
-from kvpool.core.errors import ConfigError
+from kvpool.core import ConfigError, PoolClient
 
 from . import envelope as env
 from ._link import Link
 from .admin import check_token, subject
 from .errors import PayloadError
-from .message import Message
+from .message import BaseMessage, Message
 from .payload import fetch
 
-Start = Union[str, int, datetime.datetime]
+Start = str | int | datetime.datetime
 """Where a new consumer starts: 'all' (default), 'new', 'last', a stream sequence (int, 1-based) or a
 time (timezone-aware datetime). A group that already exists keeps its position."""
 
@@ -50,7 +49,7 @@ def consumer_config(start: Start, ack_wait_s: float, max_ack_pending: int) -> ap
     return cfg
 
 
-M = TypeVar("M", bound=Message)
+M = TypeVar("M", bound=BaseMessage)
 
 
 def decode(raw: Any, stream: str, pool: PoolClient | None, into: Any, fetch_payload: bool, msg: M) -> M:

@@ -10,8 +10,7 @@ import dataclasses
 import json
 from typing import Any
 
-from kvpool.core.errors import ProtocolError
-from kvpool.core.keys import Key
+from kvpool.core import Key, ProtocolError
 
 KIND = "Kvpool-Kind"
 TYPE = "Kvpool-Type"

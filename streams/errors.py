@@ -1,7 +1,7 @@
 """Errors of kvpool.streams, all under the root `KVPoolError`; NATS errors are translated in `_link`."""
 from __future__ import annotations
 
-from kvpool.core.errors import KVPoolError
+from kvpool.core import CorruptBlock, KVPoolError
 
 
 class StreamError(KVPoolError):
@@ -24,16 +24,28 @@ class StreamTimeout(StreamUnavailable, TimeoutError):
     """A NATS request did not finish within its bound."""
 
 
+class StreamRefused(StreamError):
+    """NATS or JetStream refused a request for a reason other than a full or missing stream: a JetStream
+    API error (its code is in the message), a bad subject, a payload over the server's max_payload,
+    credentials refused."""
+
+
 class PayloadError(StreamError):
     """A by-reference payload cannot be delivered intact; `.message` is the message (ack or term it).
 
     Raised instead of ever returning wrong bytes: a block missing from the pool, or one whose size or
-    checksum disagrees with what the producer published.
+    checksum disagrees with what the producer published. `key` is the block's, `size` its bytes.
     """
 
-    def __init__(self, text: str, message: object = None) -> None:
-        super().__init__(text)
+    def __init__(self, text: str, message: object = None, *, key: bytes | str | None = None,
+                 size: int | None = None, limit: int | float | None = None) -> None:
+        super().__init__(text, key=key, size=size, limit=limit)
         self.message = message
+
+
+class CorruptPayload(PayloadError, CorruptBlock):
+    """A by-reference payload's block fails its checksum: a PayloadError (term the message) that is
+    also the pool's CorruptBlock."""
 
 
 class HandoffTimeout(StreamError, TimeoutError):

@@ -13,8 +13,7 @@ from typing import Any
 
 from nats.js import api
 
-from kvpool.core.client import PoolClient
-from kvpool.core.keys import Key
+from kvpool.core import Key, PoolClient
 
 from . import envelope as env
 from ._link import Link

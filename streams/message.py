@@ -1,4 +1,8 @@
-"""A received stream message: payload, position in the stream, and its acknowledgement."""
+"""A received stream message: payload, position in the stream, and its acknowledgement.
+
+`BaseMessage` holds what every delivery carries; `Message` settles it with blocking calls and
+`kvpool.streams.aio.AsyncMessage` with coroutines (siblings, so neither overrides the other's signature).
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -10,12 +14,11 @@ from .envelope import TYPE, Ref
 
 
 @dataclasses.dataclass
-class Message:
-    """One delivery of a stream message.
+class BaseMessage:
+    """One delivery of a stream message, without the means to settle it.
 
     `data` is the payload: the inline bytes, or for a by-reference payload the buffer it was fetched
     into (verified against its checksums). `blocks` are the per-block views of that buffer (`kv` layers).
-    Until `ack()`, the message is redelivered after the consumer's ack wait.
     """
 
     seq: int
@@ -31,7 +34,6 @@ class Message:
     """when the stream stored it, unix seconds."""
     ref: Ref | None = None
     blocks: list[memoryview] = dataclasses.field(default_factory=list)
-    _settle: Callable[[str, float], None] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def size(self) -> int:
@@ -45,6 +47,13 @@ class Message:
     @property
     def is_json(self) -> bool:
         return self.headers.get(TYPE) == "json"
+
+
+@dataclasses.dataclass
+class Message(BaseMessage):
+    """A delivery from `Consumer`: until `ack()`, it is redelivered after the consumer's ack wait."""
+
+    _settle: Callable[[str, float], None] | None = dataclasses.field(default=None, repr=False)
 
     def ack(self) -> None:
         """Done with it: never deliver it to this consumer (or group) again."""

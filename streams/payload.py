@@ -9,14 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.core.blocks import checksum
-from kvpool.core.buffers import readable
-from kvpool.core.client import PoolClient
-from kvpool.core.errors import BufferSizeError
-from kvpool.core.keys import Key
+from kvpool.core import BufferSizeError, Key, PoolClient, checksum, readable
 
 from .envelope import Ref
-from .errors import PayloadError
+from .errors import CorruptPayload, PayloadError
 
 CHUNK_BYTES = 4 << 20
 """Largest block a by-reference payload is split into, in bytes."""
@@ -54,7 +50,7 @@ def fetch_many(pool: PoolClient, refs: Sequence[Ref], intos: Sequence[Any], what
         buf = memoryview(bytearray(ref.total) if into is None else into).cast("B")
         if buf.readonly or len(buf) < ref.total:
             raise PayloadError(f"{what}: buffer of {len(buf)} bytes (readonly={buf.readonly}) cannot take "
-                               f"{ref.total} bytes")
+                               f"{ref.total} bytes", size=ref.total, limit=len(buf))
         bufs.append(buf[:ref.total])
         at = 0
         for size in ref.sizes:
@@ -67,14 +63,16 @@ def fetch_many(pool: PoolClient, refs: Sequence[Ref], intos: Sequence[Any], what
     try:
         got = pool.batch_get_into(keys, views)
     except BufferSizeError as e:
-        raise PayloadError(f"{whats[0]}: a block's size disagrees with its message: {e}") from e
+        raise PayloadError(f"{whats[0]}: a block's size disagrees with its message: {e}", key=e.key, size=e.size,
+                           limit=e.limit) from e
     for key, size, want, n, view, what in zip(keys, sizes, sums, got, views, labels):
         if n < 0:
-            raise PayloadError(f"{what}: block {key!r} ({size} bytes) is missing from the pool")
+            raise PayloadError(f"{what}: block {key!r} ({size} bytes) is missing from the pool", key=key, size=size)
         if n != size:
-            raise PayloadError(f"{what}: block {key!r} is {n} bytes; the message says {size}")
+            raise PayloadError(f"{what}: block {key!r} is {n} bytes; the message says {size}", key=key, size=n,
+                               limit=size)
         if checksum(view) != want:
-            raise PayloadError(f"{what}: block {key!r} fails its checksum")
+            raise CorruptPayload(f"{what}: block {key!r} fails its checksum", key=key, size=size)
     out, at = [], 0
     for buf, ref in zip(bufs, refs):
         out.append((buf, views[at:at + len(ref.keys)]))

@@ -21,15 +21,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import nats.js.errors
 from nats.js import api
 
-from kvpool.core.client import PoolClient
-from kvpool.core.errors import KVPoolError
-from kvpool.core.keys import Key
+from kvpool.core import Key, KVPoolError, PoolClient
 
 from ._link import Link
 from .admin import subject
-from .errors import StreamError
 
 log = logging.getLogger("kvpool.streams.pins")
 
@@ -50,6 +48,11 @@ def subject_matches(filt: str, subj: str) -> bool:
     return len(want) == len(have)
 
 
+def _filters(config: api.ConsumerConfig) -> list[str]:
+    """The subject filters of a consumer (none: it takes every subject)."""
+    return (config.filter_subjects or []) + ([config.filter_subject] if config.filter_subject else [])
+
+
 class _StreamState:
     """What decides whether a message is done: the stream's first sequence and live subjects, and the
     consumers' ack floors."""
@@ -60,14 +63,14 @@ class _StreamState:
         subjects = state.get("subjects") or {}
         # a paged (partial) subject list cannot tell that a subject is empty
         self.subjects: dict[str, int] | None = subjects if len(subjects) >= int(info.get("total", 0)) else None
-        self.floors = [((c.config.filter_subjects or []) + ([c.config.filter_subject] if c.config.filter_subject else []),
-                        int(c.ack_floor.stream_seq if c.ack_floor else 0))
+        self.floors = [(_filters(c.config), int(c.ack_floor.stream_seq if c.ack_floor else 0))
                        for c in consumers if c.config.ack_policy != api.AckPolicy.NONE]
 
     def done(self, seq: int, subj: str) -> bool:
         if seq < self.first_seq or (self.subjects is not None and subj not in self.subjects):
             return True
-        floors = [floor for filters, floor in self.floors if not filters or any(subject_matches(f, subj) for f in filters)]
+        floors = [floor for filters, floor in self.floors
+                  if not filters or any(subject_matches(f, subj) for f in filters)]
         return bool(floors) and min(floors) >= seq
 
 
@@ -137,7 +140,7 @@ class PinKeeper:
 
     def _pin(self, keys: list[Key], seconds: float) -> None:
         for i in range(0, len(keys), _PIN_BATCH):
-            self._pool.pin(keys[i:i + _PIN_BATCH], seconds)
+            self._pool.batch_pin(keys[i:i + _PIN_BATCH], seconds)
 
     async def _state(self) -> _StreamState | None:
         """The stream's state (None: the stream is gone, and every message with it)."""
@@ -145,10 +148,13 @@ class PinKeeper:
         ask = json.dumps({"subjects_filter": subject(self.stream, ">")}).encode()
         reply = await nc.request(f"$JS.API.STREAM.INFO.{self.stream}", ask, timeout=self._link.timeout_s)
         info = json.loads(reply.data)
-        if "error" in info:
-            if info["error"].get("code") == 404:
+        err = info.get("error")
+        if err:
+            if err.get("code") == 404:
                 return None
-            raise StreamError(f"stream {self.stream!r}: {info['error'].get('description', info['error'])}")
+            # nats-py's own error for JetStream's answer: Link.call translates it as any other
+            raise nats.js.errors.APIError(code=err.get("code"), err_code=err.get("err_code"),
+                                          description=err.get("description"))
         consumers: list[Any] = []
         while True:
             page = await js.consumers_info(self.stream, offset=len(consumers))

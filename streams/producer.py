@@ -12,10 +12,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.core.buffers import readable
-from kvpool.core.client import PoolClient
-from kvpool.core.errors import ConfigError, KVPoolError
-from kvpool.core.keys import Key
+from kvpool.core import ConfigError, InvalidArgument, Key, KVPoolError, PoolClient, readable
 
 from . import envelope as env
 from ._link import Link
@@ -86,7 +83,7 @@ class Producer:
         layer's put overlaps this one's publish; `end_request` waits for the acknowledgements. An
         announcement the stream refused (e.g. StreamFull) raises from the next call."""
         if len(block_keys) != len(tensors):
-            raise ValueError(f"{len(block_keys)} block keys but {len(tensors)} tensors")
+            raise InvalidArgument(f"{len(block_keys)} block keys but {len(tensors)} tensors")
         subj = subject(self.stream, "req", check_token(request_id, "request id"))
         pool = self._need_pool("publish_kv")
         if self._announcer is None:
@@ -118,7 +115,7 @@ class Producer:
     def _unpin(self, keys: Sequence[Key]) -> None:
         """A kv announcement was refused: nothing will read its blocks through the stream."""
         if self.pin_ttl_s:
-            self._need_pool("unpin").pin(keys, 0)
+            self._need_pool("unpin").batch_pin(keys, 0)
 
     def _keeper(self) -> PinKeeper:
         if self._pins is None:
@@ -145,7 +142,7 @@ class Producer:
         except StreamUnavailable:  # includes StreamTimeout: the outcome is unknown
             raise
         except BaseException:
-            pool.remove(ref.keys)
+            pool.batch_remove(ref.keys)
             raise
         if self.pin_ttl_s:
             self._keeper().add(seq, subj, ref.keys, ref.total)
@@ -181,6 +178,4 @@ def _default_budget(pool: PoolClient) -> int | None:
         stats = pool.stats()
     except KVPoolError:
         return None
-    flat = [stats] if "dram_capacity" in stats else [s.get("stats", s) for s in stats.values() if isinstance(s, dict)]
-    capacity = sum(int(s.get("dram_capacity", 0)) for s in flat)
-    return capacity // 4 or None
+    return stats.total.dram_capacity // 4 or None

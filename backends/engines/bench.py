@@ -1,4 +1,4 @@
-"""Engines: time to first token of a long prompt in real engines, the pool warm vs recomputed vs the engine's own file store.
+"""Engines: time to first token of a long prompt in real engines, pool warm vs recomputed vs the engine's file store.
 
 For each engine (vLLM's CPU build, SGLang on CPU) a model of the `bench` preset (6 layers, hidden 768,
 GQA, bf16, random weights) serves a prompt of `--prompt-tokens` random token ids, greedy. One engine
@@ -28,9 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpool.core.bench.bench_pool import local_cluster
-from kvpool.core.bench.measure import emit
-from kvpool.core.errors import ConfigError
+from kvpool.core import BenchError, ConfigError
+from kvpool.core.bench import emit, local_cluster
 
 from . import envs
 from .tiny_model import PRESETS
@@ -90,13 +89,14 @@ def _serve(py: Path, engine: str, model: Path, prompts: Path, store: str, work: 
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"engine"')]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr + proc.stdout)[-3000:]
-        raise RuntimeError(f"{engine} --store {store} failed (exit {proc.returncode}):\n{tail}")
+        raise BenchError(f"{engine} --store {store} failed (exit {proc.returncode}):\n{tail}")
     print(f"  {engine:<7} {store:<7} {time.monotonic() - t0:5.1f} s", file=sys.stderr, flush=True)
     report: dict[str, Any] = json.loads(lines[-1])
     return report
 
 
-def _engine(engine: str, args: argparse.Namespace, work: Path, nats_url: str) -> tuple[dict[str, Any], dict[str, float]]:
+def _engine(engine: str, args: argparse.Namespace, work: Path,
+            nats_url: str) -> tuple[dict[str, Any], dict[str, float]]:
     py = _python(engine, args)
     model = _model(py, engine, args.model_preset)
     rng = random.Random(7)

@@ -22,9 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from kvpool.core.errors import ConfigError
+from kvpool.core import ConfigError
 
-_SGLANG_DEPS = (
+_SGLANG_DEPS = (  # noqa: SIM905 - pip's space-separated form, as SGLang's own lists read
     "aiohttp anthropic blobfile==3.0.0 build compressed-tensors==0.18.0 datasets distro easydict einops "
     "fastapi gguf interegular IPython llguidance<2.0.0,>=1.7.6 mistral_common>=1.11.5 modelscope msgspec "
     "ninja numba==0.65.1 numpy openai==2.8.0 openai-harmony==0.0.4 orjson outlines==0.1.11 packaging "

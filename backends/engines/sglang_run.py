@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvpool.backends.mooncake_shim import shim_path
+from kvpool.core import BenchError
 
 STORES = ("kvpool", "kvpool-v1", "mooncake", "file", "none")
 PAGE_SIZE = 32
@@ -145,7 +146,7 @@ class _Offline:
         deadline = time.monotonic() + _FLUSH_TIMEOUT_S
         while not self._engine.flush_cache().success:  # refused while store writes are in flight
             if time.monotonic() > deadline:
-                raise RuntimeError(f"SGLang did not become idle (store writes pending) in {_FLUSH_TIMEOUT_S} s")
+                raise BenchError(f"SGLang did not become idle (store writes pending) in {_FLUSH_TIMEOUT_S} s")
             time.sleep(0.2)
 
     def close(self) -> None:
@@ -171,7 +172,7 @@ class _Server:
         deadline = time.monotonic() + _READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the SGLang server exited with status {self.proc.returncode} before it was ready")
+                raise BenchError(f"the SGLang server exited with status {self.proc.returncode} before it was ready")
             with contextlib.suppress(OSError):
                 urllib.request.urlopen(f"{self.url}/health", timeout=30).read()  # 503 until warmed up
                 return
@@ -190,14 +191,14 @@ class _Server:
     def generate(self, tokens: list[int], max_tokens: int) -> dict[str, Any]:
         status, body = self._post("/generate", {"input_ids": tokens, "sampling_params": _sampling(max_tokens)}, 600)
         if status != 200:
-            raise RuntimeError(f"SGLang /generate answered {status}: {body[:500]!r}")
+            raise BenchError(f"SGLang /generate answered {status}: {body[:500]!r}")
         return dict(json.loads(body))
 
     def flush(self) -> None:
         deadline = time.monotonic() + _FLUSH_TIMEOUT_S
         while self._post("/flush_cache", None, 60)[0] != 200:  # 400 while store writes are in flight
             if time.monotonic() > deadline:
-                raise RuntimeError(f"SGLang did not become idle (store writes pending) in {_FLUSH_TIMEOUT_S} s")
+                raise BenchError(f"SGLang did not become idle (store writes pending) in {_FLUSH_TIMEOUT_S} s")
             time.sleep(0.2)
 
     def close(self) -> None:
@@ -276,9 +277,8 @@ def _in_use() -> set[str]:
     """/dev/shm names that a live process maps or holds open."""
     used: set[str] = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/maps") as maps:
-                used.update(line.rsplit("/dev/shm/", 1)[1].split()[0] for line in maps if "/dev/shm/" in line)
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            used.update(line.rsplit("/dev/shm/", 1)[1].split()[0] for line in maps if "/dev/shm/" in line)
         with contextlib.suppress(OSError):
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):

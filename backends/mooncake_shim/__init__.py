@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a type only: importing the shim package loads nothing of core
+    from kvpool.core import Subparsers
 
 
 def shim_path() -> str:
@@ -13,7 +17,7 @@ def shim_path() -> str:
     return str(Path(__file__).resolve().parent)
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     """`kvpool mooncake-shim`: print the PYTHONPATH entry, e.g. `PYTHONPATH=$(kvpool mooncake-shim)`."""
     p = subparsers.add_parser(
         "mooncake-shim", help="print a PYTHONPATH entry that makes `mooncake.store` resolve to kvpool",

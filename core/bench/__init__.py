@@ -1,37 +1,50 @@
-"""`kvpool bench SUITE`: suites register here by name; `kvpool bench compare A B` sets two runs side by side.
+"""`kvpool bench SUITE`: suites register here by module path; `kvpool bench compare A B` sets two runs side by side.
 
 Every suite shares the `--quick --json --report DIR` contract: the last line printed under `--json`
 is one JSON object `{"suite", "metrics", "ratios"}`, each ratio measured against a baseline in the
 same run; `--report` writes the results and plots (`report.py`). A suite adds its own options with
-`add_arguments(parser)` and ends its `run(args)` with `measure.emit()`.
+`add_arguments(parser)` and ends its `run(args)` with `emit()`. A face's suite lives next to its code
+(`kvpool.streams.bench_suite`, `kvpool.backends.bench_suite`) and builds on what this package exports.
 """
 from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import sys
 from collections.abc import Callable
 
 from ..errors import ConfigError, PoolUnavailable
-from . import compare, report
+from ..procs import WorkerProcess
+from ..registry import Subparsers, add_unavailable, load
+from . import compare, raw_socket, report
+from .bench_pool import BenchPool, local_cluster, wait_members
+from .measure import best_in_turns, emit, filled, gbps, percentiles_us
+
+__all__ = ["SUITES", "BenchPool", "WorkerProcess", "add_parser", "best_in_turns", "emit", "filled", "gbps",
+           "local_cluster", "percentiles_us", "raw_socket", "wait_members"]
 
 SUITES: dict[str, str] = {
     "core": "kvpool.core.bench.core_suite",
     "cache": "kvpool.core.bench.cache_suite",
     "kvtest": "kvpool.core.bench.kvtest_suite",
     "transport": "kvpool.core.bench.transport_suite",
-    "streams": "kvpool.core.bench.streams_suite",
-    "backends": "kvpool.core.bench.backends_suite",
+    "streams": "kvpool.streams.bench_suite",
+    "backends": "kvpool.backends.bench_suite",
     "engines": "kvpool.backends.engines.bench",
 }
+"""Suites by module path (`registry`), imported when the parser is built; a suite that cannot be
+imported is listed as unavailable and says why when run."""
 
 
-def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark suite, or compare two runs")
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for name, module in SUITES.items():
-        mod = importlib.import_module(module)
+        try:
+            mod = load(module)
+        except ConfigError as e:
+            add_unavailable(suites, name, str(e), "kvpool bench")
+            continue
         p = suites.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0])
         p.add_argument("--quick", action="store_true", help="a short run (under 45 s on 2 cores)")
         p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -39,8 +52,8 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
                        help="write results.json and PNG plots to DIR (pip install 'kvpool[report]')")
         mod.add_arguments(p)
         p.set_defaults(func=functools.partial(_run, mod.run))
-    compare.add_parser(suites)
-    suites.choices["compare"].set_defaults(func=functools.partial(_run, compare.run))
+    compare.add_parser(suites).set_defaults(func=functools.partial(_run, compare.run))
+    return bench
 
 
 def _run(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from ..client import PoolClient
 from ..errors import PoolUnavailable
 from ..nats_server import NatsServer
 from ..procs import WorkerProcess
+from ..records import PoolStats
 from .kvtest_instance import Instance, instance_cluster, run_ended, run_started, wait_for_peer
 
 _SLAB = 16 << 20
@@ -46,10 +47,9 @@ def wait_members(client: PoolClient, n: int, timeout: float = 15.0) -> None:
         raise PoolUnavailable(f"fewer than {n} workers joined the cluster within {timeout} s")
 
 
-def totals(stats: dict[str, Any]) -> dict[str, int]:
+def totals(stats: PoolStats) -> dict[str, int]:
     """Counters and tier fill summed over the pool, from `PoolClient.stats()` of any mode."""
-    per_cache = [stats] if "hits_dram" in stats else [w["stats"] for w in stats.values() if "stats" in w]
-    return {k: sum(int(s.get(k, 0)) for s in per_cache) for k in _TOTALS}
+    return {k: int(getattr(stats.total, k)) for k in _TOTALS}
 
 
 class BenchPool:
@@ -108,7 +108,7 @@ class BenchPool:
             yield self.client
             return
         with self._cluster_client() as client:
-            wait_members(client, len(self.client.stats()))
+            wait_members(client, len(self.client.members()))
             yield client
 
     def totals(self) -> dict[str, int]:

@@ -95,7 +95,7 @@ class CacheOptions:
              "or a kvtest instance config (instance_id, listen_port, remote_worker)"),
             (self.threads >= 1, f"num_threads {self.threads} must be >= 1"),
             (self.target_qps >= 0, f"target_qps {self.target_qps} must be >= 0 (0 = unlimited)"),
-            (not self.data_sizes or all(16 <= s for s in self.data_sizes),
+            (not self.data_sizes or all(s >= 16 for s in self.data_sizes),
              f"data_sizes {self.data_sizes}: every size must be >= 16 bytes"),
             (self.instance_id is None or self.listen_port is not None,
              f"instance {self.instance_id} needs listen_port (its worker's TCP port)"),

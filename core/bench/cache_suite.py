@@ -36,7 +36,7 @@ from .bench_pool import BenchPool
 from .content import BlockContent, memcpy_gbps
 from .key_draw import KeyDraw
 from .measure import Progress, emit, gbps
-from .notify import Notifier, NotifyReader
+from .notify import Notifier, NotifyReader, open_notifier, open_notify_reader
 from .owners import Owners
 from .pacing import Pacer
 
@@ -183,7 +183,7 @@ def _in_threads(pool: BenchPool, threads: int, loop: Callable[[PoolClient], None
     def guarded(client: PoolClient) -> None:
         try:
             loop(client)
-        except BaseException as e:  # noqa: BLE001  (re-raised in the calling thread)
+        except BaseException as e:
             errors.append(e)
 
     with ExitStack() as stack:
@@ -300,17 +300,19 @@ def _read(pool: BenchPool, opts: cache_options.CacheOptions, owners: Owners | No
 
 
 @contextmanager
-def _notifications(pool: BenchPool, opts: cache_options.CacheOptions) -> Iterator[tuple[Any, Any]]:
+def _notifications(pool: BenchPool, opts: cache_options.CacheOptions
+                   ) -> Iterator[tuple[Notifier | None, NotifyReader | None]]:
     """(notifier, reader) of the run: a writer announces, a reader follows; none without a cluster."""
-    notifier = reader = None
+    writer: Notifier | None = None
+    reader: NotifyReader | None = None
     try:
         if pool.url and opts.role == "writer":
-            notifier = Notifier(pool.url, opts.namespace)
+            writer = open_notifier(pool.url, opts.namespace)
         elif pool.url and opts.role == "reader":
-            reader = NotifyReader(pool.url, opts.namespace)
-        yield notifier, reader
+            reader = open_notify_reader(pool.url, opts.namespace)
+        yield writer, reader
     finally:
-        for part in (notifier, reader):
+        for part in (writer, reader):
             if part is not None:
                 part.close()
 

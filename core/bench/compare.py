@@ -11,13 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..registry import Subparsers
 from .report import RESULTS
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="print two runs (--json output or --report results) side by side")
     p.add_argument("a", help="the first run: a results.json, a --report directory, or saved --json output")
     p.add_argument("b", help="the second run, shown against the first")
+    return p
 
 
 def load(path: str | Path) -> dict[str, Any]:

@@ -25,7 +25,7 @@ class BlockContent:
         return self.sizes[int(key.rpartition("/")[2]) % len(self.sizes)]
 
     def make(self, key: str) -> np.ndarray:
-        block = self.pattern[:self.size_of(key)].copy()
+        block: np.ndarray = self.pattern[:self.size_of(key)].copy()
         block[:8] = np.frombuffer(_digest(key), dtype=np.uint8)
         return block
 

@@ -89,10 +89,10 @@ def _ssd(block: int, total: int, root: str) -> dict[str, float]:
         assert cache.ssd is not None
         t = time.perf_counter()
         for i in range(0, n, _BATCH):
-            cache.ssd.put_many((keys[j].encode(), _meta(src[j]), memoryview(src[j]))
-                               for j in range(i, min(i + _BATCH, n)))
+            cache.ssd.store.batch_put((keys[j].encode(), _meta(src[j]), memoryview(src[j]))
+                                     for j in range(i, min(i + _BATCH, n)))
         t_ssd_put = time.perf_counter() - t
-        data_file = str(cache.ssd.data_file())
+        data_file = str(cache.ssd.store.data_file())
 
     dst = np.zeros_like(src)
     _drop_page_cache(raw_path)
@@ -113,7 +113,7 @@ def _ssd(block: int, total: int, root: str) -> dict[str, float]:
         for i in range(n):
             cache.get_into(keys[i], dst[i])
         t_ssd_get = time.perf_counter() - t
-        assert cache.stats()["hits_ssd"] == n
+        assert cache.stats().hits_ssd == n
     assert np.array_equal(dst, src), "SSD round trip returned different bytes"
     return {"file_put": gbps(total, t_file_put), "put": gbps(total, t_ssd_put),
             "file_get": gbps(total, t_file_get), "get": gbps(total, t_ssd_get)}
@@ -122,7 +122,7 @@ def _ssd(block: int, total: int, root: str) -> dict[str, float]:
 def _meta(data: np.ndarray) -> Any:
     from ..blocks import BlockMeta, checksum
 
-    return BlockMeta(data.nbytes, checksum(data))
+    return BlockMeta(data.nbytes, checksum(data.data))
 
 
 def _prefix_match(repeat: int) -> float:

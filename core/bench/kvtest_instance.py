@@ -29,6 +29,7 @@ from ..client import PoolClient
 from ..errors import ConfigError, PoolUnavailable
 from ..nats_server import NatsServer
 from ..procs import WorkerProcess
+from ..records import WorkerInfo
 
 log = logging.getLogger("kvpool.bench")
 
@@ -125,8 +126,8 @@ def wait_for_peer(client: PoolClient, inst: Instance, timeout: float = WAIT_FOR_
     """Block until the client sees this instance's worker and the one at `remote_worker`."""
     want_port = _host_port(inst.remote_worker, "remote_worker")[1] if inst.remote_worker else None
 
-    def ready(members: dict[str, dict[str, object]]) -> bool:
-        ports = {str(i.get("tcp", "")).rpartition(":")[2] for i in members.values()}
+    def ready(members: dict[str, WorkerInfo]) -> bool:
+        ports = {i.tcp.rpartition(":")[2] for i in members.values()}
         mine = str(inst.listen_port) in ports
         return mine and (want_port is None or str(want_port) in ports)
 
@@ -145,14 +146,12 @@ def _peer_id(client: PoolClient, inst: Instance) -> str | None:
     if not inst.remote_worker:
         return None
     port = inst.remote_worker.rpartition(":")[2]
-    peers: dict[str, dict[str, object]] = {}
-    client.wait_for_members(lambda m: bool(peers.update(m)) or True, 0)
-    return next((w for w, i in peers.items() if str(i.get("tcp", "")).rpartition(":")[2] == port), None)
+    return next((w for w, i in client.members().items() if i.tcp.rpartition(":")[2] == port), None)
 
 
 def run_started(client: PoolClient, inst: Instance) -> None:
     """Clear this instance's end mark of an earlier run (before the peer can look for it)."""
-    client.remove([_end_mark(inst.worker_id)])
+    client.remove(_end_mark(inst.worker_id))
 
 
 def run_ended(client: PoolClient, inst: Instance, timeout: float = WAIT_FOR_PEER_S) -> None:

@@ -156,7 +156,7 @@ def _workers(opts: KvtestOptions, block: int) -> Iterator[tuple[str, str]]:
             stack.callback(w.stop)
             w.wait_ready()
         with PoolClient(mode="local", worker=f"127.0.0.1:{opts.listen_port}") as probe:
-            unix = str(next(iter(probe.stats().values())).get("unix", ""))
+            (unix,) = (info.unix for info in probe.members().values())
         yield (unix if os.path.exists(unix) else f"127.0.0.1:{opts.listen_port}"), opts.remote_worker
 
 

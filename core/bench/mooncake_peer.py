@@ -19,6 +19,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from ..errors import BenchError, InvalidArgument
 from ..nats_server import free_port
 from .measure import gbps
 
@@ -29,9 +30,9 @@ _LOCAL_BUFFER = 16 << 20
 
 def _store_class() -> Any:
     try:
-        from mooncake.store import MooncakeDistributedStore  # type: ignore  # no stubs; may be absent
+        from mooncake.store import MooncakeDistributedStore  # may be absent (no stubs: see pyproject)
     except ImportError as e:
-        raise RuntimeError(f"the Mooncake peer needs the mooncake package in {sys.executable} ({e}); "
+        raise BenchError(f"the Mooncake peer needs the mooncake package in {sys.executable} ({e}); "
                            f"install it with: {_INSTALL}") from e
     return MooncakeDistributedStore
 
@@ -41,7 +42,7 @@ def _setup(store: Any, meta_url: str, master: str, segment_bytes: int) -> None:
     # The master reports itself not ready for its first moments, so a failed setup is retried.
     while (rc := store.setup("127.0.0.1", meta_url, segment_bytes, _LOCAL_BUFFER, "tcp", "", master)) != 0:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"Mooncake setup against master {master} returned {rc} for {_START_S} s")
+            raise BenchError(f"Mooncake setup against master {master} returned {rc} for {_START_S} s")
         time.sleep(0.2)
 
 
@@ -90,14 +91,14 @@ def _wait_port(port: int, proc: subprocess.Popen[Any], log: IO[bytes]) -> None:
             return
         except OSError:
             time.sleep(0.05)
-    raise RuntimeError(f"mooncake_master did not open port {port} (exit code {proc.poll()}): {_tail(log)}")
+    raise BenchError(f"mooncake_master did not open port {port} (exit code {proc.poll()}): {_tail(log)}")
 
 
 def _transfer(op: Any, name: str, keys: list[str], plan: list[tuple[slice, list[int], list[int]]], ok: int) -> None:
     for span, ptrs, sizes in plan:
         rcs = op(keys[span], ptrs, sizes)
         if any(rc != ok for rc in rcs):
-            raise RuntimeError(f"Mooncake {name} of {sizes[0]}-byte blocks returned {sorted(set(rcs))}; expected {ok}")
+            raise BenchError(f"Mooncake {name} of {sizes[0]}-byte blocks returned {sorted(set(rcs))}; expected {ok}")
 
 
 def _plan(buf: np.ndarray, batch: int) -> list[tuple[slice, list[int], list[int]]]:
@@ -132,7 +133,7 @@ def _time(store: Any, src: np.ndarray, dst: np.ndarray, batch: int, repeat: int)
         _transfer(store.batch_get_into, "batch_get_into", keys, get_plan, block)
         t_get = min(t_get, time.perf_counter() - t) if r else t_get
     if not np.array_equal(src, dst):
-        raise AssertionError(f"Mooncake: {block}-byte blocks read back differ from blocks written")
+        raise BenchError(f"Mooncake: {block}-byte blocks read back differ from blocks written")
     return gbps(src.nbytes, t_put), gbps(src.nbytes, t_get)
 
 
@@ -144,13 +145,13 @@ def measure(src: np.ndarray, dst: np.ndarray, batch: int, repeat: int) -> tuple[
     bytes read back differ from those written.
     """
     if src.shape != dst.shape or not (src.flags.c_contiguous and dst.flags.c_contiguous):
-        raise ValueError(f"src {src.shape} and dst {dst.shape} must be C-contiguous arrays of one shape")
+        raise InvalidArgument(f"src {src.shape} and dst {dst.shape} must be C-contiguous arrays of one shape")
     store_class = _store_class()
-    import mooncake  # type: ignore  # no stubs; may be absent
+    import mooncake  # may be absent (no stubs: see pyproject)
 
     master_bin = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
     if not os.access(master_bin, os.X_OK):  # e.g. kvpool's own mooncake shim found first on sys.path
-        raise RuntimeError(f"{mooncake.__file__} is not Mooncake's package (no {master_bin}); "
+        raise BenchError(f"{mooncake.__file__} is not Mooncake's package (no {master_bin}); "
                            f"install it with: {_INSTALL}")
     rpc, http, metrics = free_port(), free_port(), free_port()
     meta_url, master_addr = f"http://127.0.0.1:{http}/metadata", f"127.0.0.1:{rpc}"
@@ -171,12 +172,12 @@ def measure(src: np.ndarray, dst: np.ndarray, batch: int, repeat: int) -> tuple[
             procs.append(owner)
             out = owner.stdout
             if out is None or not select.select([out], [], [], _START_S)[0] or out.readline() != b"READY\n":
-                raise RuntimeError(f"Mooncake segment owner did not start: {_tail(owner_log)}")
+                raise BenchError(f"Mooncake segment owner did not start: {_tail(owner_log)}")
             store = store_class()
             _setup(store, meta_url, master_addr, 0)
             for buf in (src, dst):
                 if (rc := store.register_buffer(buf.ctypes.data, buf.nbytes)) != 0:
-                    raise RuntimeError(f"Mooncake register_buffer of {buf.nbytes} bytes returned {rc}")
+                    raise BenchError(f"Mooncake register_buffer of {buf.nbytes} bytes returned {rc}")
             return _time(store, src, dst, batch, repeat)
         finally:
             try:

@@ -1,91 +1,51 @@
-"""kvtest's notifications across instances: the writer announces each batch of blocks it created on a
-kvpool stream; readers on other nodes receive the announcements and read the announced blocks at once,
-which checks that what one node wrote is visible from another as soon as it is announced.
-
-Stream `kvtest-<namespace>` (an hour of retention), one inline message per created batch:
-`{"run": run id, "keys": [...], "t": wall-clock seconds at publish}`.
+"""kvtest's notifications across instances, as the cache suite sees them: the writer announces each
+batch of blocks it created, readers take the announced keys first. They travel on a kvpool stream,
+so the implementation is the streams face's (`IMPLEMENTATION`), loaded by module path (`registry`)
+when a multi-node run starts: core imports no face.
 """
 from __future__ import annotations
 
-import queue
-import re
-import threading
-import time
-from typing import Any
+from typing import Any, Protocol
 
-from .measure import percentiles_us
+from ..registry import load
 
+__all__ = ["IMPLEMENTATION", "Notifier", "NotifyReader", "open_notifier", "open_notify_reader"]
 
-def stream_name(namespace: str) -> str:
-    return "kvtest-" + re.sub(r"[^A-Za-z0-9_-]", "_", namespace)[:56]
+IMPLEMENTATION = "kvpool.streams.kvtest_notify"
 
 
-class Notifier:
-    """The writer's side: `announce(run, keys)` after each put."""
+class Notifier(Protocol):
+    """The writer's side."""
 
-    def __init__(self, nats_url: str, namespace: str) -> None:
-        from kvpool.streams import Producer, StreamConfig, create_stream
+    sent: int
+    """Announcements sent so far."""
 
-        self.stream = stream_name(namespace)
-        create_stream(nats_url, self.stream, StreamConfig(max_age_s=3600))
-        self._producer = Producer(self.stream, nats_url)
-        self.sent = 0
+    def announce(self, run: str, keys: list[str]) -> None: ...
 
-    def announce(self, run: str, keys: list[str]) -> None:
-        self._producer.publish({"run": run, "keys": keys, "t": time.time()})
-        self.sent += 1
-
-    def close(self) -> None:
-        self._producer.close()
+    def close(self) -> None: ...
 
 
-class NotifyReader:
-    """The reader's side: a thread receives announcements of `run` from now on; `take()` hands out
-    the announced keys not yet read; `metrics()` sums them up (latency: publish to receipt)."""
+class NotifyReader(Protocol):
+    """The reader's side: announcements of `run` (set by the reader once it knows the writer's run)."""
 
-    def __init__(self, nats_url: str, namespace: str) -> None:
-        from kvpool.streams import Consumer, StreamConfig, create_stream
-
-        create_stream(nats_url, stream_name(namespace), StreamConfig(max_age_s=3600))  # the writer may come later
-        self._consumer = Consumer(stream_name(namespace), nats_url, start="new")
-        self._keys: queue.Queue[str] = queue.Queue()
-        self.run: str | None = None
-        self.received = self.keys = 0
-        self.latency_s: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="kvtest-notify", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            msg = self._consumer.receive(0.2)
-            if msg is None:
-                continue
-            body: dict[str, Any] = msg.json()
-            msg.ack()
-            if self.run is not None and body.get("run") != self.run:
-                continue  # an earlier writer's run in the same namespace
-            self.latency_s.append(max(0.0, time.time() - float(body["t"])))
-            self.received += 1
-            for k in body["keys"]:
-                self._keys.put(k)
-                self.keys += 1
+    run: str | None
 
     def take(self, n: int) -> list[str]:
-        out: list[str] = []
-        while len(out) < n:
-            try:
-                out.append(self._keys.get_nowait())
-            except queue.Empty:
-                break
-        return out
+        """Up to `n` announced keys not yet taken."""
+        ...
 
-    def metrics(self) -> dict[str, Any]:
-        lat = percentiles_us(self.latency_s)
-        return {"notifications": self.received, "notified_keys": self.keys,
-                "notify_p50_ms": round(lat["p50"] / 1e3, 3), "notify_p99_ms": round(lat["p99"] / 1e3, 3)}
+    def metrics(self) -> dict[str, Any]: ...
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._consumer.close()
+    def close(self) -> None: ...
+
+
+def open_notifier(nats_url: str, namespace: str) -> Notifier:
+    """The writer's side of `namespace`'s notifications, on the cluster at `nats_url`."""
+    made: Notifier = load(f"{IMPLEMENTATION}:Notifier")(nats_url, namespace)
+    return made
+
+
+def open_notify_reader(nats_url: str, namespace: str) -> NotifyReader:
+    """A reader of `namespace`'s notifications from now on."""
+    made: NotifyReader = load(f"{IMPLEMENTATION}:NotifyReader")(nats_url, namespace)
+    return made

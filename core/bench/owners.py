@@ -6,23 +6,21 @@ list the client sees, the first owner of a key is the worker that answers its ge
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
+from ..client import PoolClient
 from ..cluster import rank
 
 
 class Owners:
     """The member list of a cluster client, refreshed on demand, and each key's serving node."""
 
-    def __init__(self, client: Any, node_id: str) -> None:
+    def __init__(self, client: PoolClient, node_id: str) -> None:
         self.client, self.node_id = client, node_id
         self.nodes: dict[str, str] = {}
         self.refresh()
 
     def refresh(self) -> None:
-        members: dict[str, dict[str, Any]] = {}
-        self.client.wait_for_members(lambda m: bool(members.update(m)) or True, 0)
-        self.nodes = {w: str(info.get("node_id", "")) for w, info in members.items()}
+        self.nodes = {w: info.node_id for w, info in self.client.members().items()}
 
     def cross_node(self, keys: Sequence[str]) -> int:
         """How many of `keys` are served by a worker on another node than this client's."""

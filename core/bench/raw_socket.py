@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from ..errors import BenchError
 from ..nats_server import free_port
 
 
@@ -31,7 +32,7 @@ def server(timeout: float = 20.0) -> Iterator[int]:
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"baseline server on port {port} did not start") from None
+                    raise BenchError(f"baseline server on port {port} did not start") from None
                 time.sleep(0.05)
         yield port
     finally:
@@ -42,7 +43,7 @@ def server(timeout: float = 20.0) -> Iterator[int]:
 def serve(port: int) -> None:
     srv = socket.create_server(("127.0.0.1", port))
     buf = np.ones(1 << 30, dtype=np.uint8)  # touched once: no page faults while timed
-    view = memoryview(buf)
+    view = buf.data
     while True:
         conn, _ = srv.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

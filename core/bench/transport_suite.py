@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..client import PoolClient
+from ..errors import BenchError
 from ..procs import WorkerProcess
 from . import raw_socket
 from .measure import best_seconds, emit, filled, gbps
@@ -54,7 +55,7 @@ def _pool(client: PoolClient, src: np.ndarray, dst: np.ndarray, tag: str, repeat
     dst[:] = 0
     t_get = best_seconds(get, repeat)
     if not np.array_equal(src, dst):
-        raise AssertionError(f"{tag}: blocks read back differ from blocks written")
+        raise BenchError(f"{tag}: blocks read back differ from blocks written")
     return gbps(src.nbytes, t_put), gbps(src.nbytes, t_get)
 
 
@@ -62,10 +63,17 @@ def _raw(port: int, src: np.ndarray, dst: np.ndarray, repeat: int) -> tuple[floa
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     with sock:
-        sv = [memoryview(src[i:i + _BATCH]).cast("B") for i in range(0, len(src), _BATCH)]
-        dv = [memoryview(dst[i:i + _BATCH]).cast("B") for i in range(0, len(dst), _BATCH)]
-        put = lambda: [raw_socket.put(sock, [v]) for v in sv]  # noqa: E731
-        get = lambda: [raw_socket.get(sock, [v]) for v in dv]  # noqa: E731
+        sv = [src[i:i + _BATCH].data.cast("B") for i in range(0, len(src), _BATCH)]
+        dv = [dst[i:i + _BATCH].data.cast("B") for i in range(0, len(dst), _BATCH)]
+
+        def put() -> None:
+            for v in sv:
+                raw_socket.put(sock, [v])
+
+        def get() -> None:
+            for v in dv:
+                raw_socket.get(sock, [v])
+
         put()
         get()
         return gbps(src.nbytes, best_seconds(put, repeat)), gbps(src.nbytes, best_seconds(get, repeat))
@@ -101,8 +109,10 @@ def run(args: argparse.Namespace) -> int:
                     from .mooncake_peer import measure
 
                     mk_put, mk_get = measure(src, dst, _BATCH, repeat)
-                    metrics.update({f"mooncake_put{tag}_gbps": round(mk_put, 2), f"mooncake_get{tag}_gbps": round(mk_get, 2)})
-                    ratios.update({f"tcp_get_vs_mooncake{tag}": tcp_get / mk_get, f"tcp_put_vs_mooncake{tag}": tcp_put / mk_put})
+                    metrics.update({f"mooncake_put{tag}_gbps": round(mk_put, 2),
+                                    f"mooncake_get{tag}_gbps": round(mk_get, 2)})
+                    ratios.update({f"tcp_get_vs_mooncake{tag}": tcp_get / mk_get,
+                                   f"tcp_put_vs_mooncake{tag}": tcp_put / mk_put})
             one = np.zeros(64 << 10, dtype=np.uint8)
             lat = []
             for i in range(300 if args.quick else 2000):

@@ -9,16 +9,18 @@ kill -9, can leave it behind; a shared one that a killed owner left is swept by 
 """
 from __future__ import annotations
 
+import _posixshmem
 import bisect
 import mmap
 import os
 import secrets
 from dataclasses import dataclass
 
-import _posixshmem
 import numpy as np
 
-from ..errors import CapacityError
+from ..errors import CapacityError, ConfigError
+
+__all__ = ["DramArena", "arena_names", "size_classes", "sweep_dead_arenas"]
 
 _ALIGN = 64
 _MIN_CLASS = 256
@@ -91,7 +93,8 @@ class DramArena:
         """`shared=False`: no other process will `attach`, so the name is unlinked at once (the memory
         lives as long as this mapping, and nothing is left in /dev/shm however the process ends)."""
         if slab_size % mmap.PAGESIZE or size < slab_size:
-            raise ValueError(f"arena of {size} bytes / slab of {slab_size}: slab must be page-aligned and fit")
+            raise ConfigError(f"arena of {size} bytes / slab of {slab_size}: slab must be page-aligned "
+                              f"({mmap.PAGESIZE} bytes) and fit", size=slab_size, limit=size)
         self.name = name or f"kvpool-{os.getpid()}-{secrets.token_hex(4)}"  # see arena_names
         self.slab_size = slab_size
         self.size = size // slab_size * slab_size
@@ -208,6 +211,42 @@ class DramArena:
 
     def slab_of(self, offset: int) -> int:
         return offset // self.slab_size
+
+    def allocated(self) -> set[int]:
+        """Offsets of every slot handed out and not freed (for `check`; linear in the slots)."""
+        out: set[int] = set()
+        for slab_no, slab in self._slabs.items():
+            csize = self.classes[slab.cls]
+            base = slab_no * self.slab_size
+            out.update(range(base, base + self.slab_size // csize * csize, csize))
+            out.difference_update(slab.free)
+        return out
+
+    def check(self) -> list[str]:
+        """What is wrong with the allocator's bookkeeping (empty when consistent): every slab's used
+        and free slots add up to its capacity, `used_bytes` is their sum, the free-slab pool and the
+        partly used slabs are what the slabs say."""
+        errors: list[str] = []
+        used = 0
+        for slab_no, slab in self._slabs.items():
+            csize = self.classes[slab.cls]
+            count = self.slab_size // csize
+            base = slab_no * self.slab_size
+            if slab.used <= 0 or slab.used + len(slab.free) != count or len(set(slab.free)) != len(slab.free):
+                errors.append(f"slab {slab_no}: {slab.used} used + {len(slab.free)} free slots of {csize} bytes; "
+                              f"it has {count}")
+            if any(not base <= f < base + count * csize or (f - base) % csize for f in slab.free):
+                errors.append(f"slab {slab_no}: a free slot is not a slot of that slab")
+            if (slab_no in self._partial[slab.cls]) != bool(slab.free):
+                errors.append(f"slab {slab_no}: listed as partly used {slab_no in self._partial[slab.cls]}, "
+                              f"{len(slab.free)} free slots")
+            used += slab.used * csize
+        if used != self.used_bytes:
+            errors.append(f"arena used_bytes {self.used_bytes}; its slabs hold {used}")
+        slabs = self.size // self.slab_size
+        if set(self._free_slabs) & set(self._slabs) or len(self._free_slabs) + len(self._slabs) != slabs:
+            errors.append(f"{len(self._free_slabs)} free + {len(self._slabs)} used slabs; the arena has {slabs}")
+        return errors
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         return memoryview(self._mmap)[offset:offset + nbytes]

@@ -1,8 +1,10 @@
-"""The SSD tier: blocks in an LMDB environment, `header || bytes` per key, checksummed on every read.
+"""The SSD tier's store: blocks in an LMDB environment, `header || bytes` per key, checksummed on every read.
 
 Writes go in batches, one transaction each. A value that fails its header or checksum is a miss: it
 is deleted and counted. LMDB commits are atomic, so after a kill -9 a reopened tier serves every
 committed block and none half-written. The environment is reopened after fork (pid change).
+What the cache knows of the stored blocks without reading them (sizes, expiry, order) is
+`ssd_tier.SsdTier`'s; this module only serializes (`blocks`) and stores.
 """
 from __future__ import annotations
 
@@ -15,12 +17,14 @@ from typing import TypeVar
 import lmdb
 
 from ..blocks import HEADER_SIZE, BlockMeta, CorruptBlock, decode, decode_header, encode_header
-from ..errors import CapacityError, KVPoolError
+from ..errors import CapacityError, StorageError
+
+__all__ = ["SsdStore"]
 
 T = TypeVar("T")
 
 
-class SsdTier:
+class SsdStore:
     """LMDB-backed block store at `path` (a directory) with a maximum size of `map_size` bytes.
 
     `sync=True` makes each committed batch durable against power loss (fsync per transaction);
@@ -29,7 +33,6 @@ class SsdTier:
 
     def __init__(self, path: str | os.PathLike[str], map_size: int, sync: bool = True) -> None:
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
         self.map_size = map_size
         self.sync = sync
         self.corrupt = 0
@@ -39,10 +42,11 @@ class SsdTier:
 
     def _open(self) -> None:
         try:
+            self.path.mkdir(parents=True, exist_ok=True)
             self._env = lmdb.open(str(self.path), map_size=self.map_size, subdir=True, sync=self.sync,
                                   metasync=self.sync, readahead=False, max_readers=512, lock=True)
-        except lmdb.Error as e:
-            raise KVPoolError(f"cannot open the SSD tier at {self.path}: {e}") from e
+        except (lmdb.Error, OSError) as e:  # OSError: the folder cannot be made (permissions, a file there)
+            raise StorageError(f"cannot open the SSD tier at {self.path}: {e}") from e
         self._pid = os.getpid()
 
     @property
@@ -55,7 +59,7 @@ class SsdTier:
                 self._env.close()
             self._open()
         if self._env is None:
-            raise KVPoolError(f"SSD tier at {self.path} is closed")
+            raise StorageError(f"SSD tier at {self.path} is closed")
         return self._env
 
     def scan(self) -> Iterator[tuple[bytes, BlockMeta]]:
@@ -75,7 +79,7 @@ class SsdTier:
             self.corrupt += len(bad)
             self._delete_corrupt(bad)
 
-    def put_many(self, items: Iterable[tuple[bytes, BlockMeta, memoryview]]) -> int:
+    def batch_put(self, items: Iterable[tuple[bytes, BlockMeta, memoryview]]) -> int:
         """Write blocks in one transaction; return bytes written. Raises CapacityError when full.
 
         Nothing of a failed batch is written (the transaction aborts as a whole).
@@ -102,7 +106,8 @@ class SsdTier:
             with self.env.begin(write=True) as txn:
                 yield txn
         except lmdb.MapFullError as e:
-            raise CapacityError(f"SSD tier at {self.path} is full (map_size {self.map_size} bytes)") from e
+            raise CapacityError(f"SSD tier at {self.path} is full (map_size {self.map_size} bytes)",
+                                limit=self.map_size) from e
         except lmdb.Error as e:
             raise CapacityError(f"SSD tier at {self.path} could not write: {e} (disk full or over quota?)") from e
 

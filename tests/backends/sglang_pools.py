@@ -1,4 +1,4 @@
-"""The installed SGLang, imported once for the SGLang tests (with `kvpool.backends.sglang_cpu`, as CI
+"""The installed SGLang, imported once for the SGLang tests (with `sglang_cpu`'s stand-ins, as CI
 has no GPU stack), small real host KV pools (the main KV pools and every side pool type of HiCache
 v2), and the backend created as SGLang's controller creates it."""
 from __future__ import annotations
@@ -9,22 +9,26 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpool.backends import sglang_cpu
+import sglang_cpu
 
 sglang_cpu.install()
 with sglang_cpu.quiet_import():
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
-    from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig, PoolHitPolicy, PoolName,
-                                                      PoolTransfer)
+    from sglang.srt.mem_cache.hicache_storage import (
+        HiCacheStorage,
+        HiCacheStorageConfig,
+        PoolHitPolicy,
+        PoolName,
+        PoolTransfer,
+    )
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MHATokenToKOnlyPool
-    from sglang.srt.mem_cache.memory_pool_host import (DeepSeekV4PagedHostPool, DeepSeekV4StateHostPool,
-                                                       LogicalHostPool)
+    from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool, DeepSeekV4StateHostPool, LogicalHostPool
     from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKOnlyPoolHost
-    from sglang.srt.runtime_context import get_parallel
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
     from sglang.srt.observability.metrics_collector import StorageMetrics
+    from sglang.srt.runtime_context import get_parallel
 
     from kvpool.backends.sglang import KVPoolHiCacheStorage
 

@@ -18,7 +18,7 @@ import time
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, List
+from typing import Any
 
 import numpy as np
 import pytest
@@ -108,7 +108,7 @@ def manager_class(pkg: Path, host: _Host) -> type:
             raise AssertionError("a FastDeploy backend other than kvpool was constructed")
 
     ns: dict[str, Any] = {
-        "os": os, "time": time, "traceback": traceback, "List": List, "logger": log, "console_logger": log,
+        "os": os, "time": time, "traceback": traceback, "List": list, "logger": log, "console_logger": log,
         "CacheStatus": CacheStatus, "ReadStorageTask": ReadStorageTask, "WriteStorageTask": WriteStorageTask,
         "MooncakeStore": NotHere, "AttentionStore": NotHere, "FileStore": NotHere,
         "get_key_prefix_from_version": lambda path: "", "cuda_host_alloc": host.alloc,

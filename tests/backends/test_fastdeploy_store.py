@@ -26,7 +26,8 @@ class Layout:
     """FastDeploy's staging buffers for `blocks` blocks: one read and one write buffer, each [K blocks |
     V blocks] of `stride` bytes, plus (block_wise_fp8) two scale buffers of `scale_stride` bytes per block."""
 
-    def __init__(self, store: KVPoolStore, blocks: int, stride: int, scale_stride: int = 0, kind: str = "numpy") -> None:
+    def __init__(self, store: KVPoolStore, blocks: int, stride: int, scale_stride: int = 0,
+                 kind: str = "numpy") -> None:
         self.blocks, self.stride, self.scale_stride = blocks, stride, scale_stride
         self.write = HostBuffer(2 * blocks * stride, kind)
         self.read = HostBuffer(2 * blocks * stride, kind)
@@ -50,7 +51,8 @@ class Layout:
             sc = self.scale_read if buf == "read" else self.scale_write
             assert sc is not None
             shalf = self.blocks * self.scale_stride
-            locs += [sc.ptr + i * self.scale_stride for i in ids] + [sc.ptr + shalf + i * self.scale_stride for i in ids]
+            locs += [sc.ptr + i * self.scale_stride for i in ids]
+            locs += [sc.ptr + shalf + i * self.scale_stride for i in ids]
             sizes += [self.scale_stride] * 2 * len(ids)
         return {"keys": [k for group in keys for k in group], "target_locations": locs, "target_sizes": sizes}
 
@@ -63,7 +65,8 @@ class Layout:
         n = self.blocks if blocks is None else blocks
         half = self.blocks * self.stride
         for base in (0, half):
-            assert np.array_equal(self.read.array[base:base + n * self.stride], self.write.array[base:base + n * self.stride])
+            span = slice(base, base + n * self.stride)
+            assert np.array_equal(self.read.array[span], self.write.array[span])
         if scales and self.scale_read is not None and self.scale_write is not None:
             shalf = self.blocks * self.scale_stride
             for base in (0, shalf):
@@ -90,7 +93,7 @@ def test_bf16_round_trip_every_byte(store: KVPoolStore) -> None:
     keys = fastdeploy_keys([f"h{i:02d}" for i in range(6)], rank=0)
     assert store.batch_set(**lay.args(keys, "write")) == [0] * 12
     assert store.query(keys[0], keys[1], None, None, 1.0) == 6
-    assert store.exists(keys[0] + keys[1]) == {k: True for k in keys[0] + keys[1]}
+    assert store.exists(keys[0] + keys[1]) == dict.fromkeys(keys[0] + keys[1], True)
     assert store.batch_get(**lay.args(keys, "read")) == [BF16_STRIDE] * 12
     lay.assert_read_equals_write()
 
@@ -215,10 +218,10 @@ def test_namespaces_keep_models_apart() -> None:
         assert a.batch_set(keys=["prefix_h_0_key"], target_locations=[buf.ptr], target_sizes=[4096]) == [0]
         assert a.exists(["prefix_h_0_key"]) == {"prefix_h_0_key": True}
         assert b.exists(["prefix_h_0_key"]) == {"prefix_h_0_key": False}
-        assert pool.exists(["model-a/prefix_h_0_key"]) == [True]
+        assert pool.batch_exists(["model-a/prefix_h_0_key"]) == [True]
         assert b.clear() and a.exists(["prefix_h_0_key"]) == {"prefix_h_0_key": False}  # clear is pool-wide
         a.close()
-        assert pool.exists(["x"]) == [False]  # a store does not close a client it was given
+        assert pool.batch_exists(["x"]) == [False]  # a store does not close a client it was given
 
 
 def _assert_down_behaviour(store: KVPoolStore, lay: Layout, keys: list[list[str]]) -> None:
@@ -226,7 +229,7 @@ def _assert_down_behaviour(store: KVPoolStore, lay: Layout, keys: list[list[str]
     assert store.batch_set(**lay.args(keys, "write")) == [Status.RPC_FAIL] * 2 * lay.blocks
     got = store.batch_get(**lay.args(keys, "read"))
     assert all(n <= 0 for n in got)
-    assert store.exists(keys[0]) == {k: False for k in keys[0]}
+    assert store.exists(keys[0]) == dict.fromkeys(keys[0], False)
     assert store.query(keys[0], keys[1]) == 0
     assert store.delete(keys[0][0], timeout=0.3) is False
     assert store.clear() is False

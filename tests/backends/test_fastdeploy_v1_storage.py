@@ -116,7 +116,7 @@ def test_the_v1_manager_stores_and_finds_blocks_through_the_drop_in(storage: Any
     assert np.array_equal(dst.buf.array, host.buf.array[:12 * BLOCK])
     assert connector.batch_set(keys[:2], host.ptrs(0, 2), [BLOCK] * 2) == [True, True]  # present: skipped
     with PoolClient(mode="local", worker=worker.unix_path) as pool:  # the blocks are in the kvpool worker
-        assert pool.exists(keys) == [True] * 12
+        assert pool.batch_exists(keys) == [True] * 12
     connector.disconnect()
     scheduler.disconnect()
 

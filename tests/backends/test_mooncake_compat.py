@@ -23,7 +23,7 @@ from kvpool.backends.mooncake_shim import add_parser, shim_path
 from kvpool.core.client import PoolClient
 from kvpool.core.nats_server import NatsServer
 
-from bkhelp import MiB, HostBuffer, payload
+from bkhelp import HostBuffer, MiB, payload
 
 STRIDE = 3 * 2 * 16 * 32 * 2  # one block: layers x heads x tokens x head_dim x bf16
 
@@ -55,7 +55,7 @@ class FastDeployMooncakeStore:
         return self.store.batch_get_into(keys, target_locations, target_sizes)
 
     def exists(self, keys: list[str]) -> dict[str, int]:
-        return {k: v for k, v in zip(keys, self.store.batch_is_exist(keys))}
+        return dict(zip(keys, self.store.batch_is_exist(keys)))
 
     def query(self, k_keys: list[str], v_keys: list[str]) -> int:
         result = self.exists(k_keys + v_keys)
@@ -111,7 +111,7 @@ def store() -> Iterator[MooncakeDistributedStore]:
 def test_fastdeploy_flow_on_the_embedded_pool(store: MooncakeDistributedStore, small_env: None) -> None:
     fd = FastDeployMooncakeStore(store, master="embedded")
     assert fd.warmup_removed == 0  # no leases to wait out, unlike Mooncake: the warmup key does not leak
-    assert store._io._client is not None and store._io._client.stats()["dram_capacity"] == 32 * MiB
+    assert store._io._client is not None and store._io._client.stats().total.dram_capacity == 32 * MiB
     kv_round_trip(fd)
     k0, v0 = "prefix_h0_0_key", "prefix_h0_0_value"
     assert store.get_size(k0) == STRIDE and store.get_size("nope") == Status.OBJECT_NOT_FOUND
@@ -143,7 +143,8 @@ def test_statuses_match_mooncake(store: MooncakeDistributedStore, small_env: Non
     assert store.put("p", b"hello", ReplicateConfig(replica_num=2)) == 0 and store.get("p") == b"hello"
     assert store.put_parts("pp", b"ab", bytearray(b"cd"), np.frombuffer(b"ef", np.uint8)) == 0
     assert store.get("pp") == b"abcdef" and store.get_size("pp") == 6
-    assert store.put_batch(["q1", "q2"], [b"1", b"22"]) == 0 and store.get_batch(["q1", "q2", "q3"]) == [b"1", b"22", b""]
+    assert store.put_batch(["q1", "q2"], [b"1", b"22"]) == 0
+    assert store.get_batch(["q1", "q2", "q3"]) == [b"1", b"22", b""]
     assert store.batch_remove(["q1", "q3"]) == [0, -704]
     assert store.is_exist("p") == 1 and store.is_exist("q1") == 0
     assert store.batch_is_exist(["p", "x" * 600, "", "q2"]) == [1, 0, 0, 1]  # a bad key is absent, alone
@@ -179,8 +180,10 @@ def test_setup_addresses_map_to_pool_modes() -> None:
     env: dict[str, str] = {}
     assert pool_options("nats://10.0.0.1:4222", "P2PHANDSHAKE", 0, env) == {"mode": "cluster", "nats_url": "nats://10.0.0.1:4222"}
     assert pool_options("", "tls://nats.example:4222", 0, env) == {"mode": "cluster", "nats_url": "tls://nats.example:4222"}
-    assert pool_options("/run/kvpool/worker-7461.sock", "", 0, env) == {"mode": "local", "worker": "/run/kvpool/worker-7461.sock"}
-    assert pool_options("10.0.0.2:7461", "http://10.0.0.1:8080/metadata", 0, env) == {"mode": "local", "worker": "10.0.0.2:7461"}
+    sock = "/run/kvpool/worker-7461.sock"
+    assert pool_options(sock, "", 0, env) == {"mode": "local", "worker": sock}
+    assert pool_options("10.0.0.2:7461", "http://10.0.0.1:8080/metadata", 0, env) == {"mode": "local",
+                                                                                      "worker": "10.0.0.2:7461"}
     assert pool_options("kvpool", "http://10.0.0.1:8080", 0, env) == {}  # a Mooncake metadata URL names no pool
     assert pool_options("embedded", "", 1 << 30, env) == {"mode": "embedded", "dram_bytes": 1 << 30}
     assert pool_options("", "P2PHANDSHAKE", 1 << 30, env) == {"dram_bytes": 1 << 30}
@@ -249,7 +252,8 @@ def test_shim_makes_mooncake_store_resolve_to_kvpool(tmp_path: Path) -> None:
                           "engine": engine.origin if engine else None}))
     """)
     env = {**os.environ, "PYTHONPATH": shim_path()}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env,
+                         cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["same"] is True
@@ -275,10 +279,11 @@ def test_multi_buffer_calls_gather_and_scatter(store: MooncakeDistributedStore, 
         assert store.register_buffer(b.ptr, b.nbytes) == 0
     src.array[:] = payload("m", src.nbytes)
     # layer-first: key i's part for layer l sits at (l * 2 + i) * part, as in SGLang's MLA host pool
-    ptrs = lambda b: [[b.ptr + (l * 2 + i) * part for l in range(layers)] for i in range(2)]  # noqa: E731
+    ptrs = lambda b: [[b.ptr + (layer * 2 + i) * part for layer in range(layers)] for i in range(2)]  # noqa: E731
     sizes = [[part] * layers] * 2
     assert store.batch_put_from_multi_buffers(["k0", "k1"], ptrs(src), sizes, ReplicateConfig()) == [0, 0]
-    assert store.get("k1") == b"".join(bytes(src.array[(l * 2 + 1) * part:(l * 2 + 2) * part]) for l in range(layers))
+    assert store.get("k1") == b"".join(bytes(src.array[(layer * 2 + 1) * part:(layer * 2 + 2) * part])
+                                       for layer in range(layers))
     assert store.batch_get_into_multi_buffers(["k0", "k1"], ptrs(dst), sizes) == [layers * part] * 2
     assert np.array_equal(dst.array, src.array)
     # a miss, parts that do not add up to the object, and malformed lists: statuses, nothing half-written

@@ -12,8 +12,18 @@ import torch
 from kvpool.core.client import PoolClient
 from kvpool.core.errors import ConfigError
 
-from sglang_pools import (MHA_LAYOUTS, MLA_LAYOUTS, PAGE, HiCacheStorage, KVPoolHiCacheStorage, StorageMetrics,
-                          create, dynamic_extra, host_pool, page_bytes)
+from sglang_pools import (
+    MHA_LAYOUTS,
+    MLA_LAYOUTS,
+    PAGE,
+    HiCacheStorage,
+    KVPoolHiCacheStorage,
+    StorageMetrics,
+    create,
+    dynamic_extra,
+    host_pool,
+    page_bytes,
+)
 
 SMALL = {"dram_bytes": "32MiB", "dram_slab_size": "1MiB", "prefault": False}
 """An embedded pool that is quick to create, as it would be written in the JSON extra config."""
@@ -84,7 +94,7 @@ def test_a_page_missing_one_part_is_not_present(make: Make) -> None:
     keys, src = _pages(host, 2)
     backend.batch_set_v1(keys, src)
     v_of_page_1 = backend._names(keys[1:])[1]  # MHA: K then V of all layers
-    backend._io.call(lambda c: c.remove([v_of_page_1]), lambda st: None)
+    backend._io.call(lambda c: c.batch_remove([v_of_page_1]), lambda st: None)
     assert backend.batch_exists(keys) == 1
     assert backend.batch_get_v1(keys, host.alloc(2 * PAGE)) == [True, False]
     assert backend.batch_set_v1(keys, src) == [True, True]  # only the missing part is written again
@@ -179,7 +189,7 @@ def test_round_trip_through_a_local_worker(make: Make, spawn: Any, layout: str) 
     assert backend.batch_get_v1(keys, dst) == [True] * 6
     _assert_same_pages(host, src, dst, 6)
     with PoolClient(mode="local", worker=worker.unix_path) as pool:  # the pages are in the worker
-        assert pool.exists(backend._names(keys)) == [True] * 6 * len(backend._kv)
+        assert pool.batch_exists(backend._names(keys)) == [True] * 6 * len(backend._kv)
 
 
 def test_clear(make: Make) -> None:

@@ -15,7 +15,7 @@ from kvpool.core.nats_server import free_port
 from sglang_pools import PAGE, create, dynamic_extra, host_pool
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "events"))
-from evhelp import Subscriber, replay  # noqa: E402
+from evhelp import Subscriber, replay
 
 
 def test_sglang_pages_appear_under_sglangs_page_hashes(nats, spawn) -> None:

@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvpool.backends import sglang_cpu
-
+import sglang_cpu
 from sglang_pools import PAGE, create, dynamic_extra
 
 HEADS = 4

@@ -11,8 +11,17 @@ import torch
 
 from kvpool.core.client import PoolClient
 
-from sglang_pools import (PAGE, SIDE_POOLS, PoolHitPolicy, PoolName, PoolTransfer, create, dynamic_extra, host_pool,
-                          side_pool)
+from sglang_pools import (
+    PAGE,
+    SIDE_POOLS,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    create,
+    dynamic_extra,
+    host_pool,
+    side_pool,
+)
 
 SMALL = {"dram_bytes": "32MiB", "dram_slab_size": "1MiB", "prefault": False}
 
@@ -139,7 +148,7 @@ def test_v2_hit_policies(make: Make) -> None:
     assert (r.kv_hit_pages, r.extra_pool_hit_pages[PoolName.SWA]) == (6, 3)
     r = backend.batch_exists_v2(ks, [t(PoolName.INDEXER, None, ks)])  # no such pool registered
     assert (r.kv_hit_pages, r.restorable_prefix_pages) == (0, [])
-    backend._io.call(lambda c: c.remove(backend._names(ks[2:3])[:1]), lambda st: None)  # KV page 3 loses a part
+    backend._io.call(lambda c: c.batch_remove(backend._names(ks[2:3])[:1]), lambda st: None)  # KV page 3 loses a part
     r = backend.batch_exists_v2(ks, [trailing])
     assert (r.kv_hit_pages, r.restorable_prefix_pages, r.extra_pool_hit_pages) == (
         2, [2], {PoolName.KV: 2, PoolName.MAMBA: 2})
@@ -152,7 +161,7 @@ def test_v2_page_missing_one_part_is_absent_and_rewritten(make: Make) -> None:
     backend.batch_set_v2([t(PoolName.MAMBA, src, ks)])
     pool = backend._side.pools["mamba"]
     assert pool.zero_copy and pool.parts == 3  # temporal state and two conv states
-    backend._io.call(lambda c: c.remove([pool.names(ks[1:])[2]]), lambda st: None)
+    backend._io.call(lambda c: c.batch_remove([pool.names(ks[1:])[2]]), lambda st: None)
     assert backend.batch_get_v2([t(PoolName.MAMBA, mamba.alloc(2), ks)]) == {PoolName.MAMBA: [True, False]}
     r = backend.batch_exists_v2(ks, [t(PoolName.MAMBA, None, ks[-1:], PoolHitPolicy.TRAILING_PAGES)])
     assert r.restorable_prefix_pages == [1]
@@ -232,7 +241,7 @@ def test_clear_removes_only_its_own_namespace(spawn: Any) -> None:
     made: list[Any] = []
 
     def backend(layout: str = "page_first", dtype: Any = None, **fields: Any) -> tuple[Any, Any, Any]:
-        from kvpool.backends import sglang_cpu
+        import sglang_cpu
 
         anchor = sglang_cpu.host_pool(layout, pages=16, page=PAGE, dtype=dtype)
         _, mamba = side_pool("mamba", PoolName.MAMBA)
@@ -257,7 +266,7 @@ def test_clear_removes_only_its_own_namespace(spawn: Any) -> None:
         for other in others:
             assert other.batch_exists_v2(keys(2), mamba_t).kv_hit_pages == 2, other._prefix
         with PoolClient(mode="local", worker=worker.unix_path) as pool:
-            assert pool.exists(["not-sglang/" + "a" * 64]) == [True]
+            assert pool.batch_exists(["not-sglang/" + "a" * 64]) == [True]
     finally:
         for b in made:
             b.close()

@@ -10,8 +10,18 @@ import torch
 
 from kvpool.backends._hostio import HostIO
 from kvpool.backends._vllm_paged import PagedKV
-from kvpool.backends._vllm_plan import (Planner, Transfer, layer_groups, loadable_blocks, namespace, new_matched_tokens,
-                                        part_keys, pool_config, pool_keys, request_namespace)
+from kvpool.backends._vllm_plan import (
+    Planner,
+    Transfer,
+    layer_groups,
+    loadable_blocks,
+    namespace,
+    new_matched_tokens,
+    part_keys,
+    pool_config,
+    pool_keys,
+    request_namespace,
+)
 from kvpool.core.client import PoolClient
 from kvpool.core.errors import ConfigError, PoolUnavailable
 
@@ -283,7 +293,7 @@ def test_a_token_block_split_into_parts_moves_whole_and_needs_every_part(io: Hos
     assert a.save(io, keys, [0, 1, 2]) == 3
     parts = part_keys(keys, 2)
     assert io.call(lambda c: c.prefix_match(parts), lambda st: -1) == 6
-    io.call(lambda c: c.remove([parts[5]]), lambda st: None)  # the last layer of block 2
+    io.call(lambda c: c.batch_remove([parts[5]]), lambda st: None)  # the last layer of block 2
     assert b.load(io, keys, [9, 10, 11]) == 2
     assert all(torch.equal(s[0:2], d[9:11]) for s, d in zip(src, dst))
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from benchhelp import Ran
+
 from kvpool.core.cli import build_parser
+
+from benchhelp import Ran
 
 
 @pytest.fixture

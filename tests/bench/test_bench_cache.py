@@ -3,6 +3,7 @@ is the target, every hit's bytes are checked, and a second client reads back the
 from __future__ import annotations
 
 import pytest
+
 from benchhelp import SMALL
 
 

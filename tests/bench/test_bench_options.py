@@ -7,9 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-from benchhelp import SMALL
+
 from kvpool.core.bench import cache_options
 from kvpool.core.errors import ConfigError
+
+from benchhelp import SMALL
 
 
 def _args(tmp_path: Path, cfg: dict | None, *flags: str) -> argparse.Namespace:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from benchhelp import SMALL
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -7,8 +7,10 @@ import subprocess
 import sys
 
 import numpy as np
-from benchhelp import SMALL, Ran
+
 from kvpool.core import PoolClient
+
+from benchhelp import SMALL, Ran
 
 
 def _bench(*argv: str) -> Ran:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from kvpool.core.bench.key_draw import KeyDraw
 
 

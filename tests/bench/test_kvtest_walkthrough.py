@@ -9,8 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchhelp import Ran
 from kvpool.core.nats_server import free_port
+
+from benchhelp import Ran
 
 SEED_TEST = {"test_mode": "cache", "key_pool_size": 10000, "inference_delay_ms": 100, "hit_rate": 0.8}
 

@@ -22,10 +22,10 @@ def test_the_api_on_the_embedded_pool() -> None:
             bufs = [bytearray(64 << 10) for _ in range(3)]
             assert await c.batch_get_into(["b", "c", "zz"], bufs) == [64 << 10, 64 << 10, -1]
             assert bytes(bufs[1]) == _block(2)
-            assert await c.exists(["a", "zz"]) == [True, False]
+            assert await c.batch_exists(["a", "zz"]) == [True, False]
             assert await c.prefix_match(["a", "b", "zz", "c"]) == 2
-            assert await c.remove(["a"]) == [True]
-            assert (await c.stats())["puts"] == 3
+            assert await c.batch_remove(["a"]) == [True]
+            assert (await c.stats()).total.puts == 3
             with pytest.raises(InvalidKey):
                 await c.get("")
 

@@ -14,7 +14,7 @@ def _block(i: int) -> bytes:
 
 
 def _wait_members(client: PoolClient, n: int, timeout: float = 15.0) -> None:
-    assert client.wait_for_members(lambda m: len(m) == n, timeout), client._cluster.membership.members()
+    assert client.wait_for_members(lambda m: len(m) == n, timeout), client.members()
 
 
 def test_join_and_leave_move_about_one_nth_of_the_keys():
@@ -36,7 +36,7 @@ def test_replication_two_survives_kill_9_of_a_worker(nats, spawn):
         _wait_members(c, 2)
         keys = [f"r{i}" for i in range(40)]
         c.batch_put(keys, [_block(i) for i in range(40)])
-        per_worker = {w: s["stats"]["dram_blocks"] for w, s in c.stats().items()}
+        per_worker = {w: s.cache.dram_blocks for w, s in c.stats().workers.items() if s.cache is not None}
         assert sorted(per_worker.values()) == [40, 40]
         workers[0].kill()
         t = time.monotonic()
@@ -44,7 +44,7 @@ def test_replication_two_survives_kill_9_of_a_worker(nats, spawn):
         assert c.batch_get_into(keys, bufs) == [32 << 10] * 40
         assert time.monotonic() - t < 5
         assert [bytes(b) for b in bufs] == [_block(i) for i in range(40)]
-        assert c.exists(keys) == [True] * 40
+        assert c.batch_exists(keys) == [True] * 40
 
 
 def test_replication_one_dead_owner_is_a_miss_not_an_error(nats, spawn):
@@ -68,7 +68,7 @@ def test_same_node_workers_are_reached_through_shared_memory(nats, spawn):
         _wait_members(c, 1)
         c.put("z", b"payload")
         assert c.get("z") == b"payload"
-        ((_, transport),) = c._cluster._transports.values()
+        (transport,) = c.backend.fanout.connected().values()  # type: ignore[attr-defined]
         assert type(transport).__name__ == "ShmTransport"
 
 

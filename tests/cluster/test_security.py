@@ -7,10 +7,11 @@ import time
 
 import pytest
 
-from kvpool.core import AuthError, ConfigError, InvalidKey, KVPoolError
+from kvpool.core import AuthError, ConfigError, KVPoolError
 from kvpool.core import protocol as P
 from kvpool.core.client import PoolClient
 from kvpool.core.config import CacheConfig, WorkerConfig
+from kvpool.core.errors import InvalidArgument
 from kvpool.core.server import Worker
 
 
@@ -87,7 +88,7 @@ def test_malformed_frames_close_only_that_connection(tmp_path):
             meta = P.pack_batch([b"half"], np.array([1 << 20], "<i8"), np.array([0], "<u8"))
             s.sendall(P.header(P.Op.PUT, 0, 1, meta, 1 << 20) + meta + b"y" * 1000)
             s.close()
-            assert good.exists(["half", "keep"]) == [False, True]
+            assert good.batch_exists(["half", "keep"]) == [False, True]
             assert w.metrics.protocol_errors._value.get() >= 4
     finally:
         w.stop()
@@ -107,8 +108,7 @@ def test_same_node_ops_are_refused_over_tcp(tmp_path):
 
 
 def _leases(w: Worker) -> int:
-    with w.cache._lock:
-        return sum(b.leases for b in w.cache._dram.values())
+    return w.cache.stats().dram_leases
 
 
 def _wait(cond, timeout: float = 5.0) -> bool:
@@ -140,9 +140,10 @@ def test_a_peer_that_stalls_mid_request_is_dropped_and_its_leases_freed(tmp_path
                 writer.sendall(P.header(P.Op.PUT, 0, 1, meta, 1 << 20) + meta + b"x" * 1000)
                 writer.settimeout(5)
                 assert writer.recv(1) == b""  # closed by the worker
-            assert c.exists(["stall"]) == [False]
-            with pytest.raises(InvalidKey):
-                c.exists("stall")  # one key, not a list of one-character keys
+            assert c.batch_exists(["stall"]) == [False]
+            with pytest.raises(InvalidArgument):
+                c.batch_exists("stall")  # one key, not a list of one-character keys
+            assert c.exists("stall") is False
             time.sleep(1.0)  # an idle connection outlives io_timeout_s
             assert c.get("b3") == bytes([3]) * (1 << 20)
             reader.close()

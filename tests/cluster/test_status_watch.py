@@ -9,20 +9,21 @@ import threading
 import numpy as np
 
 from kvpool.core import PoolClient
+from kvpool.core.records import PoolStats, WorkerStats
 from kvpool.core.status_watch import rates, render
 
 
-def _stats(**counters: int) -> dict:
-    return {"node_id": "n1", "tcp": "127.0.0.1:7461", "stats": {"dram_bytes": 1 << 20, "dram_capacity": 4 << 20,
-                                                               "ssd_bytes": 0, **counters}}
+def _stats(**counters: int) -> WorkerStats:
+    fill = {"dram_bytes": 1 << 20, "dram_capacity": 4 << 20, "ssd_bytes": 0}
+    return WorkerStats.from_dict({"node_id": "n1", "tcp": "127.0.0.1:7461", "stats": {**fill, **counters}})
 
 
 def test_rates_are_differences_over_the_interval() -> None:
-    prev = {"w1": _stats(hits_dram=10, hits_ssd=0, misses=10, puts=5, evictions=0),
-            "w2": _stats(hits_dram=50, misses=0, puts=0)}
-    cur = {"w1": _stats(hits_dram=40, hits_ssd=10, misses=20, puts=25, evictions=4),
-           "w2": _stats(hits_dram=1, misses=0, puts=0),  # restarted: counters went back
-           "w3": _stats(puts=7)}  # joined since the last poll
+    prev = PoolStats.of_workers({"w1": _stats(hits_dram=10, hits_ssd=0, misses=10, puts=5, evictions=0),
+                                 "w2": _stats(hits_dram=50, misses=0, puts=0)})
+    cur = PoolStats.of_workers({"w1": _stats(hits_dram=40, hits_ssd=10, misses=20, puts=25, evictions=4),
+                                "w2": _stats(hits_dram=1, misses=0, puts=0),  # restarted: counters went back
+                                "w3": _stats(puts=7)})  # joined since the last poll
     r1, r2, r3 = rates(prev, cur, 2.0)
     assert (r1.gets_s, r1.puts_s, r1.hit_rate, r1.evict_s) == (25.0, 10.0, 0.8, 2.0)
     assert r2.gets_s is None and r2.hit_rate is None and r3.puts_s is None

@@ -32,9 +32,9 @@ def test_put_in_one_process_get_in_another_through_shared_memory(spawn):
     w = spawn()
     _put_from_child(w.unix_path, 16, 64 << 10)
     with PoolClient(mode="local", worker=w.unix_path) as c:
-        arena = c._single.arena
+        arena = c.backend.arena  # type: ignore[attr-defined]  # a ShmTransport
         base = np.frombuffer(arena, dtype=np.uint8).ctypes.data
-        with c.lease([f"k{i}" for i in range(16)] + ["absent"]) as views:
+        with c.batch_lease([f"k{i}" for i in range(16)] + ["absent"]) as views:
             assert views[-1] is None
             for i, v in enumerate(views[:-1]):
                 assert bytes(v) == _block(i)
@@ -63,21 +63,20 @@ def test_batch_ops(spawn, transport):
     with PoolClient(mode="local", worker=w.unix_path if transport == "shm" else w.address) as c:
         keys = [f"{transport}-{i}" for i in range(64)]
         c.batch_put(keys, [_block(i, 4096 + i) for i in range(64)])
-        assert c.exists(keys[:3] + ["x"]) == [True, True, True, False]
+        assert c.batch_exists(keys[:3] + ["x"]) == [True, True, True, False]
         assert c.prefix_match(keys + ["x"] + keys) == 64
-        assert c.remove(keys[10:12] + ["x"]) == [True, True, False]
+        assert c.batch_remove(keys[10:12] + ["x"]) == [True, True, False]
         assert c.prefix_match(keys) == 10
         bufs = [bytearray(8192) for _ in keys]
         sizes = c.batch_get_into(keys, bufs)
         assert sizes[10] == sizes[11] == -1
         assert all(bytes(bufs[i][:4096 + i]) == _block(i, 4096 + i) for i in range(64) if i not in (10, 11))
-        stats = next(iter(c.stats().values()))
-        assert stats["stats"]["dram_blocks"] == 62
+        assert c.stats().total.dram_blocks == 62
         c.put("other/0", b"stays")
         c.clear(f"{transport}-")
-        assert not any(c.exists(keys)) and c.get("other/0") == b"stays"
+        assert not any(c.batch_exists(keys)) and c.get("other/0") == b"stays"
         c.clear()
-        assert c.exists(keys[:1] + ["other/0"]) == [False, False]
+        assert c.batch_exists(keys[:1] + ["other/0"]) == [False, False]
 
 
 def test_worker_gone_is_a_typed_error_in_local_mode(spawn):
@@ -112,10 +111,10 @@ def test_batches_larger_than_one_frame_are_split_not_refused(spawn, transport):
     keys = [f"{i:08d}".encode() * 50 for i in range(70_000)]
     with PoolClient(mode="local", worker=w.unix_path if transport == "shm" else w.address, timeout_s=30) as c:
         c.batch_put(keys, [k[:8] for k in keys])
-        assert c.exists(keys) == [True] * len(keys)
+        assert c.batch_exists(keys) == [True] * len(keys)
         assert c.prefix_match(keys) == len(keys)
         bufs = [bytearray(8) for _ in keys]
         assert c.batch_get_into(keys, bufs) == [8] * len(keys)
         assert all(bytes(b) == k[:8] for b, k in zip(bufs, keys))
-        c.pin(keys, 0)
-        assert c.remove(keys) == [True] * len(keys)
+        c.batch_pin(keys, 0)
+        assert c.batch_remove(keys) == [True] * len(keys)

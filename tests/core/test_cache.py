@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvpool.core import (BlockTooLarge, BufferSizeError, CapacityError, InvalidKey, PoolClosed,
-                         TieredCache, block_keys)
+from kvpool.core import BlockTooLarge, BufferSizeError, CapacityError, InvalidKey, PoolClosed, TieredCache, block_keys
+from kvpool.core.blocks import BlockMeta, checksum
+from kvpool.core.errors import InvalidArgument
+from kvpool.core.stats import CacheStats
 
 from corehelp import KiB, MiB, payload
 
@@ -124,7 +126,7 @@ def test_misses(make_cache: Make) -> None:
     with cache.lease("nope") as view:
         assert view is None
     assert not cache.exists("nope") and not cache.remove("nope")
-    assert cache.stats()["misses"] == 3
+    assert cache.stats().misses == 3
 
 
 def test_batch_operations(make_cache: Make) -> None:
@@ -140,10 +142,10 @@ def test_batch_operations(make_cache: Make) -> None:
     assert cache.batch_remove(["k3", "zz", "k3"]) == [True, False, False]
     assert cache.batch_exists(["k3", "k4"]) == [False, True]
     s = cache.stats()
-    assert s["puts"] == 10 and s["dram_blocks"] == 9 and s["hits_dram"] == 3 and s["misses"] == 1
-    with pytest.raises(ValueError, match="2 keys but 1 buffers"):
+    assert s.puts == 10 and s.dram_blocks == 9 and s.hits_dram == 3 and s.misses == 1
+    with pytest.raises(InvalidArgument, match="2 keys but 1 buffers"):
         cache.batch_put(["a", "b"], [b"x"])
-    with pytest.raises(ValueError, match="1 keys but 2 buffers"):
+    with pytest.raises(InvalidArgument, match="1 keys but 2 buffers"):
         cache.batch_get_into(["a"], [bytearray(1), bytearray(1)])
 
 
@@ -154,6 +156,7 @@ def test_block_too_large_names_size_and_limit(make_cache: Make) -> None:
     with pytest.raises(BlockTooLarge) as err:
         cache.put("big", b"b" * (MiB + 1))
     assert str(MiB + 1) in str(err.value) and str(MiB) in str(err.value)
+    assert (err.value.key, err.value.size, err.value.limit) == (b"big", MiB + 1, MiB)
     assert not cache.exists("big")
     assert cache.get("max") == b"m" * MiB
 
@@ -170,7 +173,7 @@ def test_batch_with_one_bad_item_writes_nothing(make_cache: Make) -> None:
     assert cache.batch_exists(["a", "b", "c"]) == [False, False, False]
     assert cache.get("old") == b"old"
     s = cache.stats()
-    assert s["puts"] == 1 and s["dram_blocks"] == 1
+    assert s.puts == 1 and s.dram_blocks == 1
 
 
 def test_closed_cache_raises_pool_closed(make_cache: Make) -> None:
@@ -183,8 +186,9 @@ def test_closed_cache_raises_pool_closed(make_cache: Make) -> None:
     calls: list[Callable[[], object]] = [
         lambda: cache.put("k", b"v"), lambda: cache.get("k"), lambda: cache.get_into("k", bytearray(1)),
         lambda: cache.exists("k"), lambda: cache.prefix_match(["k"]), lambda: cache.remove("k"),
-        lambda: cache.clear(), lambda: cache.pin("k"), lambda: cache.lease("k").__enter__(),
+        lambda: cache.clear(), lambda: cache.pin("k", 1), lambda: cache.lease("k").__enter__(),
         lambda: cache.batch_put(["k"], [b"v"]), lambda: cache.batch_get_into(["k"], [bytearray(1)]),
+        lambda: cache.batch_pin(["k"], 1), lambda: cache.batch_lease(["k"]).__enter__(), cache.check,
     ]
     for call in calls:
         with pytest.raises(PoolClosed):
@@ -214,20 +218,20 @@ def test_eviction_demotes_to_ssd_and_a_hit_promotes_back(make_cache: Make, ssd_d
     for k in keys:
         cache.put(k, payload(k, 256 * KiB))
     s = cache.stats()
-    assert s["evictions"] > 0 and s["demotions"] >= s["evictions"] - s["dram_blocks"]
-    assert s["dram_bytes"] <= s["dram_capacity"] == 4 * MiB
-    assert s["dram_blocks"] + s["ssd_blocks"] >= len(keys)
-    assert not cache.ssd is None and cache.ssd.contains(b"e0")
+    assert s.evictions > 0 and s.demotions >= s.evictions - s.dram_blocks
+    assert s.dram_bytes <= s.dram_capacity == 4 * MiB
+    assert s.dram_blocks + s.ssd_blocks >= len(keys)
+    assert cache.ssd is not None and cache.ssd.store.contains(b"e0")
     before = cache.stats()
     assert cache.get("e0") == payload("e0", 256 * KiB)  # long gone from DRAM
     after = cache.stats()
-    assert after["hits_ssd"] == before["hits_ssd"] + 1
-    assert after["promotions"] == before["promotions"] + 1
+    assert after.hits_ssd == before.hits_ssd + 1
+    assert after.promotions == before.promotions + 1
     assert cache.get("e0") == payload("e0", 256 * KiB)  # now a DRAM hit
-    assert cache.stats()["hits_dram"] == after["hits_dram"] + 1
+    assert cache.stats().hits_dram == after.hits_dram + 1
     for k in keys:  # nothing was lost on the way down and up
         assert cache.get(k) == payload(k, 256 * KiB)
-    assert cache.stats()["misses"] == 0
+    assert cache.stats().misses == 0
 
 
 def test_background_demoter_keeps_dram_under_the_high_watermark(make_cache: Make, ssd_dir: str) -> None:
@@ -235,9 +239,9 @@ def test_background_demoter_keeps_dram_under_the_high_watermark(make_cache: Make
                        high_watermark=0.5, low_watermark=0.25)
     for i in range(24):  # 6 MiB: above the high watermark, below capacity
         cache.put(f"w{i}", payload(f"w{i}", 256 * KiB))
-    wait_for(lambda: cache.stats()["dram_bytes"] <= 0.5 * 8 * MiB)
+    wait_for(lambda: cache.stats().dram_bytes <= 0.5 * 8 * MiB)
     s = cache.stats()
-    assert s["demotions"] > 0 and s["evictions"] > 0
+    assert s.demotions > 0 and s.evictions > 0
     for i in range(24):
         assert cache.get(f"w{i}") == payload(f"w{i}", 256 * KiB)
 
@@ -248,12 +252,12 @@ def test_without_ssd_eviction_drops(make_cache: Make) -> None:
     for k in keys:
         cache.put(k, payload(k, 200 * KiB))
     s = cache.stats()
-    assert s["evictions"] > 0 and s["demotions"] == 0 and s["ssd_blocks"] == 0
-    assert s["dram_blocks"] + s["evictions"] == len(keys)
+    assert s.evictions > 0 and s.demotions == 0 and s.ssd_blocks == 0
+    assert s.dram_blocks + s.evictions == len(keys)
     assert cache.get("d0") is None
     assert cache.get(keys[-1]) == payload(keys[-1], 200 * KiB)
     present = [k for k in keys if cache.exists(k)]
-    assert len(present) == cache.stats()["dram_blocks"]
+    assert len(present) == cache.stats().dram_blocks
     assert present == keys[-len(present):]  # the oldest went first
 
 
@@ -280,7 +284,7 @@ def test_recently_read_blocks_survive_streaming_puts(make_cache: Make) -> None:
         cache.put(f"cold{i}", payload(f"cold{i}", 128 * KiB))
         for k in hot:
             assert cache.get(k) == payload(k, 128 * KiB)
-    assert cache.stats()["evictions"] > 100
+    assert cache.stats().evictions > 100
 
 
 def test_eviction_frees_a_slab_for_another_size_class(make_cache: Make) -> None:
@@ -289,7 +293,7 @@ def test_eviction_frees_a_slab_for_another_size_class(make_cache: Make) -> None:
         cache.put(f"s{i}", payload(f"s{i}", 64 * KiB))
     cache.put("big", payload("big", 900 * KiB))  # needs a whole empty slab
     assert cache.get("big") == payload("big", 900 * KiB)
-    assert cache.stats()["evictions"] == 16  # exactly one slab's worth, the least recently used
+    assert cache.stats().evictions == 16  # exactly one slab's worth, the least recently used
     assert not any(cache.batch_exists([f"s{i}" for i in range(16)]))
     assert all(cache.batch_exists([f"s{i}" for i in range(16, 64)]))
 
@@ -308,7 +312,7 @@ def test_leased_block_is_neither_evicted_nor_freed_under_pressure(make_cache: Ma
             assert cache.exists("leased")
         assert view == data
         assert cache.get("leased") == data
-    assert cache.stats()["evictions"] > 80
+    assert cache.stats().evictions > 80
 
 
 def test_replacing_a_leased_block_keeps_the_leased_bytes(make_cache: Make) -> None:
@@ -333,8 +337,22 @@ def test_removing_a_leased_block_frees_it_when_the_lease_ends(make_cache: Make) 
         assert cache.remove("k")
         assert cache.get("k") is None and not cache.exists("k")
         assert view == b"z" * 5000
-        assert cache.stats()["dram_bytes"] > 0  # the slot is still held
-    assert cache.stats()["dram_bytes"] == 0
+        assert cache.stats().dram_bytes > 0 and cache.stats().dram_leases == 1  # the slot is still held
+        assert cache.check() == []
+    assert cache.stats().dram_bytes == 0 and cache.stats().dram_leases == 0
+
+
+def test_batch_lease_holds_every_block_until_it_ends(make_cache: Make) -> None:
+    cache = make_cache(dram_bytes=4 * MiB, dram_slab_size=1 * MiB)
+    cache.batch_put(["a", "b"], [payload("a", 256 * KiB), payload("b", 256 * KiB)])
+    with cache.batch_lease(["a", "missing", "b"]) as views:
+        assert [None if v is None else bytes(v) for v in views] == [payload("a", 256 * KiB), None,
+                                                                     payload("b", 256 * KiB)]
+        assert all(v is None or v.readonly for v in views)
+        for i in range(40):  # 10x the arena: the leased blocks stay
+            cache.put(f"p{i}", payload(f"p{i}", 256 * KiB))
+        assert bytes(views[0] or b"") == payload("a", 256 * KiB) and cache.stats().dram_leases == 2
+    assert cache.stats().dram_leases == 0
 
 
 def test_clear_while_leased(make_cache: Make) -> None:
@@ -344,19 +362,22 @@ def test_clear_while_leased(make_cache: Make) -> None:
         cache.clear()
         assert view == b"q" * 100
     s = cache.stats()
-    assert s["dram_bytes"] == 0 and s["dram_blocks"] == 0
+    assert s.dram_bytes == 0 and s.dram_blocks == 0
 
 
 def test_pin_prevents_eviction(make_cache: Make) -> None:
     cache = make_cache(dram_bytes=4 * MiB, dram_slab_size=1 * MiB)
-    cache.put("pinned", payload("pinned", 200 * KiB), pin=True)
+    cache.put("pinned", payload("pinned", 200 * KiB), pin_s=60)
     cache.put("later", payload("later", 200 * KiB))
-    assert cache.pin("later") and not cache.pin("absent")
+    cache.pin("later", 60)
+    cache.pin("absent", 60)  # no block yet: the pin waits for one
+    s = cache.stats()
+    assert (s.pins, s.pending_pins, s.pins_refused) == (3, 1, 0)
     for i in range(80):
         cache.put(f"p{i}", payload(f"p{i}", 200 * KiB))
     assert cache.get("pinned") == payload("pinned", 200 * KiB)
     assert cache.get("later") == payload("later", 200 * KiB)
-    assert cache.pin("later", False)
+    cache.pin("later", 0)
     for i in range(80, 160):
         cache.put(f"p{i}", payload(f"p{i}", 200 * KiB))
     assert not cache.exists("later") and cache.exists("pinned")
@@ -367,10 +388,10 @@ def test_capacity_error_when_everything_is_pinned(make_cache: Make) -> None:
     n = 0
     with pytest.raises(CapacityError) as err:
         while n < 100:
-            cache.put(f"p{n}", payload(f"p{n}", 512 * KiB), pin=True)
+            cache.put(f"p{n}", payload(f"p{n}", 512 * KiB), pin_s=60)
             n += 1
     assert n == 8  # two 512 KiB slots per 1 MiB slab
-    assert str(4 * MiB) in str(err.value)
+    assert str(4 * MiB) in str(err.value) and (err.value.size, err.value.limit) == (512 * KiB, 4 * MiB)
     assert not cache.exists(f"p{n}")  # the failed put stored nothing
     with pytest.raises(CapacityError):
         cache.put("small", b"s" * 100)
@@ -378,7 +399,7 @@ def test_capacity_error_when_everything_is_pinned(make_cache: Make) -> None:
         assert cache.get(f"p{i}") == payload(f"p{i}", 512 * KiB)
     assert cache.remove("p0")
     cache.put("fits", payload("fits", 512 * KiB))
-    cache.pin("p1", False)
+    cache.pin("p1", 0)
     cache.put("evicts p1", payload("x", 512 * KiB))
     assert not cache.exists("p1")
 
@@ -388,10 +409,10 @@ def test_an_ssd_hit_is_a_miss_not_an_error_when_dram_is_all_pinned(make_cache: M
     cache.put("cold", payload("cold", 512 * KiB))
     cache.flush()
     for i in range(8):  # evicts "cold" (it stays on SSD) and leaves no evictable slot
-        cache.put(f"p{i}", payload(f"p{i}", 512 * KiB), pin=True)
+        cache.put(f"p{i}", payload(f"p{i}", 512 * KiB), pin_s=60)
     assert cache.exists("cold")
     assert cache.get("cold") is None  # promotion has no room: a miss
-    cache.pin("p0", False)
+    cache.pin("p0", 0)
     assert cache.get("cold") == payload("cold", 512 * KiB)
 
 
@@ -400,16 +421,17 @@ def test_a_put_during_promotion_is_not_replaced_by_the_older_ssd_copy(make_cache
     cache = make_cache(ssd_path=ssd_dir, **SYNC_EVICTION)
     cache.put("k", payload("old", 1000))
     cache.flush()
+    cache.close()
+    cache = make_cache(ssd_path=ssd_dir, **SYNC_EVICTION)  # a restart: only the SSD copy is left
     assert cache.ssd is not None
-    cache._drop_dram(b"k")  # only the SSD copy is left
-    read = cache.ssd.read
+    read = cache.ssd.store.read
 
     def read_then_put(key: bytes, into: Any) -> Any:  # a writer replaces k while a reader promotes it
         meta = read(key, into)
         cache.put("k", payload("new", 1000))
         return meta
 
-    monkeypatch.setattr(cache.ssd, "read", read_then_put)
+    monkeypatch.setattr(cache.ssd.store, "read", read_then_put)
     assert cache.get("k") == payload("new", 1000)
     monkeypatch.undo()
     assert cache.get("k") == payload("new", 1000)
@@ -418,21 +440,21 @@ def test_a_put_during_promotion_is_not_replaced_by_the_older_ssd_copy(make_cache
 def test_demoter_does_not_spin_when_nothing_is_evictable(make_cache: Make) -> None:
     cache = make_cache(dram_bytes=4 * MiB, dram_slab_size=1 * MiB)
     for i in range(8):  # 100% full, above the high watermark, all pinned
-        cache.put(f"p{i}", payload(f"p{i}", 512 * KiB), pin=True)
+        cache.put(f"p{i}", payload(f"p{i}", 512 * KiB), pin_s=60)
     start = time.process_time()
     time.sleep(1.0)
     assert time.process_time() - start < 0.3, "the background demoter is busy-waiting"
     for i in range(8):
-        cache.pin(f"p{i}", False)
+        cache.pin(f"p{i}", 0)
     cache.put("next", b"n")  # the next commit wakes it, and it gets back under the watermark
-    wait_for(lambda: cache.stats()["dram_bytes"] <= 0.95 * 4 * MiB)
+    wait_for(lambda: cache.stats().dram_bytes <= 0.95 * 4 * MiB)
 
 
 def test_a_pinned_block_does_not_block_eviction_elsewhere(make_cache: Make) -> None:
     cache = make_cache(dram_bytes=4 * MiB, dram_slab_size=1 * MiB, **SYNC_EVICTION)
     for i in range(16):  # 256 KiB blocks: four per slab, every slab full
         cache.put(f"s{i}", payload(f"s{i}", 256 * KiB))
-    cache.pin("s0")  # the least recently used slab now holds a pinned block
+    cache.pin("s0", 60)  # the least recently used slab now holds a pinned block
     cache.put("big", payload("big", 700 * KiB))  # another class: needs a whole slab
     assert cache.get("big") == payload("big", 700 * KiB)
     assert cache.get("s0") == payload("s0", 256 * KiB)
@@ -443,8 +465,8 @@ def test_a_pinned_block_does_not_block_eviction_elsewhere(make_cache: Make) -> N
 
 def test_ttl_expiry_is_a_miss(make_cache: Make) -> None:
     cache = make_cache()
-    cache.put("short", b"s", ttl=0.2)
-    cache.put("long", b"l", ttl=60)
+    cache.put("short", b"s", ttl_s=0.2)
+    cache.put("long", b"l", ttl_s=60)
     cache.put("forever", b"f")
     assert cache.get("short") == b"s"
     time.sleep(0.3)
@@ -453,14 +475,14 @@ def test_ttl_expiry_is_a_miss(make_cache: Make) -> None:
     assert cache.prefix_match(["long", "short", "forever"]) == 1
     assert cache.get_into("short", bytearray(1)) == -1
     assert cache.get("long") == b"l"
-    assert cache.stats()["dram_blocks"] == 2
+    assert cache.stats().dram_blocks == 2
 
 
 def test_ttl_expiry_is_a_miss_on_ssd_too(make_cache: Make, ssd_dir: str) -> None:
     cache = make_cache(ssd_path=ssd_dir, ssd_sync=False)
-    cache.put("in dram", b"d", ttl=0.2)
-    cache.put("on ssd", b"s", ttl=0.2)
-    cache.put("kept", b"k", ttl=60)
+    cache.put("in dram", b"d", ttl_s=0.2)
+    cache.put("on ssd", b"s", ttl_s=0.2)
+    cache.put("kept", b"k", ttl_s=60)
     cache.flush()
     cache.close()
     cache = make_cache(ssd_path=ssd_dir, ssd_sync=False)
@@ -470,7 +492,7 @@ def test_ttl_expiry_is_a_miss_on_ssd_too(make_cache: Make, ssd_dir: str) -> None
     assert cache.prefix_match(["kept", "on ssd"]) == 1
     assert cache.get("in dram") is None and cache.get("on ssd") is None
     assert cache.get("kept") == b"k"
-    assert cache.stats()["ssd_blocks"] == 1
+    assert cache.stats().ssd_blocks == 1
 
 
 def test_prefix_match_and_batch_exists_on_a_key_chain(make_cache: Make) -> None:
@@ -496,12 +518,12 @@ def test_remove_and_clear(make_cache: Make, ssd_dir: str) -> None:
     cache.flush()
     assert cache.remove("r0") and not cache.remove("r0")
     assert cache.get("r0") is None
-    assert cache.stats()["ssd_blocks"] == 9
+    assert cache.stats().ssd_blocks == 9
     cache.clear()
     s = cache.stats()
-    assert (s["dram_blocks"], s["dram_bytes"], s["ssd_blocks"], s["ssd_bytes"]) == (0, 0, 0, 0)
+    assert (s.dram_blocks, s.dram_bytes, s.ssd_blocks, s.ssd_bytes) == (0, 0, 0, 0)
     assert not any(cache.batch_exists(keys))
-    assert cache.ssd is not None and list(cache.ssd.scan()) == []
+    assert cache.ssd is not None and list(cache.ssd.store.scan()) == []
     cache.put("r1", b"again")
     assert cache.get("r1") == b"again"
 
@@ -515,7 +537,7 @@ def test_clear_of_a_prefix_leaves_other_namespaces(make_cache: Make, ssd_dir: st
     cache.clear("m1/")
     assert not any(cache.batch_exists(mine)) and all(cache.batch_exists(theirs))
     assert all(cache.get(k) == payload(k, 10 * KiB) for k in theirs)
-    assert cache.ssd is not None and sorted(k for k, _ in cache.ssd.scan()) == sorted(k.encode() for k in theirs)
+    assert cache.ssd is not None and sorted(k for k, _ in cache.ssd.store.scan()) == sorted(k.encode() for k in theirs)
 
 
 def test_replace_updates_every_tier(make_cache: Make, ssd_dir: str) -> None:
@@ -525,9 +547,9 @@ def test_replace_updates_every_tier(make_cache: Make, ssd_dir: str) -> None:
     cache.put("k", payload("v2", 256 * KiB))
     for i in range(40):  # push v2 out of DRAM (same size class as the filler)
         cache.put(f"p{i}", payload(f"p{i}", 256 * KiB))
-    assert cache.stats()["hits_ssd"] == 0
+    assert cache.stats().hits_ssd == 0
     assert cache.get("k") == payload("v2", 256 * KiB)
-    assert cache.stats()["hits_ssd"] == 1  # it came back from SSD, and it is v2
+    assert cache.stats().hits_ssd == 1  # it came back from SSD, and it is v2
     for i in range(40):
         cache.put(f"q{i}", payload(f"q{i}", 256 * KiB))
     cache.close()
@@ -550,14 +572,25 @@ def test_verify_dram_reads_turns_corrupt_dram_into_a_miss(make_cache: Make) -> N
     for k in ("a", "b", "c"):
         cache.put(k, payload(k, 4096))
     for k in ("a", "b", "c"):
-        b = cache._dram[k.encode()]
-        cache.arena.buf[b.offset + 100] ^= 0xFF  # bit rot in the arena
+        rot(cache, k, 100)
+    assert len(cache.check()) == 3  # check() reads every block
     assert cache.get_into("a", bytearray(4096)) == -1
     assert cache.get("b") is None
     with cache.lease("c") as view:
         assert view is None
     s = cache.stats()
-    assert s["checksum_failures"] == 3 and s["dram_blocks"] == 0
+    assert s.checksum_failures == 3 and s.dram_blocks == 0
+    assert cache.check() == []
+
+
+def rot(cache: TieredCache, key: str, at: int) -> None:
+    """Flip a byte of `key`'s block in the arena (bit rot), through the slot protocol."""
+    ref = cache.acquire(key)
+    assert ref is not None
+    try:
+        cache.arena.buf[ref.offset + at] ^= 0xFF
+    finally:
+        cache.release(ref)
 
 
 def test_stats_are_consistent(make_cache: Make, ssd_dir: str) -> None:
@@ -566,13 +599,29 @@ def test_stats_are_consistent(make_cache: Make, ssd_dir: str) -> None:
         cache.put(f"s{i}", payload(f"s{i}", 100 * KiB * (1 + i % 3)))
     cache.flush()
     s = cache.stats()
-    with cache._lock:
-        assert s["dram_blocks"] == len(cache._dram)
-        assert s["dram_bytes"] == sum(cache.arena.slot_size(b.offset) for b in cache._dram.values())
-    assert s["puts"] == 30
-    assert s["ssd_blocks"] == len(list(cache.ssd.scan()))  # type: ignore[union-attr]
-    assert s["ssd_bytes"] == sum(meta.size for _, meta in cache.ssd.scan())  # type: ignore[union-attr]
-    assert s["dram_bytes"] <= s["dram_capacity"]
+    assert cache.check() == []  # the indexes agree with the arena and with LMDB
+    assert s.puts == 30 and s.dram_blocks + s.evictions == 30
+    assert cache.ssd is not None
+    assert s.ssd_blocks == len(list(cache.ssd.store.scan()))
+    assert s.ssd_bytes == sum(meta.size for _, meta in cache.ssd.store.scan())
+    assert s.dram_bytes <= s.dram_capacity
+    assert CacheStats.from_dict({**s.as_dict(), "from_a_newer_worker": 1}) == s
+
+
+def test_check_reports_what_disagrees(make_cache: Make, ssd_dir: str) -> None:
+    cache = make_cache(ssd_path=ssd_dir, ssd_sync=False)
+    cache.batch_put(["a", "b", "c"], [payload(k, 10 * KiB) for k in "abc"])
+    cache.flush()
+    assert cache.check() == []
+    rot(cache, "a", 5)
+    assert cache.ssd is not None
+    cache.ssd.store.delete([b"b"])  # LMDB lost an indexed block
+    cache.ssd.store.batch_put([(b"orphan", BlockMeta(1, checksum(b"o")), memoryview(b"o"))])
+    errors = cache.check()
+    assert len(errors) == 4, errors  # a's bytes; a's SSD copy differs from them; b; the orphan
+    assert any("'a'" in e and "checksum" in e for e in errors)
+    assert any("'b'" in e and "LMDB does not hold it" in e for e in errors)
+    assert any("orphan" in e for e in errors)
 
 
 def test_pinned_blocks_spread_over_every_slab_do_not_refuse_puts(make_cache: Make) -> None:
@@ -581,10 +630,10 @@ def test_pinned_blocks_spread_over_every_slab_do_not_refuse_puts(make_cache: Mak
     per_slab = MiB // (4 * KiB)
     keys = [f"s{i}" for i in range(6 * per_slab)]  # six slabs of 4 KiB blocks, the first of each pinned
     for i, k in enumerate(keys):
-        cache.put(k, payload(k, 4 * KiB), pin=i % per_slab == 0)
+        cache.put(k, payload(k, 4 * KiB), pin_s=60 if i % per_slab == 0 else 0)
     pinned = keys[::per_slab]
     for i in range(6):  # pinned 1 MiB blocks take whole slabs: two are free, then every slab holds a pin
-        cache.put(f"big{i}", payload(f"big{i}", MiB), pin=True)
+        cache.put(f"big{i}", payload(f"big{i}", MiB), pin_s=60)
     assert all(cache.get(f"big{i}") == payload(f"big{i}", MiB) for i in range(6))
     assert all(cache.get(k) == payload(k, 4 * KiB) for k in pinned), "a moved pinned block changed"
-    assert cache.stats()["relocations"] >= 4
+    assert cache.stats().relocations >= 4

@@ -51,12 +51,12 @@ class Recorder(CacheListener):
 
 
 def _held(cache: TieredCache) -> dict[bytes, set[str]]:
-    """What the cache holds per tier, read under its lock (the demoter runs meanwhile)."""
-    with cache._lock:
-        out: dict[bytes, set[str]] = {k: {"dram"} for k in cache._dram}
-        for k in cache._ssd_sizes:
-            out.setdefault(k, set()).add("ssd")
-        return out
+    """What the cache holds per tier, as a fresh listener's replay tells it (read under the cache's
+    lock: the demoter runs meanwhile)."""
+    rec = Recorder()
+    cache.add_listener(rec, replay=True)
+    cache.remove_listener(rec)
+    return rec.tiers
 
 
 def _listen(cache: TieredCache) -> Recorder:
@@ -88,7 +88,7 @@ def test_eviction_without_ssd_removes(make_cache: Make) -> None:
         cache.put(k, payload(k, 200 * KiB))
     evicted = [c[1] for c in rec.calls if c[0] == "removed"]
     assert evicted and all(c[3] == "evict" for c in rec.calls if c[0] == "removed")
-    assert len(evicted) == cache.stats()["evictions"]
+    assert len(evicted) == cache.stats().evictions
     assert sorted(evicted) == sorted(k for k in keys if not cache.exists(k))
     assert rec.tiers == _held(cache)
 
@@ -122,8 +122,8 @@ def test_ssd_eviction_removes_what_only_ssd_held(make_cache: Make, ssd_dir: str)
 def test_expiry_removes(make_cache: Make, ssd_dir: str) -> None:
     cache = make_cache(ssd_path=ssd_dir, ssd_sync=False)
     rec = _listen(cache)
-    cache.put("t", b"x" * 100, ttl=0.05)
-    cache.put("u", b"y" * 100, ttl=0.05)
+    cache.put("t", b"x" * 100, ttl_s=0.05)
+    cache.put("u", b"y" * 100, ttl_s=0.05)
     cache.flush()  # "u" also on SSD: both copies expire
     time.sleep(0.1)
     assert not cache.exists("t") and cache.get("u") is None
@@ -136,9 +136,10 @@ def test_corrupt_dram_read_removes(make_cache: Make) -> None:
     cache = make_cache(verify_dram_reads=True)
     rec = _listen(cache)
     cache.put("c", b"z" * 4096)
-    with cache._lock:
-        b = cache._dram[b"c"]
-        cache.arena.buf[b.offset] ^= 0xFF
+    ref = cache.acquire("c")
+    assert ref is not None
+    cache.arena.buf[ref.offset] ^= 0xFF
+    cache.release(ref)
     assert cache.get("c") is None
     assert rec.calls[-1] == ("removed", "c", "dram", "corrupt")
 
@@ -154,7 +155,7 @@ def test_events_replay_to_what_the_cache_holds(make_cache: Make, ssd_dir: str, s
         k = rng.choice(keys)
         op = rng.random()
         if op < 0.5:
-            cache.put(k, payload(k, rng.choice([64, 128, 256]) * KiB), ttl=0.2 if rng.random() < 0.05 else None)
+            cache.put(k, payload(k, rng.choice([64, 128, 256]) * KiB), ttl_s=0.2 if rng.random() < 0.05 else None)
         elif op < 0.8:
             cache.get(k)
         elif op < 0.95:
@@ -165,6 +166,7 @@ def test_events_replay_to_what_the_cache_holds(make_cache: Make, ssd_dir: str, s
             cache.flush()
         if step % 50 == 0:
             assert rec.tiers == _held(cache), f"step {step}"
+            assert cache.check() == [], f"step {step}"
     cache.batch_exists(keys)  # expired blocks found and dropped
     assert rec.tiers == _held(cache)
 

@@ -3,13 +3,13 @@
 With an SSD tier big enough for everything, nothing may be lost: every hit and every lookup must
 agree with the model exactly. Without one, evicted blocks may be misses, but a hit is always the
 bytes last put, and a block once missed never comes back. After every step the cache's own
-bookkeeping (arena bytes, tier indexes, the LMDB contents) must agree with itself and the model.
+bookkeeping (arena bytes, tier indexes, the LMDB contents) must agree with itself (`check()`) and
+the model.
 """
 from __future__ import annotations
 
 import shutil
 import tempfile
-import time
 
 import numpy as np
 import torch
@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool.core import BufferSizeError, TieredCache
-from kvpool.core.blocks import checksum
 
 from corehelp import KiB, MiB, payload
 
-KEYS = st.sampled_from([f"k{i}" for i in range(8)])
+ALL_KEYS = [f"k{i}" for i in range(8)]
+KEYS = st.sampled_from(ALL_KEYS)
 SIZES = st.one_of(st.integers(0, 300 * KiB),
                   st.sampled_from([0, 1, 255, 256, 257, 4 * KiB, 64 * KiB, 128 * KiB + 1, 300 * KiB]))
 SEEDS = st.integers(0, 1 << 16)
@@ -167,56 +167,26 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.close()
         self.cache = self._open()
         s = self.cache.stats()
-        assert s["dram_blocks"] == 0 and s["ssd_blocks"] == len(self.model)
+        assert s.dram_blocks == 0 and s.ssd_blocks == len(self.model)
 
     # ----- invariants ------------------------------------------------------------------------------
-
-    def _quiesce(self) -> None:
-        """Wait until the background demoter holds no block (its writes are done)."""
-        cache = self.cache
-        deadline = time.monotonic() + 10
-        while True:
-            with cache._lock:
-                held = sum(cache.arena.slot_size(b.offset) for b in cache._dram.values())
-                if cache.arena.used_bytes == held and not any(b.leases for b in cache._dram.values()):
-                    return
-            assert time.monotonic() < deadline, "the demoter never let go of its blocks"
-            time.sleep(0.005)
 
     @invariant()
     def bookkeeping_agrees_with_itself_and_the_model(self) -> None:
         cache = self.cache
-        self._quiesce()
+        # check() waits for the demoter's SSD writes, then compares the arena, the DRAM index, every
+        # DRAM block's bytes, the pins, the SSD index and LMDB's contents with one another.
+        assert cache.check() == []
         s = cache.stats()
-        assert s["dram_bytes"] <= s["dram_capacity"]
-        with cache._lock:
-            dram, ssd_index = dict(cache._dram), dict(cache._ssd_sizes)
-            assert s["dram_blocks"] == len(dram) and s["ssd_blocks"] == len(ssd_index)
-            assert s["ssd_bytes"] == sum(ssd_index.values())
-            resident = set(dram) | set(ssd_index)
-            model = {k.encode(): v for k, v in self.model.items()}
-            assert resident <= set(model), f"removed or never-put keys are resident: {resident - set(model)}"
-            if self.with_ssd:
-                assert resident == set(model), f"lost: {set(model) - resident}"
-            offsets = sorted((b.offset, b.offset + cache.arena.slot_size(b.offset)) for b in dram.values())
-            assert all(a[1] <= b[0] for a, b in zip(offsets, offsets[1:])), "overlapping slots"
-            for k, b in dram.items():
-                assert b.live and b.size == len(model[k]) and b.checksum == checksum(model[k])
-                assert cache.arena.view(b.offset, b.size) == model[k], f"{k!r}: DRAM bytes differ"
-            if cache.ssd is None:
-                return
-            stored = {k: m for k, m in cache.ssd.scan()}
-            # every indexed SSD block is there and current; anything else awaits deletion
-            orphans = set(stored) - set(ssd_index) - set(cache._stale_ssd)
-            assert not orphans, f"SSD copies that would come back on restart: {orphans}"
-            for k, size in ssd_index.items():
-                assert k in stored, f"{k!r} is indexed on SSD but LMDB does not hold it"
-                assert stored[k].size == size == len(model[k]) and stored[k].checksum == checksum(model[k])
-                if k in dram:
-                    assert dram[k].on_ssd
-        for k, b in dram.items():
-            if b.on_ssd:
-                assert k in ssd_index, f"{k!r} claims an SSD copy that is not indexed"
+        assert s.dram_bytes <= s.dram_capacity
+        resident = {k for k, here in zip(ALL_KEYS, cache.batch_exists(ALL_KEYS)) if here}
+        assert resident <= set(self.model), f"removed or never-put keys are resident: {resident - set(self.model)}"
+        assert len(resident) <= s.dram_blocks + s.ssd_blocks
+        if self.with_ssd:
+            assert resident == set(self.model), f"lost: {set(self.model) - resident}"
+            assert s.ssd_blocks <= len(self.model)
+        for k in set(self.model) - resident:
+            del self.model[k]  # evicted for good: it must never come back
 
 
 CacheMachine.TestCase.settings = settings(

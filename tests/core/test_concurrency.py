@@ -77,7 +77,8 @@ def test_threads_never_see_wrong_bytes(make_cache: Callable[..., TieredCache], s
     assert not any(t.is_alive() for t in threads), "a worker thread hung"
     assert not errors, f"thread {errors[0][0]}: {errors[0][1]!r}"
     s = cache.stats()
-    assert s["dram_bytes"] <= s["dram_capacity"] and s["checksum_failures"] == 0
-    assert s["evictions"] > 0
+    assert s.dram_bytes <= s.dram_capacity and s.checksum_failures == 0
+    assert s.evictions > 0
+    assert cache.check() == []
     for k in keys:
         check(k, cache.get(k))

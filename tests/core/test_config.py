@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.core.tiers.dram import arena_names
 from kvpool.core import CacheConfig, ConfigError, KVPoolError, TieredCache
 from kvpool.core.config import load, parse_size
+from kvpool.core.tiers.dram import arena_names
 
 from corehelp import MiB
 
@@ -47,7 +47,7 @@ def test_environment(monkeypatch: pytest.MonkeyPatch, make_cache: Callable[..., 
     cache = TieredCache()  # the cache reads the same environment
     try:
         assert cache.config == cfg
-        assert cache.stats()["dram_capacity"] == 64 * MiB and cache.max_block == 2 * MiB
+        assert cache.stats().dram_capacity == 64 * MiB and cache.max_block == 2 * MiB
     finally:
         cache.close()
 

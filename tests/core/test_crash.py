@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.core.tiers.dram import arena_names
 from kvpool.core import TieredCache
-from kvpool.core.tiers.ssd import SsdTier
+from kvpool.core.tiers.dram import arena_names
+from kvpool.core.tiers.ssd import SsdStore
 
 from corehelp import payload
 
@@ -47,8 +47,8 @@ while True:
 
 TIER_WRITER = _PRELUDE + """
 from kvpool.core.blocks import BlockMeta, checksum
-from kvpool.core.tiers.ssd import SsdTier
-tier = SsdTier(sys.argv[1], map_size=1 << 30, sync=False)
+from kvpool.core.tiers.ssd import SsdStore
+tier = SsdStore(sys.argv[1], map_size=1 << 30, sync=False)
 i = 0
 while True:
     keys = [key_of(i + j) for j in range(16)]
@@ -56,7 +56,7 @@ while True:
     for k in keys:
         data = payload(k, int(k.rsplit("-", 1)[1]))
         items.append((k.encode(), BlockMeta(len(data), checksum(data)), memoryview(data)))
-    tier.put_many(items)
+    tier.batch_put(items)
     for k in keys:
         print(k, flush=True)
     i += 16
@@ -106,18 +106,18 @@ def test_kill_9_during_cache_demotion_and_flush(tmp_path: Path, make_cache: Call
     for k in committed:
         assert cache.get(k) == expected(k), f"committed block {k} is lost or wrong"
     assert cache.ssd is not None
-    stored = [k for k, _ in cache.ssd.scan()]
+    stored = [k for k, _ in cache.ssd.store.scan()]
     assert len(stored) >= len(committed)
     for k in stored:  # blocks written but not yet reported are complete or absent, never wrong
         got = cache.get(k)
         assert got is None or got == expected(k)
-    assert cache.stats()["checksum_failures"] == 0
+    assert cache.stats().checksum_failures == 0
 
 
 def test_kill_9_during_ssd_batches(tmp_path: Path) -> None:
     path = tmp_path / "ssd"
     committed = run_and_kill(TIER_WRITER, path, min_committed=800)
-    tier = SsdTier(path, map_size=1 << 30)
+    tier = SsdStore(path, map_size=1 << 30)
     try:
         for k in committed:
             assert tier.read(k.encode(), lambda m, v: bytes(v)) == expected(k), k

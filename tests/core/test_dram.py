@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpool.core.errors import ConfigError
 from kvpool.core.tiers.dram import DramArena, arena_names, size_classes, sweep_dead_arenas
 
 from corehelp import KiB, MiB
@@ -64,9 +65,10 @@ def test_arena_names_are_unique_and_explicit_names_are_exclusive() -> None:
 
 
 def test_size_and_slab_are_validated() -> None:
-    with pytest.raises(ValueError, match="page-aligned"):
+    with pytest.raises(ConfigError, match="page-aligned") as err:
         DramArena(1 * MiB, slab_size=PAGE + 1, prefault=False)
-    with pytest.raises(ValueError):
+    assert (err.value.size, err.value.limit) == (PAGE + 1, MiB)
+    with pytest.raises(ConfigError):
         DramArena(PAGE, slab_size=2 * PAGE, prefault=False)
 
 
@@ -110,6 +112,18 @@ def _fill_and_check(arena: DramArena) -> None:
     assert spans[-1][1] <= arena.size
     for off, n, i in slots:
         assert arena.view(off, n) == bytes([i]) * n
+    assert arena.check() == [] and arena.allocated() == {off for off, _, _ in slots}
+
+
+def test_check_reports_broken_allocator_bookkeeping(arena: DramArena) -> None:
+    offs = [arena.alloc(4 * KiB) for _ in range(3)]
+    assert None not in offs and arena.check() == []
+    arena.used_bytes += 64
+    assert any("used_bytes" in e for e in arena.check())
+    arena.used_bytes -= 64
+    arena.free(offs[0] or 0)
+    arena.free(offs[0] or 0)  # a double free: the slot is listed free twice
+    assert any("slab" in e for e in arena.check())
 
 
 def test_used_bytes_counts_slot_sizes(arena: DramArena) -> None:
@@ -225,7 +239,8 @@ def test_private_arena_never_appears_in_dev_shm_even_when_its_process_is_killed(
 
 def test_a_shared_arena_left_by_a_killed_owner_is_swept_and_a_live_ones_is_not() -> None:
     pid = _killed_child("from kvpool.core.tiers.dram import DramArena; "
-                        "a = DramArena(1 << 20, slab_size=1 << 20, prefault=False); print('ready', flush=True); input()")
+                        "a = DramArena(1 << 20, slab_size=1 << 20, prefault=False); "
+                        "print('ready', flush=True); input()")
     left = arena_names(pid)
     assert len(left) == 1
     mine = DramArena(1 * MiB, slab_size=1 * MiB, prefault=False)

@@ -1,4 +1,4 @@
-"""The SSD tier (LMDB): round trips, corruption, a full map, reopening, and the cache on top of it."""
+"""The SSD tier's LMDB store: round trips, corruption, a full map, reopening, and the cache on top of it."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,8 @@ import pytest
 
 from kvpool.core import CapacityError, TieredCache
 from kvpool.core.blocks import HEADER_SIZE, BlockMeta, checksum
-from kvpool.core.tiers.ssd import SsdTier
+from kvpool.core.errors import StorageError
+from kvpool.core.tiers.ssd import SsdStore
 
 from corehelp import KiB, MiB, payload
 
@@ -18,7 +19,7 @@ def item(key: bytes, data: bytes, expires: float = 0.0) -> tuple[bytes, BlockMet
     return key, BlockMeta(len(data), checksum(data), expires), memoryview(data)
 
 
-def read_bytes(tier: SsdTier, key: bytes) -> bytes | None:
+def read_bytes(tier: SsdStore, key: bytes) -> bytes | None:
     return tier.read(key, lambda meta, view: bytes(view))
 
 
@@ -31,15 +32,15 @@ def flip_byte(env: object, key: bytes, pos: int) -> None:
 
 
 @pytest.fixture
-def tier(tmp_path: Path) -> Iterator[SsdTier]:
-    t = SsdTier(tmp_path / "lmdb", map_size=64 * MiB, sync=False)
+def tier(tmp_path: Path) -> Iterator[SsdStore]:
+    t = SsdStore(tmp_path / "lmdb", map_size=64 * MiB, sync=False)
     yield t
     t.close()
 
 
-def test_put_many_read_round_trip(tier: SsdTier) -> None:
+def test_batch_put_read_round_trip(tier: SsdStore) -> None:
     blocks = {f"k{i}".encode(): payload(f"k{i}", n) for i, n in enumerate([0, 1, 100, 4096, 300 * KiB])}
-    written = tier.put_many(item(k, v) for k, v in blocks.items())
+    written = tier.batch_put(item(k, v) for k, v in blocks.items())
     assert written == sum(map(len, blocks.values()))
     for k, v in blocks.items():
         assert read_bytes(tier, k) == v
@@ -48,24 +49,24 @@ def test_put_many_read_round_trip(tier: SsdTier) -> None:
     assert read_bytes(tier, b"absent") is None and not tier.contains(b"absent")
 
 
-def test_read_passes_meta_and_a_verified_view(tier: SsdTier) -> None:
+def test_read_passes_meta_and_a_verified_view(tier: SsdStore) -> None:
     data = payload("m", 5000)
-    tier.put_many([item(b"m", data, expires=1234.5)])
+    tier.batch_put([item(b"m", data, expires=1234.5)])
     meta = tier.read(b"m", lambda meta, view: (meta, len(view)))
     assert meta == (BlockMeta(5000, checksum(data), 1234.5), 5000)
 
 
-def test_put_overwrites(tier: SsdTier) -> None:
-    tier.put_many([item(b"k", b"old" * 1000)])
-    tier.put_many([item(b"k", b"new")])
+def test_put_overwrites(tier: SsdStore) -> None:
+    tier.batch_put([item(b"k", b"old" * 1000)])
+    tier.batch_put([item(b"k", b"new")])
     assert read_bytes(tier, b"k") == b"new"
 
 
 # header bytes: magic 0-3, version 4-5, size 8-15, checksum 16-23; then the payload
 @pytest.mark.parametrize("pos", [0, 5, 9, 20, HEADER_SIZE, HEADER_SIZE + 777, HEADER_SIZE + 4 * KiB - 1])
-def test_corrupt_value_is_a_miss_and_is_deleted(tier: SsdTier, pos: int) -> None:
+def test_corrupt_value_is_a_miss_and_is_deleted(tier: SsdStore, pos: int) -> None:
     data = payload("c", 4 * KiB)
-    tier.put_many([item(b"c", data), item(b"ok", data)])
+    tier.batch_put([item(b"c", data), item(b"ok", data)])
     flip_byte(tier.env, b"c", pos)
     assert read_bytes(tier, b"c") is None
     assert tier.corrupt == 1
@@ -73,8 +74,8 @@ def test_corrupt_value_is_a_miss_and_is_deleted(tier: SsdTier, pos: int) -> None
     assert read_bytes(tier, b"ok") == data  # its neighbour is untouched
 
 
-def test_truncated_value_is_a_miss(tier: SsdTier) -> None:
-    tier.put_many([item(b"t", b"x" * 100)])
+def test_truncated_value_is_a_miss(tier: SsdStore) -> None:
+    tier.batch_put([item(b"t", b"x" * 100)])
     with tier.env.begin(write=True) as txn:
         txn.put(b"t", bytes(txn.get(b"t"))[:HEADER_SIZE + 50])
     assert read_bytes(tier, b"t") is None and tier.corrupt == 1 and not tier.contains(b"t")
@@ -84,29 +85,35 @@ def test_truncated_value_is_a_miss(tier: SsdTier) -> None:
 
 
 def test_map_full_is_capacity_error_and_writes_nothing_of_the_batch(tmp_path: Path) -> None:
-    t = SsdTier(tmp_path / "small", map_size=1 * MiB, sync=False)
+    t = SsdStore(tmp_path / "small", map_size=1 * MiB, sync=False)
     try:
-        t.put_many([item(b"before", b"b" * 1000)])
+        t.batch_put([item(b"before", b"b" * 1000)])
         batch = [item(f"big{i}".encode(), payload(f"big{i}", 100 * KiB)) for i in range(20)]
         with pytest.raises(CapacityError) as err:
-            t.put_many(batch)
-        assert str(1 * MiB) in str(err.value)
+            t.batch_put(batch)
+        assert str(1 * MiB) in str(err.value) and err.value.limit == 1 * MiB
         assert not any(t.contains(k) for k, _, _ in batch)
         assert read_bytes(t, b"before") == b"b" * 1000
-        t.put_many([item(b"after", b"a" * 1000)])  # the tier is still usable
+        t.batch_put([item(b"after", b"a" * 1000)])  # the tier is still usable
         assert read_bytes(t, b"after") == b"a" * 1000
     finally:
         t.close()
 
 
+def test_an_unusable_path_is_a_storage_error(tmp_path: Path) -> None:
+    (tmp_path / "a file").write_bytes(b"")
+    with pytest.raises(StorageError, match="cannot open"):
+        SsdStore(tmp_path / "a file" / "lmdb", map_size=16 * MiB)
+
+
 def test_reopen_after_clean_close(tmp_path: Path) -> None:
     path = tmp_path / "lmdb"
-    t = SsdTier(path, map_size=16 * MiB, sync=True)
-    t.put_many([item(f"r{i}".encode(), payload(f"r{i}", 1000 * i)) for i in range(10)])
+    t = SsdStore(path, map_size=16 * MiB, sync=True)
+    t.batch_put([item(f"r{i}".encode(), payload(f"r{i}", 1000 * i)) for i in range(10)])
     t.close()
-    with pytest.raises(Exception, match="closed"):
+    with pytest.raises(StorageError, match="closed"):
         t.contains(b"r1")
-    t = SsdTier(path, map_size=16 * MiB)
+    t = SsdStore(path, map_size=16 * MiB)
     try:
         for i in range(10):
             assert read_bytes(t, f"r{i}".encode()) == payload(f"r{i}", 1000 * i)
@@ -114,16 +121,16 @@ def test_reopen_after_clean_close(tmp_path: Path) -> None:
         t.close()
 
 
-def test_delete_and_clear(tier: SsdTier) -> None:
-    tier.put_many([item(f"d{i}".encode(), b"x") for i in range(5)])
+def test_delete_and_clear(tier: SsdStore) -> None:
+    tier.batch_put([item(f"d{i}".encode(), b"x") for i in range(5)])
     tier.delete([b"d0", b"d1", b"nope"])
     assert [tier.contains(f"d{i}".encode()) for i in range(5)] == [False, False, True, True, True]
     tier.clear()
     assert list(tier.scan()) == []
 
 
-def test_forked_child_reopens_the_environment(tier: SsdTier) -> None:
-    tier.put_many([item(b"f", b"forked")])
+def test_forked_child_reopens_the_environment(tier: SsdStore) -> None:
+    tier.batch_put([item(b"f", b"forked")])
     pid = os.fork()
     if pid == 0:  # child: the inherited handle must not be used; the tier reopens by itself
         ok = read_bytes(tier, b"f") == b"forked"
@@ -145,14 +152,14 @@ def test_cache_counts_corrupt_ssd_blocks(make_cache: Callable[..., TieredCache],
     cache.close()
     cache = make_cache(ssd_path=ssd_dir, ssd_sync=False)  # DRAM is empty: reads come from SSD
     assert cache.ssd is not None
-    flip_byte(cache.ssd.env, b"bad", HEADER_SIZE + 1234)
+    flip_byte(cache.ssd.store.env, b"bad", HEADER_SIZE + 1234)
     assert cache.get("bad") is None
     assert cache.get("good") == payload("good", 10 * KiB)
     s = cache.stats()
-    assert s["checksum_failures"] == 1 and s["misses"] == 1 and s["hits_ssd"] == 1
+    assert s.checksum_failures == 1 and s.misses == 1 and s.hits_ssd == 1
     assert not cache.exists("bad")
-    assert not cache.ssd.contains(b"bad")
-    assert cache.get("bad") is None and cache.stats()["checksum_failures"] == 1
+    assert not cache.ssd.store.contains(b"bad")
+    assert cache.get("bad") is None and cache.stats().checksum_failures == 1
 
 
 def test_cache_reopen_after_clean_close_serves_flushed_blocks(
@@ -165,11 +172,11 @@ def test_cache_reopen_after_clean_close_serves_flushed_blocks(
     cache.close()
     cache = make_cache(ssd_path=ssd_dir)
     s = cache.stats()
-    assert s["ssd_blocks"] == 20 and s["ssd_bytes"] == 20 * 20 * KiB and s["dram_blocks"] == 0
+    assert s.ssd_blocks == 20 and s.ssd_bytes == 20 * 20 * KiB and s.dram_blocks == 0
     assert cache.prefix_match(keys) == 20
     for k in keys:
         assert cache.get(k) == payload(k, 20 * KiB)
-    assert cache.stats()["hits_ssd"] == 20
+    assert cache.stats().hits_ssd == 20
 
 
 def test_replaced_block_survives_flush_and_reopen(make_cache: Callable[..., TieredCache], ssd_dir: str) -> None:
@@ -200,7 +207,7 @@ def test_full_ssd_drops_demoted_blocks_cleanly(make_cache: Callable[..., TieredC
     for k in keys:
         cache.put(k, payload(k, 200 * KiB))
     s = cache.stats()
-    assert s["dropped"] > 0 or s["ssd_evictions"] > 0
+    assert s.dropped > 0 or s.ssd_evictions > 0
     hits = 0
     for k in keys:  # whatever is still there is exact; the rest is a clean miss
         got = cache.get(k)

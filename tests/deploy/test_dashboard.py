@@ -75,7 +75,7 @@ def test_layout_ids_and_datasource(dash: dict) -> None:
     cells: set[tuple[int, int]] = set()
     for p in dash["panels"]:
         g = p["gridPos"]
-        assert 0 <= g["x"] and g["x"] + g["w"] <= 24
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24
         mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
         assert not mine & cells, f"panel {p['title']} overlaps another"
         cells |= mine

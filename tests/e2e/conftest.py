@@ -75,7 +75,7 @@ class UpPool:
         self.log_path = state_dir / "up.log"
         state_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "KVPOOL_STATE_DIR": str(state_dir)}
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - the service's output, for its lifetime (closed in stop)
         self.proc = subprocess.Popen([sys.executable, "-m", "kvpool.core.cli", "up", "--nats-port", "0",
                                       "--port", "0", "--dram-bytes", dram],
                                      env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)

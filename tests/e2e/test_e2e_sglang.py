@@ -144,8 +144,8 @@ def test_dynamic_v1_loads_what_a_stored_and_survives_the_pool(sglang: Sglang, po
 
     log = sglang.work / "c.log"
     with open(log, "wb") as err:
-        c = subprocess.Popen(sglang.command("kvpool-v1", pool, 2, server=True, pause_before=1), env=sglang.env(), cwd=sglang.work,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+        c = subprocess.Popen(sglang.command("kvpool-v1", pool, 2, server=True, pause_before=1), env=sglang.env(),
+                             cwd=sglang.work, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
         try:
             assert c.stdout is not None and c.stdin is not None
             paused = wait_for_pause(c.stdout)
@@ -194,7 +194,7 @@ def test_mooncake_backend_on_the_dropin_loads_what_a_stored(sglang: Sglang, pool
 def page_hashes(sglang: Sglang, pages: int) -> list[str]:
     """SGLang's own storage keys of the prompt's first `pages` pages (its chained page hash)."""
     code = ("import json, sys; from sglang.srt.mem_cache.utils import get_hash_str; "
-            "t = json.load(sys.stdin); print(json.dumps(get_hash_str(t, None, page_size=%d)))" % PAGE)
+            f"t = json.load(sys.stdin); print(json.dumps(get_hash_str(t, None, page_size={PAGE})))")
     env = {**sglang.env(), "PYTHONPATH": str(STUBS), "SGLANG_USE_CPU_ENGINE": "1"}
     out = subprocess.run([str(sglang.python), "-c", code], input=json.dumps(PROMPT[:pages * PAGE]), text=True,
                          capture_output=True, env=env, timeout=PROCESS_TIMEOUT_S, check=True)

@@ -7,10 +7,11 @@ import hashlib
 import msgspec
 import pytest
 
-from evhelp import ArrayKVEventBatch
 from kvpool.core.errors import ConfigError, ProtocolError
 from kvpool.core.events import BlockEvent, EventBatch, subject_of
 from kvpool.core.events_zmq import VllmFormat, block_hash, encode, vllm_events
+
+from evhelp import ArrayKVEventBatch
 
 H = "ab" * 32
 

@@ -10,8 +10,9 @@ import sys
 
 import numpy as np
 
-from evhelp import replay
 from kvpool.core import PoolClient
+
+from evhelp import replay
 
 
 def test_replayed_events_rebuild_what_the_pool_holds(nats, spawn) -> None:
@@ -21,14 +22,14 @@ def test_replayed_events_rebuild_what_the_pool_holds(nats, spawn) -> None:
     with PoolClient(mode="cluster", nats_url=nats.url) as pool:
         assert pool.wait_for_members(lambda m: len(m) == 2, 15)
         pool.batch_put(keys, [np.full(4096, i, dtype=np.uint8) for i in range(len(keys))])
-        pool.remove(keys[:10])
-        workers = set(pool.stats())
+        pool.batch_remove(keys[:10])
+        workers = set(pool.members())
         expected = {k.encode() for k in keys[10:]}  # events are ordered per worker: wait for both
         index = replay(nats.url, {k.encode() for k in keys}, lambda ix: ix.keys() == expected)
         assert all(tiers == {"dram"} for tiers in index.held.values())
         assert {w for (w, _) in index.held} == workers  # both workers published
         assert all(len(index.workers(k.encode())) == 1 for k in keys[10:])
-        assert all(pool.exists([k.decode() for k in index.keys()]))
+        assert all(pool.batch_exists([k.decode() for k in index.keys()]))
         pool.clear()
         index = replay(nats.url, {k.encode() for k in keys} | {b"*"}, lambda ix: not ix.keys())
         assert sum(1 for (w, _) in index.held) == 0  # each worker's clear emptied its part

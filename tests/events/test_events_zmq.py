@@ -13,10 +13,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from evhelp import ArrayKVEventBatch, EngineDecode, Subscriber
 from kvpool.core import PoolClient, block_keys
 from kvpool.core.events_zmq import block_hash
 from kvpool.core.nats_server import free_port
+
+from evhelp import ArrayKVEventBatch, EngineDecode, Subscriber
 
 BLOCK = 1 << 20
 
@@ -54,9 +55,9 @@ def test_stores_and_evictions_reach_zmq_subscribers(nats, spawn) -> None:
             blocks = [np.full(BLOCK, i % 251, dtype=np.uint8) for i in range(len(keys))]
             for i in range(0, len(keys), 10):  # 150 MiB through a 64 MiB arena: most are evicted
                 pool.batch_put(keys[i:i + 10], blocks[i:i + 10])
-            present = pool.exists(keys)
+            present = pool.batch_exists(keys)
             evicted = {bytes.fromhex(k[5:]) for k, p in zip(keys, present) if not p}
-            evictions = next(iter(pool.stats().values()))["stats"]["evictions"]
+            evictions = pool.stats().total.evictions
         assert len(evicted) > 60 and sum(present) > 10
         wanted = {bytes.fromhex(k[5:]) for k in keys}
         assert all(block_hash(k.encode()) == bytes.fromhex(k[5:]) for k in keys)  # the engine's own hash

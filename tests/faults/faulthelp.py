@@ -51,13 +51,13 @@ def poll(predicate: Callable[[], bool], timeout: float, every: float = 0.05) -> 
 
 def wait_members(client: PoolClient, n: int, timeout: float = 15.0) -> None:
     assert client.wait_for_members(lambda m: len(m) == n, timeout), \
-        f"members: {sorted(client._cluster.membership.members())}"  # type: ignore[union-attr]
+        f"members: {sorted(client.members())}"
 
 
 def worker_id(w: WorkerProcess) -> str:
     """The id a running worker registered under (from its HELLO)."""
     with PoolClient(mode="local", worker=w.address, timeout_s=5) as c:
-        return str(next(iter(c.stats())))
+        return str(next(iter(c.members())))
 
 
 def heap_bytes(pid: int) -> int:

@@ -21,7 +21,7 @@ CHILD = textwrap.dedent("""
     from kvpool.core import protocol as P
     from kvpool.core.transport import ShmTransport
     t = ShmTransport(sys.argv[1])
-    lease = t.lease([b"held"])
+    lease = t.batch_lease([b"held"])
     views = lease.__enter__()
     assert views[0] is not None
     sizes = np.array([1 << 20, 1 << 20], dtype="<i8")
@@ -38,7 +38,7 @@ CHILD = textwrap.dedent("""
 def test_a_killed_client_gives_back_leases_and_half_written_slots(spawn):
     w = spawn()
     with PoolClient(mode="local", worker=w.unix_path, timeout_s=5) as c:
-        used = lambda: next(iter(c.stats().values()))["stats"]["dram_bytes"]  # noqa: E731
+        used = lambda: c.stats().total.dram_bytes  # noqa: E731
         c.put("held", block("held", MiB))
         child = subprocess.Popen([sys.executable, "-c", CHILD, w.unix_path], stdout=subprocess.PIPE)
         try:
@@ -47,7 +47,7 @@ def test_a_killed_client_gives_back_leases_and_half_written_slots(spawn):
             assert used() == 3 * MiB  # "held" plus two reserved slots
             c.put("held", block("held", MiB, version=1))  # the leased version stays while leased
             assert used() == 4 * MiB
-            assert c.exists(["half"]) == [False]
+            assert c.batch_exists(["half"]) == [False]
             child.send_signal(signal.SIGKILL)
             assert child.wait(10) == -signal.SIGKILL
         finally:
@@ -55,7 +55,7 @@ def test_a_killed_client_gives_back_leases_and_half_written_slots(spawn):
             child.wait()
             child.stdout.close()  # type: ignore[union-attr]
         assert poll(lambda: used() == MiB, 5), f"{used()} bytes still held after the client died"
-        assert c.exists(["half", "held"]) == [False, True]
+        assert c.batch_exists(["half", "held"]) == [False, True]
         assert c.get("held") == block("held", MiB, version=1)
         # the reclaimed slots are reused, and what lands in them is exactly what was put
         keys = [f"after{i}" for i in range(40)]

@@ -27,7 +27,7 @@ def _closed(sock: socket.socket, timeout: float) -> bool:
         try:
             if not sock.recv(1 << 16):
                 return True
-        except socket.timeout:
+        except TimeoutError:
             continue
         except ConnectionError:
             return True
@@ -72,7 +72,7 @@ def test_a_big_frame_before_authentication_is_refused(guarded) -> None:
         P.send_frame(s, P.Op.HELLO, b"x" * (1 << 20))
         assert _closed(s, 5)
     with PoolClient(mode="local", worker=guarded.address, token=TOKEN) as c:
-        assert c.exists(["k"]) == [False]  # the worker is fine
+        assert c.batch_exists(["k"]) == [False]  # the worker is fine
 
 
 def test_a_trickled_put_is_cut_off_and_its_slot_freed(spawn) -> None:
@@ -93,7 +93,7 @@ def test_a_trickled_put_is_cut_off_and_its_slot_freed(spawn) -> None:
             time.sleep(0.2)
         assert closed and time.monotonic() - t0 <= IO_S + SLACK_S
     with PoolClient(mode="local", worker=w.address) as c:  # its reserved 8 MiB slot is given back
-        assert poll(lambda: next(iter(c.stats().values()))["stats"]["dram_bytes"] == 0, 5)
+        assert poll(lambda: c.stats().total.dram_bytes == 0, 5)
 
 
 def test_a_reply_nobody_reads_is_cut_off(spawn) -> None:
@@ -111,12 +111,12 @@ def test_a_reply_nobody_reads_is_cut_off(spawn) -> None:
         try:
             while chunk := s.recv(1 << 20):
                 drained += len(chunk)
-        except (socket.timeout, ConnectionError):
+        except (TimeoutError, ConnectionError):
             pass
         assert drained < 48 << 20, "the whole reply arrived: the worker waited for a reader that never read"
         assert time.monotonic() - t0 <= IO_S + 2 * SLACK_S
     with PoolClient(mode="local", worker=w.address) as c:  # its leases are gone: the blocks can be removed
-        assert c.remove([f"big{i}" for i in range(3)]) == [True] * 3
+        assert c.batch_remove([f"big{i}" for i in range(3)]) == [True] * 3
 
 
 def test_a_stalled_same_node_writer_holds_at_most_its_share_of_the_arena(spawn) -> None:

@@ -12,6 +12,7 @@ from kvpool.core import PoolUnavailable
 from kvpool.core import protocol as P
 from kvpool.core.blocks import BlockMeta, checksum, encode_header
 from kvpool.core.client import PoolClient
+from kvpool.core.errors import CorruptBlock
 from kvpool.core.nats_server import free_port
 from kvpool.core.procs import WorkerProcess
 
@@ -48,9 +49,8 @@ def test_corrupt_lmdb_values_are_counted_misses_after_restart(tmp_path):
         with PoolClient(mode="local", worker=w.address) as c:
             _, misses = read_all(c, dict.fromkeys(KEYS, SIZE))
             assert sorted(misses) == ["c3", "c5"]
-            stats = next(iter(c.stats().values()))["stats"]
-            assert stats["checksum_failures"] == 2
-            assert c.exists(["c3", "c5"]) == [False, False]  # deleted, not served again
+            assert c.stats().total.checksum_failures == 2
+            assert c.batch_exists(["c3", "c5"]) == [False, False]  # deleted, not served again
             c.batch_put(["c3", "c5"], [block("c3", SIZE), c5])
             assert read_all(c, dict.fromkeys(KEYS, SIZE))[1] == []
     finally:
@@ -65,7 +65,7 @@ def proxied(spawn):
     proxy = FlipProxy(("127.0.0.1", w.port))
     with PoolClient(mode="local", worker=proxy.address, timeout_s=5) as via, \
             PoolClient(mode="local", worker=w.address, timeout_s=5) as direct:
-        via.exists(["warm-up"])  # connect (HELLO) before anything is armed
+        via.batch_exists(["warm-up"])  # connect (HELLO) before anything is armed
         yield proxy, via, direct, port
     proxy.close()
 
@@ -84,7 +84,7 @@ def test_a_flipped_byte_in_a_get_reply_is_a_counted_miss(proxied):
     assert proxy.flipped == 1
     assert sizes == [SIZE] * 3 + [-1] + [SIZE] * 4
     assert all(bytes(bufs[i]) == block(k, SIZE) for i, k in enumerate(KEYS) if i != 3)
-    assert via._single.checksum_failures == 1  # type: ignore[union-attr]
+    assert via.backend.checksum_failures == 1  # type: ignore[attr-defined]  # a TcpTransport
     assert read_all(via, dict.fromkeys(KEYS, SIZE))[1] == []  # in sync, and the stored block is fine
 
 
@@ -93,10 +93,11 @@ def test_a_flipped_byte_in_put_data_stores_nothing_wrong(proxied):
     blocks = [block(k, SIZE) for k in KEYS]
     meta = P.pack_batch([k.encode() for k in KEYS], *[np.zeros(len(KEYS), "<i8")] * 2)  # sizes, checksums
     proxy.arm("up", P.HEADER.size + len(meta) + 5 * SIZE + 7)  # into c5's bytes
-    with pytest.raises(PoolUnavailable, match="arrived corrupt"):
+    with pytest.raises(CorruptBlock, match="arrived corrupt") as caught:
         via.batch_put(KEYS, blocks)
+    assert caught.value.key == b"c5" and caught.value.size == SIZE
     assert proxy.flipped == 1
-    assert direct.exists(KEYS) == [True] * 5 + [False] + [True] * 2
+    assert direct.batch_exists(KEYS) == [True] * 5 + [False] + [True] * 2
     assert _metric(port, "kvpool_corrupt_blocks_total") == 1
     via.batch_put(KEYS, blocks)  # the connection is still in sync
     assert read_all(direct, dict.fromkeys(KEYS, SIZE))[1] == []
@@ -110,6 +111,6 @@ def test_a_flipped_byte_in_frame_metadata_drops_only_that_connection(proxied):
         via.batch_get_into(KEYS, [bytearray(SIZE) for _ in KEYS])
     proxy.arm("up", P.HEADER.size + 2)  # into a request's key lengths: the worker refuses it
     with pytest.raises(PoolUnavailable):
-        via.exists(KEYS)
+        via.batch_exists(KEYS)
     assert _metric(port, "kvpool_protocol_errors_total") == 1
     assert read_all(via, dict.fromkeys(KEYS, SIZE))[1] == []  # reconnected

@@ -17,7 +17,7 @@ SMALL_DRAM = {"KVPOOL_DRAM_SLAB_SIZE": "1MiB", "KVPOOL_PREFAULT": "0"}
 
 
 def _stats(c: PoolClient) -> dict[str, int]:
-    return next(iter(c.stats().values()))["stats"]
+    return c.stats().total.as_dict()
 
 
 def _fill_and_check(w: WorkerProcess, n: int) -> dict[str, int]:
@@ -27,10 +27,10 @@ def _fill_and_check(w: WorkerProcess, n: int) -> dict[str, int]:
         names = list(keys)
         for i in range(0, n, 16):
             c.batch_put(names[i:i + 16], [block(k, SIZE) for k in names[i:i + 16]])
-        newest = {k: SIZE for k in names[-16:]}
+        newest = dict.fromkeys(names[-16:], SIZE)
         assert read_all(c, newest)[1] == []  # in DRAM
         for k in names:  # a block that is present reads back exactly (from SSD, or promoted)
-            if c.exists([k]) == [True]:
+            if c.batch_exists([k]) == [True]:
                 assert c.get(k) == block(k, SIZE), k
         read_all(c, keys)  # exact or miss
         stats = _stats(c)

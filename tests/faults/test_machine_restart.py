@@ -12,7 +12,7 @@ WORKER = dict(ssd=True, dram_bytes="4MiB", env={"KVPOOL_DRAM_SLAB_SIZE": "1MiB",
 
 
 def _ssd_blocks(c: PoolClient) -> int:
-    return int(next(iter(c.stats().values()))["stats"]["ssd_blocks"])
+    return c.stats().total.ssd_blocks
 
 
 def test_kill_9_then_restart_from_the_ssd_tier(tmp_path):
@@ -33,6 +33,6 @@ def test_kill_9_then_restart_from_the_ssd_tier(tmp_path):
             assert _ssd_blocks(c) >= on_ssd
             hits, _ = read_all(c, keys)  # exact or miss
             assert len(hits) >= on_ssd
-            assert next(iter(c.stats().values()))["stats"]["checksum_failures"] == 0
+            assert c.stats().total.checksum_failures == 0
     finally:
         w.stop()

@@ -23,7 +23,7 @@ def test_nats_restart_under_load(nats, spawn):
             before = load.ops_done()
             while time.monotonic() - down_at < OUTAGE_S:
                 load.wait_ops(4)
-            assert len(c._cluster.membership.members()) == 2  # type: ignore[union-attr]
+            assert len(c.members()) == 2
             errors_while_down = list(load.report.errors)
             nats.start()
             load.wait_ops(10)

@@ -21,7 +21,7 @@ def _pin_frame(addr: tuple[str, int], keys: list[bytes], seconds: np.ndarray) ->
 
 
 def _stats(c: PoolClient) -> dict[str, int]:
-    return dict(next(iter(c.stats().values()))["stats"])
+    return c.stats().total.as_dict()
 
 
 def test_pins_on_absent_keys_are_bounded_and_a_put_keeps_its_pin(spawn) -> None:
@@ -48,7 +48,7 @@ def test_renewed_pins_do_not_grow_the_worker(spawn) -> None:
         c.batch_put(keys, [b"v" * 256] * len(keys))
         rss0 = heap_bytes(w.proc.pid)
         for _ in range(300):  # 300,000 renewals of the same 1,000 pins
-            c.pin(keys, 600)
+            c.batch_pin(keys, 600)
         assert _stats(c)["pins"] == 1000
         assert heap_bytes(w.proc.pid) - rss0 < 16 << 20
 

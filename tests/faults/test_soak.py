@@ -55,9 +55,8 @@ def test_soak_mixed_load_with_random_worker_kills(nats, tmp_path):
                 time.sleep(rng.uniform(1, 10))  # pacing of the faults, not synchronization
             reports = [a.stop(), b.stop()]
             live = {worker_id(w) for w in workers}
-            membership = c._cluster.membership  # type: ignore[union-attr]
-            assert membership.wait_for(lambda m: set(m) == live, 30), sorted(membership.members())
-            assert poll(lambda: set(c.stats()) == live, 10)
+            assert c.wait_for_members(lambda m: set(m) == live, 30), sorted(c.members())
+            assert poll(lambda: set(c.stats().workers) == live, 10)
             for r in reports:
                 assert not r.wrong, f"wrong bytes for {r.wrong[:5]}"
                 assert all("PoolUnavailable" in e for e in r.errors), r.errors[:5]

@@ -23,7 +23,7 @@ BOUND_S = 2 * TIMEOUT_S + 2  # a batch may wait out one dead worker, then its re
 
 
 def _evictions(c: PoolClient) -> int:
-    return sum(s.get("stats", {}).get("evictions", 0) for s in c.stats().values())  # a dead one has none
+    return c.stats().total.evictions  # a dead one has none
 
 
 def _cluster(nats, spawn):
@@ -66,7 +66,7 @@ def test_kill_9_mid_batch(nats, spawn, op, replication):
         fresh = [f"after-{i}" for i in range(24)]
         live = [k for k in fresh if replication == 2 or rank(k.encode(), ids)[0] != ids[victim]]
         c.batch_put(live, [b"x" * 100] * len(live))
-        assert c.exists(live) == [True] * len(live)
+        assert c.batch_exists(live) == [True] * len(live)
 
 
 def test_kill_9_under_threads_sharing_one_client(nats, spawn):
@@ -120,4 +120,4 @@ def test_a_frozen_worker_costs_a_bounded_wait_not_a_hang(nats, spawn):
     finally:
         os.kill(workers[1].proc.pid, signal.SIGCONT)
     with PoolClient(mode="local", worker=workers[1].address, timeout_s=5) as one:
-        assert one.exists(["f0"]) in ([True], [False])  # it serves again
+        assert one.batch_exists(["f0"]) in ([True], [False])  # it serves again

@@ -81,7 +81,7 @@ def test_accept_errors_back_off_and_service_resumes(tmp_path: Path) -> None:
 def _serves(port: int) -> bool:
     try:
         with PoolClient(mode="local", worker=f"127.0.0.1:{port}", timeout_s=2) as c:
-            return c.exists(["probe"]) == [False]
+            return c.batch_exists(["probe"]) == [False]
     except PoolUnavailable:
         return False
 

@@ -5,12 +5,12 @@ import argparse
 import json
 
 from kvpool.core.bench import SUITES
-from kvpool.core.bench import streams_suite
+from kvpool.streams import bench_suite
 
 
 def test_bench_streams_quick_json(capsys):
-    assert SUITES["streams"] == "kvpool.core.bench.streams_suite"
-    assert streams_suite.run(argparse.Namespace(quick=True, json=True, requests=1)) == 0
+    assert SUITES["streams"] == "kvpool.streams.bench_suite"
+    assert bench_suite.run(argparse.Namespace(quick=True, json=True, requests=1)) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["suite"] == "streams"
     assert set(last["ratios"]) == {"handoff_vs_raw_socket", "handoff_vs_nats_inline"}

@@ -28,7 +28,7 @@ def _prefill(nats_url: str, stream: str, request: str, layers: int, end: bool) -
         from kvpool.core.client import PoolClient
         from kvpool.streams import Producer
         pool = PoolClient(mode="cluster", nats_url={nats_url!r})
-        assert pool._cluster.membership.wait_for(lambda m: len(m) == 1, 15)
+        assert pool.wait_for_members(lambda m: len(m) == 1, 15)
         with Producer({stream!r}, {nats_url!r}, pool=pool, inline_max=64 << 10) as p:
             p.publish(bytes(range(256)) * 8192)  # 2 MiB by reference
             for layer in range({layers}):
@@ -55,7 +55,7 @@ def _reap(child: subprocess.Popen) -> None:
 @pytest.fixture
 def pool(nats, worker):
     with PoolClient(mode="cluster", nats_url=nats.url) as c:
-        assert c._cluster.membership.wait_for(lambda m: len(m) == 1, 15)
+        assert c.wait_for_members(lambda m: len(m) == 1, 15)
         yield c
 
 
@@ -95,11 +95,10 @@ def test_producer_killed_mid_request_is_a_handoff_timeout_not_a_hang(nats, make_
         child.wait()
         layers = []
         t = time.monotonic()
-        with HandoffReceiver(s, nats.url, pool) as rx:
-            with pytest.raises(HandoffTimeout, match="after 3 layer") as err:
-                for layer, _, bufs in rx.iter_layers("req-2", timeout=1.0):
-                    layers.append(layer)
-                    assert [bytes(b) for b in bufs] == [a.tobytes() for a in _layer("req-2", layer)]
+        with HandoffReceiver(s, nats.url, pool) as rx, pytest.raises(HandoffTimeout, match="after 3 layer") as err:
+            for layer, _, bufs in rx.iter_layers("req-2", timeout=1.0):
+                layers.append(layer)
+                assert [bytes(b) for b in bufs] == [a.tobytes() for a in _layer("req-2", layer)]
         assert layers == [0, 1, 2]
         assert isinstance(err.value, TimeoutError)
         assert time.monotonic() - t < 5

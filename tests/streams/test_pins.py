@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import pytest
 
 from kvpool.core.client import PoolClient
-from kvpool.core.pins import PinTable
 from kvpool.streams import Consumer, HandoffReceiver, PayloadError, Producer, StreamFull
 from kvpool.streams.pins import _StreamState, subject_matches
 
@@ -25,7 +24,7 @@ def pool(nats, spawn):
     """A pool of one 32 MiB worker without SSD: an evicted block is gone."""
     spawn(nats_url=nats.url, dram_bytes="32MiB")
     with PoolClient(mode="cluster", nats_url=nats.url) as c:
-        assert c._cluster.membership.wait_for(lambda m: len(m) == 1, 15)
+        assert c.wait_for_members(lambda m: len(m) == 1, 15)
         yield c
 
 
@@ -60,17 +59,16 @@ def test_unpinned_payload_is_lost_to_eviction_pressure(nats, make_stream, pool):
 
 def test_payload_survives_pressure_until_the_group_acks_then_is_evictable(nats, make_stream, pool):
     s = make_stream()
-    with Producer(s, nats.url, pool=pool, pin_ttl_s=8) as p:
-        with Consumer(s, nats.url, pool=pool, group="decode") as c:
-            p.publish(PAYLOAD)
-            keys = payload_keys(pool, s, nats.url)
-            squeeze(pool)
-            msg = c.receive(5)
-            assert bytes(msg.data) == PAYLOAD
-            squeeze(pool)  # delivered but not acked: still pinned
-            assert pool.exists(keys) == [True, True]
-            msg.ack()
-            assert wait_until(lambda: (squeeze(pool), pool.exists(keys))[1] == [False, False], timeout=5)
+    with Producer(s, nats.url, pool=pool, pin_ttl_s=8) as p, Consumer(s, nats.url, pool=pool, group="decode") as c:
+        p.publish(PAYLOAD)
+        keys = payload_keys(pool, s, nats.url)
+        squeeze(pool)
+        msg = c.receive(5)
+        assert bytes(msg.data) == PAYLOAD
+        squeeze(pool)  # delivered but not acked: still pinned
+        assert pool.batch_exists(keys) == [True, True]
+        msg.ack()
+        assert wait_until(lambda: (squeeze(pool), pool.batch_exists(keys))[1] == [False, False], timeout=5)
 
 
 def test_retention_dropping_the_message_releases_its_blocks(nats, make_stream, pool):
@@ -80,8 +78,8 @@ def test_retention_dropping_the_message_releases_its_blocks(nats, make_stream, p
         old = payload_keys(pool, s, nats.url)
         p.publish(PAYLOAD[::-1])  # max_msgs=1: the first message is dropped
         new = payload_keys(pool, s, nats.url)
-        assert wait_until(lambda: (squeeze(pool), pool.exists(old))[1] == [False, False], timeout=5)
-        assert pool.exists(new) == [True, True]
+        assert wait_until(lambda: (squeeze(pool), pool.batch_exists(old))[1] == [False, False], timeout=5)
+        assert pool.batch_exists(new) == [True, True]
 
 
 def test_handoff_layers_stay_pinned_until_the_decode_side_has_read_the_request(nats, make_stream, pool):
@@ -94,7 +92,7 @@ def test_handoff_layers_stay_pinned_until_the_decode_side_has_read_the_request(n
         squeeze(pool)
         got = [(layer, bytes(bufs[0])) for layer, _, bufs in rx.iter_layers("req", timeout=5)]
         assert got == [(i, bytes([i]) * (4 * MiB)) for i in range(2)]
-        assert wait_until(lambda: (squeeze(pool), pool.exists(keys))[1] == [False, False], timeout=5)
+        assert wait_until(lambda: (squeeze(pool), pool.batch_exists(keys))[1] == [False, False], timeout=5)
 
 
 def test_a_refused_kv_announcement_is_stream_full_and_its_blocks_are_unpinned(nats, make_stream, pool):
@@ -106,7 +104,7 @@ def test_a_refused_kv_announcement_is_stream_full_and_its_blocks_are_unpinned(na
         with pytest.raises(StreamFull):
             p.end_request("r")
         squeeze(pool)
-        assert pool.exists(keys) == [True, True, False]  # stored and unread: pinned; refused: evicted
+        assert pool.batch_exists(keys) == [True, True, False]  # stored and unread: pinned; refused: evicted
 
 
 def test_pins_of_a_killed_producer_expire_after_their_ttl(nats, make_stream, pool):
@@ -116,7 +114,7 @@ def test_pins_of_a_killed_producer_expire_after_their_ttl(nats, make_stream, poo
         from kvpool.core.client import PoolClient
         from kvpool.streams import Producer
         pool = PoolClient(mode="cluster", nats_url={nats.url!r})
-        assert pool._cluster.membership.wait_for(lambda m: len(m) == 1, 15)
+        assert pool.wait_for_members(lambda m: len(m) == 1, 15)
         p = Producer({s!r}, {nats.url!r}, pool=pool, pin_ttl_s=3)
         p.publish(bytes(8 << 20))
         print("published", flush=True)
@@ -133,8 +131,8 @@ def test_pins_of_a_killed_producer_expire_after_their_ttl(nats, make_stream, poo
     keys = payload_keys(pool, s, nats.url)
     t = time.monotonic()
     squeeze(pool)
-    assert pool.exists(keys) == [True, True]  # nobody acked: pinned until the TTL ends
-    assert wait_until(lambda: (squeeze(pool), pool.exists(keys))[1] == [False, False], timeout=8)
+    assert pool.batch_exists(keys) == [True, True]  # nobody acked: pinned until the TTL ends
+    assert wait_until(lambda: (squeeze(pool), pool.batch_exists(keys))[1] == [False, False], timeout=8)
     assert time.monotonic() - t < 8
 
 
@@ -144,29 +142,10 @@ def test_put_with_pin_over_each_transport_then_unpin(spawn, transport):
     with PoolClient(mode="local", worker=w.address if transport == "tcp" else w.unix_path) as c:
         c.batch_put(["kept"], [bytes(4 * MiB)], pin_s=30)
         squeeze(c)
-        assert c.exists(["kept"]) == [True]
-        c.pin(["kept"], 0)
+        assert c.batch_exists(["kept"]) == [True]
+        c.batch_pin(["kept"], 0)
         squeeze(c)
-        assert c.exists(["kept"]) == [False]
-
-
-def test_pin_table_expires_renews_and_pins_keys_before_their_blocks():
-    with PoolClient(dram_bytes="32MiB") as c:
-        cache = c._embedded
-        table = PinTable(cache)
-        table.pin([b"later"], 0.3)
-        assert table.holds(b"later")
-        cache.put("later", bytes(4 * MiB), pin=table.holds(b"later"))
-        table.pin([b"later"], 0.6)  # renewed: the first deadline no longer counts
-        time.sleep(0.4)
-        table.expire()
-        squeeze(c)
-        assert c.exists(["later"]) == [True]
-        time.sleep(0.3)
-        table.expire()
-        assert not table.holds(b"later")
-        squeeze(c)
-        assert c.exists(["later"]) == [False]
+        assert c.batch_exists(["kept"]) == [False]
 
 
 @pytest.mark.parametrize("filt,subj,ok", [
@@ -190,21 +169,6 @@ def test_stream_state_decides_done_conservatively():
     assert not _StreamState(info, []).done(6, "k.s.msg")  # no consumer yet: wait for one
     paged = _StreamState({"total": 2, "state": {"first_seq": 5, "subjects": {"k.s.msg": 3}}}, [])
     assert not paged.done(9, "k.s.req.r1")  # a partial subject list proves nothing
-
-
-def test_a_pin_on_an_absent_key_waits_briefly_then_runs_its_length_once_the_block_comes(monkeypatch):
-    from kvpool.core import pins
-    monkeypatch.setattr(pins, "PENDING_PIN_S", 0.2)
-    with PoolClient(dram_bytes="32MiB") as c:
-        table = PinTable(c._embedded)
-        table.pin([b"never", b"later"], 60)
-        assert table.counts()["pending_pins"] == 2
-        assert table.claim(b"later")  # its block is being committed: the pin now runs 60 s
-        c._embedded.put("later", bytes(4 * MiB), pin=True)
-        time.sleep(0.3)
-        table.expire()
-        assert not table.holds(b"never") and table.holds(b"later")
-        assert table.counts() == {"pins": 1, "pending_pins": 0, "pins_refused": 0}
 
 
 def test_a_publish_that_timed_out_keeps_its_payload_for_a_stored_message(nats, pool, monkeypatch):

@@ -8,8 +8,17 @@ import pytest
 
 from kvpool.core.client import PoolClient
 from kvpool.core.errors import ConfigError
-from kvpool.streams import (Consumer, PayloadError, Producer, StreamFull, StreamNotFound, create_stream,
-                            delete_stream, list_streams, stream_info)
+from kvpool.streams import (
+    Consumer,
+    PayloadError,
+    Producer,
+    StreamFull,
+    StreamNotFound,
+    create_stream,
+    delete_stream,
+    list_streams,
+    stream_info,
+)
 
 
 def _drain(c: Consumer, timeout: float = 0.3) -> list[int]:
@@ -129,10 +138,9 @@ def test_retention_by_count_and_bytes_drops_oldest(nats, make_stream):
     with Consumer(s, nats.url) as c:
         assert _drain(c) == [3, 4, 5]
     b = make_stream(max_bytes=4096, discard="new")
-    with Producer(b, nats.url) as p:
-        with pytest.raises(StreamFull, match="max_bytes"):
-            for _ in range(100):
-                p.publish(b"x" * 1000)
+    with Producer(b, nats.url) as p, pytest.raises(StreamFull, match="max_bytes"):
+        for _ in range(100):
+            p.publish(b"x" * 1000)
 
 
 def test_retention_by_age_drops_old_messages(nats, make_stream):
@@ -175,7 +183,7 @@ def test_missing_or_corrupt_block_is_an_error_for_that_message_not_wrong_bytes(n
         with pytest.raises(PayloadError, match="needs a pool"):
             no_pool.receive(2)
         refs = _refs(s, nats.url, pool, 3)
-        pool.remove(refs[0].keys)
+        pool.batch_remove(refs[0].keys)
         pool.put(refs[1].keys[0], b"B" * 1000)  # same size, other bytes
         with pytest.raises(PayloadError, match="missing") as missing:
             c.receive(2)
@@ -200,9 +208,8 @@ def test_admin_create_list_info_delete(nats):
     delete_stream(nats.url, "adm")
     with pytest.raises(StreamNotFound):
         stream_info(nats.url, "adm")
-    with pytest.raises(StreamNotFound):
-        with Producer("adm", nats.url) as p:
-            p.publish(b"x")
+    with pytest.raises(StreamNotFound), Producer("adm", nats.url) as p:
+        p.publish(b"x")
 
 
 def test_bad_names_and_options_are_config_errors(nats, make_stream):

@@ -31,7 +31,7 @@ _MHA = "sglang.srt.mem_cache.pool_host.mha"
 
 
 def _patch_base(mod: types.ModuleType) -> None:
-    setattr(mod, "HICACHE_HOST_MEMORY_RESERVE_BYTES", HOST_MEMORY_RESERVE_BYTES)
+    mod.HICACHE_HOST_MEMORY_RESERVE_BYTES = HOST_MEMORY_RESERVE_BYTES
     # a property: HostKVCache.__init__ assigns self.pin_memory, and every host pool reads it
     mod.HostKVCache.pin_memory = property(lambda self: False, lambda self, value: None)
 

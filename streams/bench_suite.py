@@ -24,10 +24,10 @@ from typing import IO, Any, cast
 
 import numpy as np
 
-from ..client import PoolClient
-from . import raw_socket
-from .bench_pool import BenchPool, wait_members
-from .measure import best_in_turns, emit, filled, gbps
+from kvpool.core import BenchError, PoolClient
+from kvpool.core.bench import BenchPool, best_in_turns, emit, filled, gbps, raw_socket, wait_members
+
+from . import Consumer, HandoffReceiver, Producer, StreamConfig, create_stream
 
 _LAYERS, _BLOCK, _INLINE_CHUNK = 32, 1 << 20, 512 << 10
 
@@ -38,8 +38,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _latency(url: str, stream: str, n: int) -> list[float]:
-    from kvpool.streams import Consumer, Producer
-
     samples = []
     with Producer(stream, url) as p, Consumer(stream, url, start="new") as c:
         for i in range(n + 10):
@@ -48,7 +46,7 @@ def _latency(url: str, stream: str, n: int) -> list[float]:
             m = c.receive(5)
             samples.append(time.perf_counter() - t)
             if m is None or m.json()["i"] != i:
-                raise AssertionError(f"notification {i} did not arrive in order")
+                raise BenchError(f"notification {i} did not arrive in order")
             m.ack()
     return samples[10:]
 
@@ -73,7 +71,7 @@ class _Prefill:
 
     def _expect(self, word: str) -> None:
         if self._out.readline().strip() != word:
-            raise RuntimeError(f"the bench's prefill process failed (exit status {self.proc.poll()})")
+            raise BenchError(f"the bench's prefill process failed (exit status {self.proc.poll()})")
 
     def close(self) -> None:
         self._in.close()
@@ -87,8 +85,6 @@ class _Prefill:
 def _prefill_main(url: str) -> None:
     """Body of the prefill process: the same `layers` bytes as the parent (same seed). Its producers
     connect on their first command (the untimed warm-up) and stay connected."""
-    from kvpool.streams import Producer
-
     layers = filled(_LAYERS * _BLOCK, 7).reshape(_LAYERS, _BLOCK)
     producers: dict[str, Producer] = {}
     with PoolClient(mode="cluster", nats_url=url) as pool:
@@ -116,8 +112,6 @@ def _prefill_main(url: str) -> None:
 def _handoff_runs(url: str, pool: PoolClient, prefill: _Prefill, layers: np.ndarray) -> Generator[float, None, None]:
     """Seconds per request, from asking the prefill process until every layer is here and verified
     (checksums, in the timed path); the bytes are compared with the source after the clock stops."""
-    from kvpool.streams import HandoffReceiver
-
     out = np.zeros_like(layers)
     with HandoffReceiver("handoff", url, pool) as rx:
         for r in itertools.count():
@@ -128,16 +122,14 @@ def _handoff_runs(url: str, pool: PoolClient, prefill: _Prefill, layers: np.ndar
             elapsed = time.perf_counter() - t
             prefill.done()
             if n != _LAYERS or not np.array_equal(out, layers):
-                raise AssertionError(f"request {rid}: {n} of {_LAYERS} layers, or bytes differ")
+                raise BenchError(f"request {rid}: {n} of {_LAYERS} layers, or bytes differ")
             out.fill(0)
-            pool.remove([f"bench/{rid}/L{i}" for i in range(_LAYERS)])
+            pool.batch_remove([f"bench/{rid}/L{i}" for i in range(_LAYERS)])
             yield elapsed
 
 
 def _inline_runs(url: str, prefill: _Prefill, layers: np.ndarray) -> Generator[float, None, None]:
     """The same bytes inline through JetStream in 512 KiB messages, from the same prefill process."""
-    from kvpool.streams import Consumer
-
     out = np.zeros_like(layers).reshape(-1, _INLINE_CHUNK)
     with Consumer("inline", url, start="new") as c:
         while True:
@@ -146,13 +138,13 @@ def _inline_runs(url: str, prefill: _Prefill, layers: np.ndarray) -> Generator[f
             for i in range(len(out)):
                 m = c.receive(30)
                 if m is None:
-                    raise AssertionError(f"inline chunk {i} missing")
+                    raise BenchError(f"inline chunk {i} missing")
                 out[i] = np.frombuffer(m.data, dtype=np.uint8)
                 m.ack()
             elapsed = time.perf_counter() - t
             prefill.done()
             if not np.array_equal(out.reshape(layers.shape), layers):
-                raise AssertionError("inline bytes differ")
+                raise BenchError("inline bytes differ")
             out.fill(0)
             yield elapsed
 
@@ -167,18 +159,16 @@ def _raw_runs(port: int, layers: np.ndarray) -> Generator[float, None, None]:
     with sock:
         while True:
             t = time.perf_counter()
-            raw_socket.put(sock, [memoryview(layers).cast("B")])
-            raw_socket.get(sock, [memoryview(out).cast("B")])
+            raw_socket.put(sock, [layers.data.cast("B")])
+            raw_socket.get(sock, [out.data.cast("B")])
             elapsed = time.perf_counter() - t
             if not np.array_equal(out, layers):
-                raise AssertionError("raw socket bytes differ")
+                raise BenchError("raw socket bytes differ")
             out.fill(0)
             yield elapsed
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpool.streams import StreamConfig, create_stream
-
     requests = args.requests or (8 if args.quick else 20)
     layers = filled(_LAYERS * _BLOCK, 7).reshape(_LAYERS, _BLOCK)
     metrics: dict[str, Any] = {"layers": _LAYERS, "block_bytes": _BLOCK, "inline_chunk_bytes": _INLINE_CHUNK,

@@ -1,5 +1,9 @@
 """SGLang's HiCache modules and host KV pools on a CPU-only machine (CI, `kvpool bench backends`).
 
+Test scaffolding, never installed with kvpool: the SGLang tests import it as `sglang_cpu` (this folder
+is on their path), and `kvpool bench backends` loads this file from a kvpool checkout at run time
+(`--sglang-cpu`, default this path).
+
 The kvpool adapter itself needs none of this: on a GPU machine SGLang's own stack (triton, a CUDA
 torchvision) is installed. Without it, `sglang.srt.utils.common` does `import triton` at module level
 and `sglang.srt.configs` (pulled in by the host KV pools) imports `torchvision.transforms`; PyPI's
@@ -33,7 +37,7 @@ class _Dummy:
         pass
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("torchvision is stubbed out by kvpool.backends.sglang_cpu (CPU-only SGLang import)")
+        raise RuntimeError("torchvision is stubbed out by tests/backends/sglang_cpu.py (CPU-only SGLang import)")
 
     def __getattr__(self, name: str) -> str:  # e.g. InterpolationMode.BICUBIC in a default argument
         if name.startswith("__"):

@@ -16,19 +16,26 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
+import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..procs import WorkerProcess
-from .measure import best_in_turns, emit, filled, gbps
+from kvpool.core import BenchError
+from kvpool.core.bench import WorkerProcess, best_in_turns, emit, filled, gbps
 
 _PAGES, _LAYERS, _PAGE_TOKENS, _HEAD_DIM = 64, 32, 64, 128
 _INSTALL_HINT = ("SGLang is not installed: from a kvpool checkout, `pip install --no-deps -r requirements/sglang.txt` "
                  "(SGLang 0.5.23 without its GPU stack)")
+_SGLANG_CPU = Path(__file__).resolve().parents[1] / "tests" / "backends" / "sglang_cpu.py"
+"""SGLang's CPU stand-ins and host-pool builder: test scaffolding in a kvpool checkout, never installed
+with the package; loaded from there at run time."""
 
 Op = tuple[Callable[[], Any] | None, Callable[[], Any]]
 """(untimed preparation or None, the timed call)."""
@@ -37,6 +44,32 @@ Op = tuple[Callable[[], Any] | None, Callable[[], Any]]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=None,
                    help="KV heads per rank (default 8, as Llama-3-8B at TP 1; 2 with --quick, as at TP 4)")
+    p.add_argument("--sglang-cpu", default=str(_SGLANG_CPU),
+                   help="SGLang's CPU stand-ins (tests/backends/sglang_cpu.py of a kvpool checkout)")
+
+
+class _NoStandIns(ImportError):
+    """No tests/backends/sglang_cpu.py where it was looked for (an installed kvpool, outside a checkout)."""
+
+
+def _load_sglang_cpu(path: str) -> types.ModuleType:
+    """The stand-ins module at `path`, as `sglang_cpu` (the tests' name: one copy in a process)."""
+    file = Path(path).resolve()
+    loaded = sys.modules.get("sglang_cpu")
+    if loaded is not None and Path(loaded.__file__ or "").resolve() == file:
+        return loaded
+    spec = importlib.util.spec_from_file_location("sglang_cpu", file)
+    if not file.is_file() or spec is None or spec.loader is None:
+        raise _NoStandIns(f"SGLang's host pools are built by tests/backends/sglang_cpu.py of a kvpool "
+                          f"checkout, not found at {file}: run from a checkout or pass --sglang-cpu PATH")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sglang_cpu"] = module  # as an import does: registered while its body runs
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["sglang_cpu"]
+        raise
+    return module
 
 
 def _in_turns(ops: dict[str, Op], nbytes: int, repeat: int) -> dict[str, float]:
@@ -77,13 +110,12 @@ class _Geometry:
         return 2 * self.batch + (64 << 20)
 
 
-def _sglang(geo: _Geometry, repeat: int, worker: WorkerProcess) -> dict[str, float]:
+def _sglang(geo: _Geometry, repeat: int, worker: WorkerProcess, stand_ins: str) -> dict[str, float]:
     """GB/s of batch_set_v1 / batch_get_v1 (embedded, local worker), of the file backend, and of
     memcpy between the same host-pool pages in each turn."""
     import torch
 
-    from kvpool.backends import sglang_cpu
-
+    sglang_cpu = _load_sglang_cpu(stand_ins)
     sglang_cpu.install()
     with sglang_cpu.quiet_import():
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
@@ -111,7 +143,7 @@ def _sglang(geo: _Geometry, repeat: int, worker: WorkerProcess) -> dict[str, flo
         raw[:, dst] = 0
         get()
         if not torch.equal(raw[:, src], raw[:, dst]):
-            raise AssertionError(f"{type(backend).__name__}: pages read back differ from pages written")
+            raise BenchError(f"{type(backend).__name__}: pages read back differ from pages written")
         return r
 
     out: dict[str, float] = {}
@@ -170,7 +202,7 @@ def _fastdeploy(geo: _Geometry, repeat: int, worker: WorkerProcess) -> dict[str,
             r = _in_turns({"memcpy": (None, memcpy), "put": (None, put), "get": (functools.partial(dst.fill, 0), get)},
                           geo.batch, repeat)
             if not np.array_equal(src, dst):
-                raise AssertionError("FastDeploy path: blocks read back differ from blocks written")
+                raise BenchError("FastDeploy path: blocks read back differ from blocks written")
         finally:
             store.close()
         out.update({f"{k}{tag}": v for k, v in r.items()})
@@ -187,7 +219,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             worker.wait_ready()
             try:
-                sg: dict[str, float] | None = _sglang(geo, repeat, worker)
+                sg: dict[str, float] | None = _sglang(geo, repeat, worker, args.sglang_cpu)
+            except _NoStandIns as e:
+                sg = None
+                metrics["sglang"] = f"skipped: {e}"
             except ImportError as e:
                 sg = None
                 metrics["sglang"] = f"skipped: {_INSTALL_HINT} ({e})"

@@ -1,0 +1,180 @@
+"""One connection to one worker: connect and authenticate, type its failures, and the control calls
+that are the same over TCP and shared memory (exists, prefix, remove, clear, pin, stats).
+
+`kvpool.core.transport` builds the two transports on it; they add how block bytes move.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import numpy as np
+
+from . import protocol as P
+from .errors import (
+    AuthError,
+    BlockTooLarge,
+    BufferSizeError,
+    CapacityError,
+    CorruptBlock,
+    PoolTimeout,
+    PoolUnavailable,
+    ProtocolError,
+)
+from .pool_backend import MembersPredicate
+from .records import PoolStats, WorkerInfo, WorkerStats
+
+log = logging.getLogger("kvpool.transport")
+
+DEFAULT_MAX_BLOCK = 16 << 20
+"""What `max_block` assumes of a worker whose HELLO does not say (an older worker)."""
+
+
+class Connection:
+    """A socket to one worker, one request at a time, reconnecting after a failure."""
+
+    def __init__(self, address: str, token: str | None = None, timeout_s: float = 5.0) -> None:
+        self.address = address
+        self.token = token
+        self.timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self.info = WorkerInfo(worker_id="")
+        """The worker's HELLO reply, from the last (re)connect; empty before the first."""
+        self.checksum_failures = 0
+        """Blocks received from this worker whose bytes failed their checksum (each served as a miss)."""
+
+    def _connect(self) -> socket.socket:
+        try:
+            if self.address.startswith("/"):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    sock.settimeout(self.timeout_s)
+                    sock.connect(self.address)
+                except OSError:
+                    sock.close()
+                    raise
+            else:
+                host, _, port = self.address.rpartition(":")
+                sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError as e:
+            raise PoolUnavailable(f"cannot connect to worker {self.address}: {e}") from e
+        self._sock = sock
+        self.info = WorkerInfo.from_dict(P.unpack_json(self._roundtrip(P.Op.HELLO).meta))
+        if self.info.auth and not self.address.startswith("/"):
+            if not self.token:
+                self.close()
+                raise AuthError(f"worker {self.address} requires a token (KVPOOL_TOKEN)") from None
+            self._roundtrip(P.Op.AUTH, P.pack_json({"token": self.token}))
+        return sock
+
+    @contextmanager
+    def _session(self) -> Iterator[socket.socket]:
+        """Hold the connection for one exchange; any transport failure drops it and is typed."""
+        with self._lock:
+            try:
+                yield self._sock or self._connect()
+            except (AuthError, BufferSizeError, PoolUnavailable):
+                self.close()
+                raise
+            except TimeoutError as e:
+                self.close()
+                raise PoolTimeout(f"worker {self.address} did not answer within {self.timeout_s} s",
+                                  limit=self.timeout_s) from e
+            except (ConnectionError, OSError, ProtocolError) as e:
+                self.close()
+                raise PoolUnavailable(f"worker {self.address}: {e}") from e
+
+    def _roundtrip(self, op: int, meta: bytes = b"", data: list[memoryview] | None = None) -> P.Frame:
+        assert self._sock is not None, "called outside a session"
+        P.send_frame(self._sock, op, meta, data=data)
+        reply = P.recv_frame(self._sock)
+        P.check_reply(reply, op)
+        return reply
+
+    def call(self, op: int, meta: bytes = b"") -> P.Frame:
+        with self._session():
+            return self._roundtrip(op, meta)
+
+    def hello(self) -> WorkerInfo:
+        """The worker's description, connecting first if need be."""
+        with self._session():
+            return self.info
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+
+    # ----- operations common to both transports ----------------------------------------------
+
+    @property
+    def max_block(self) -> int:
+        return self.hello().max_block or DEFAULT_MAX_BLOCK
+
+    def batch_exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return self._flags(P.Op.EXISTS, keys)
+
+    def batch_remove(self, keys: Sequence[bytes]) -> list[bool]:
+        return self._flags(P.Op.REMOVE, keys)
+
+    def _flags(self, op: int, keys: Sequence[bytes]) -> list[bool]:
+        out: list[bool] = []
+        for f in P.frames(len(keys)):
+            reply = self.call(op, P.pack_batch(list(keys[f])))
+            out += np.frombuffer(reply.meta, dtype="<u1").astype(bool).tolist()
+        return out
+
+    def prefix_match(self, keys: Sequence[bytes]) -> int:
+        total = 0
+        for f in P.frames(len(keys)):
+            n = int(P.unpack_json(self.call(P.Op.PREFIX, P.pack_batch(list(keys[f]))).meta)["n"])
+            total += n
+            if n < f.stop - f.start:
+                break
+        return total
+
+    def clear(self, prefix: bytes | None = None) -> None:
+        self.call(P.Op.CLEAR, P.pack_batch([prefix]) if prefix is not None else b"")
+
+    def batch_pin(self, keys: Sequence[bytes], pin_s: float) -> None:
+        """Pin blocks for `pin_s` seconds (<= 0: unpin). One way: nothing waits for the worker."""
+        with self._session() as sock:
+            for f in P.frames(len(keys)):
+                send_pin(sock, keys[f], pin_s)
+
+    def stats(self) -> PoolStats:
+        worker = WorkerStats.from_dict(P.unpack_json(self.call(P.Op.STATS).meta))
+        return PoolStats.of_workers({worker.info.worker_id: worker})
+
+    def members(self) -> dict[str, WorkerInfo]:
+        info = self.hello()
+        return {info.worker_id: info}
+
+    def wait_for_members(self, predicate: MembersPredicate, timeout_s: float) -> bool:
+        return predicate(self.members())  # one worker, for as long as the connection: nothing to wait for
+
+
+def raise_item(status: int, key: bytes, size: int, max_block: int) -> None:
+    """The error of a put's per-block status, if it is one. A block the worker found corrupt on
+    arrival (damaged on the way) is not stored: CorruptBlock, and the caller may put it again."""
+    if status == P.ITEM_TOO_LARGE:
+        raise BlockTooLarge(f"block {key[:24]!r} is {size} bytes; the worker's max block is {max_block}",
+                            key=key, size=size, limit=max_block)
+    if status == P.ITEM_FULL:
+        raise CapacityError(f"worker has no room for block {key[:24]!r} ({size} bytes)", key=key, size=size)
+    if status == P.ITEM_CORRUPT:
+        raise CorruptBlock(f"block {key[:24]!r} arrived corrupt at the worker (checksum mismatch); nothing "
+                           "was stored under it", key=key, size=size)
+
+
+def send_pin(sock: socket.socket, keys: Sequence[bytes], pin_s: float) -> None:
+    """A PIN frame; the worker handles a connection's frames in order, so a put sent after it on the
+    same connection commits its blocks pinned."""
+    P.send_frame(sock, P.Op.PIN, P.pack_batch(list(keys), np.full(len(keys), pin_s, dtype="<f8")))

@@ -1,0 +1,133 @@
+"""Connections to a cluster's workers, and asking several of them at once under one deadline.
+
+A worker that fails or misses a deadline is suspect for `SUSPECT_S` seconds: calls skip it (a miss,
+or a replica's hit) instead of waiting on it again, and its connection is dropped. It keeps its place
+in the ranking: its keys are not written elsewhere meanwhile.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, TypeVar
+
+from .errors import PoolTimeout, PoolUnavailable
+from .records import WorkerInfo
+from .transport import ShmTransport, TcpTransport, connect
+
+log = logging.getLogger("kvpool.client")
+
+T = TypeVar("T")
+Transport = TcpTransport | ShmTransport
+
+SUSPECT_S = 2.0
+"""How long a worker that failed is treated as down before it is asked again."""
+
+
+class FanOut:
+    """One transport per worker (shared memory to workers on `node_id`, TCP to the rest), the suspect
+    list, and parallel calls. Thread-safe: one client serves many threads."""
+
+    def __init__(self, node_id: str, token: str | None, timeout_s: float) -> None:
+        self.node_id = node_id
+        self.token = token
+        self.timeout_s = timeout_s
+        self._transports: dict[str, tuple[tuple[Any, ...], Transport]] = {}
+        self._suspect: dict[str, float] = {}
+        self._lock = threading.Lock()  # guards the two dicts
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvpool-fanout")
+
+    def _askable(self, groups: Mapping[str, list[int]]) -> dict[str, list[int]]:
+        """`groups` less the suspect workers: a call gets nothing from them (a miss, or a put that
+        did not reach them), but placement still counts them, so their keys never land elsewhere
+        meanwhile, where they would outlive a newer version written once the worker is back."""
+        now = time.monotonic()
+        with self._lock:
+            return {w: idx for w, idx in groups.items() if self._suspect.get(w, 0) <= now}
+
+    def connected(self) -> dict[str, Transport]:
+        """The open transports, by worker id."""
+        with self._lock:
+            return {w: t for w, (_, t) in self._transports.items()}
+
+    def transport(self, worker_id: str, info: WorkerInfo) -> Transport:
+        """The connection to a worker; a new one when the member's entry names another process (a
+        worker restarted under the same id: the old connection leads nowhere)."""
+        stale: Transport | None = None
+        with self._lock:  # one transport per worker, however many threads ask at once
+            known = self._transports.get(worker_id)
+            if known is not None and known[0] != info.incarnation:
+                stale, known = known[1], None
+                del self._transports[worker_id]
+            if known is None:
+                same_node = info.node_id == self.node_id and os.path.exists(info.unix)
+                known = (info.incarnation, connect(info.unix if same_node else info.tcp, self.token, self.timeout_s))
+                self._transports[worker_id] = known
+        if stale is not None:
+            stale.close()
+        return known[1]
+
+    def failed(self, worker_id: str, err: Exception, in_flight: Future[Any] | None = None) -> None:
+        """Treat the worker as down for a while and drop its connection: at once, or (a call still
+        `in_flight` on it past the deadline) when that call ends, never under it."""
+        log.warning("worker %s failed (%s); treating it as down for %.0f s", worker_id, err, SUSPECT_S)
+        with self._lock:
+            self._suspect[worker_id] = time.monotonic() + SUSPECT_S
+            known = self._transports.pop(worker_id, None)
+        if known is None:
+            return
+        if in_flight is None:
+            known[1].close()
+        else:
+            in_flight.add_done_callback(lambda _: known[1].close())
+
+    def each(self, live: Mapping[str, WorkerInfo], groups: Mapping[str, list[int]],
+             call: Callable[[Transport, list[int]], T], deadline: float) -> Iterator[tuple[str, list[int], T]]:
+        """(worker, key indices, result) per worker of `groups` that answered by `deadline` (monotonic
+        seconds); the workers are asked in parallel, so one call waits for the slowest worker once, not
+        for each in turn. A worker that fails or misses the deadline is marked down and skipped."""
+        def ask(w: str, idx: list[int]) -> T:
+            return call(self.transport(w, live[w]), idx)
+
+        groups = self._askable(groups)
+        if not groups:
+            return
+
+        budget = deadline - time.monotonic()
+        if budget <= 0:
+            return
+        if len(groups) == 1 and budget >= 0.99 * self.timeout_s:
+            # the common case (one owner, the whole budget): no thread hop; the socket timeout bounds it
+            ((w, idx),) = groups.items()
+            try:
+                result = ask(w, idx)
+            except PoolUnavailable as e:
+                self.failed(w, e)
+                return
+            yield w, idx, result
+            return
+        futures = {self._pool.submit(ask, w, idx): (w, idx) for w, idx in groups.items()}
+        done, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+        for f in late:
+            if not f.cancel():
+                self.failed(futures[f][0], PoolTimeout(f"no answer within the call's {self.timeout_s} s",
+                                                       limit=self.timeout_s), f)
+        for f in done:
+            w, idx = futures[f]
+            try:
+                result = f.result()
+            except PoolUnavailable as e:
+                self.failed(w, e)
+                continue
+            yield w, idx, result
+
+    def close(self) -> None:
+        with self._lock:
+            transports = [t for _, t in self._transports.values()]
+            self._transports.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for t in transports:
+            t.close()

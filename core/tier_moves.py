@@ -1,0 +1,268 @@
+"""Blocks moving between tiers: room made in DRAM by eviction (demoting the victims to SSD in one
+batched transaction), trimming of a full SSD tier, and on the way up the read path: a lease of a DRAM
+block or of an SSD hit promoted into DRAM, and device copies of what was read or put as a tensor.
+
+SSD writes of blocks that stay in DRAM (the demoter's, `flush`'s) run outside the cache's lock on
+blocks held leased; `begin_write`/`end_write` bracket them, and a put that finds DRAM full of such
+blocks waits for them instead of failing.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from .blocks import BlockMeta, checksum
+from .buffers import Destination
+from .errors import BufferSizeError, CapacityError
+from .tier_stack import TierStack
+from .tiers.dram_tier import DramBlock
+
+__all__ = ["TierMoves"]
+
+
+class TierMoves:
+    """The moves of `stack`'s blocks. Methods say whether they expect the stack's lock held."""
+
+    def __init__(self, stack: TierStack) -> None:
+        self._stack = stack
+        self._writes = 0  # batches being written to SSD outside the lock, each holding its blocks leased
+        self._written = threading.Condition(stack.lock)  # notified as each lets go of them
+
+    def alloc(self, n: int) -> int:
+        """A DRAM slot for `n` bytes, evicting (demoting) synchronously if the demoter fell behind, and
+        waiting for blocks that an SSD write in flight holds rather than failing for them. Raises
+        CapacityError when every block is leased or pinned. Lock held."""
+        stack = self._stack
+        dram = stack.dram
+        while True:
+            offset = dram.alloc(n)
+            if offset is not None:
+                return offset
+            dram.pins.expire()  # expired pins are evictable again before room is looked for
+            victims, batch = dram.victims_for(n)
+            if not victims and self._writes:
+                self._written.wait()  # blocks held by a batch being written are free again soon
+                stack.check_open()
+                continue
+            if not victims:
+                if dram.free_a_slab_by_moving(n, self.evict):
+                    continue
+                raise CapacityError(
+                    f"no room for a {n}-byte block: DRAM arena of {dram.arena.size} bytes is full of "
+                    f"leased or pinned blocks ({len(dram)} blocks)", size=n, limit=dram.arena.size)
+            self.evict(victims, batch)
+
+    def evict(self, victims: list[DramBlock], batch: list[DramBlock]) -> None:
+        """Demote `batch` (which includes `victims`) to SSD in one transaction and drop `victims`
+        from DRAM. Lock held."""
+        stack = self._stack
+        self.demote([b for b in batch if not b.on_ssd])
+        for b in victims:
+            if b.live and stack.dram.blocks.get(b.key) is b:
+                stack.drop_dram(b.key, "evict")
+                stack.counters.evictions += 1
+
+    def begin_write(self, blocks: list[DramBlock]) -> None:
+        """Hold `blocks` leased for a `demote` outside the lock. Lock held."""
+        for b in blocks:
+            self._stack.dram.lease(b)
+        self._writes += 1
+
+    def end_write(self, blocks: list[DramBlock]) -> None:
+        """Release the blocks of a `begin_write`; wake puts waiting for room. Lock held."""
+        for b in blocks:
+            self._stack.dram.release(b)
+        self._writes -= 1
+        self._written.notify_all()
+
+    def wait_for_writes(self) -> None:
+        """Until no SSD write is in flight (each has written copies it has not indexed yet). Lock held."""
+        while self._writes:
+            self._written.wait()
+
+    def demote(self, blocks: list[DramBlock]) -> None:
+        """Write blocks, leased or with the lock held, to SSD in one transaction and index them (they
+        stay in DRAM). A full SSD tier drops them from the cache's care cleanly (counted)."""
+        stack = self._stack
+        ssd = stack.ssd
+        if ssd is None or not blocks:
+            return
+        with stack.lock:
+            superseded = ssd.supersede(b.key for b in blocks)
+        items = [(b.key, b.meta, stack.dram.view(b)) for b in blocks]
+        try:
+            ssd.store.batch_put(items)
+        except CapacityError:
+            with stack.lock:
+                ssd.unsupersede(superseded)  # the old copies are still there
+                stack.counters.dropped += len(blocks)  # SSD full: the blocks leave the cache cleanly
+            return
+        finally:
+            del items
+        with stack.lock:
+            for b in blocks:
+                if not b.live:
+                    # Replaced, removed, expired or cleared while it was written outside the lock:
+                    # that copy must go. A newer copy indexed meantime may have been overwritten
+                    # by it, so it goes too (its DRAM block, if any, is written again on eviction).
+                    if b.key in ssd:
+                        stack.drop_ssd(b.key, "evict")
+                    else:
+                        ssd.mark_stale((b.key,))
+                    continue
+                b.on_ssd = True
+                if b.key not in ssd:
+                    ssd.add(b.key, b.meta)
+                    for listener in stack.listeners:
+                        listener.copied(b.key, "ssd")
+            stack.counters.demotions += len(blocks)
+            self._trim_ssd()
+
+    def _trim_ssd(self) -> None:
+        """Drop the first SSD blocks to go above the SSD tier's high watermark. Lock held."""
+        stack = self._stack
+        assert stack.ssd is not None
+        gone = stack.ssd.trim(stack.config.high_watermark, stack.config.low_watermark)
+        for k in gone:
+            b = stack.dram.blocks.get(k)
+            if b is not None:
+                b.on_ssd = False
+            stack.left(k, "ssd", "evict")
+        stack.counters.ssd_evictions += len(gone)
+
+    def promote(self, k: bytes, now: float) -> DramBlock | None:
+        """Copy a verified SSD block into DRAM and return it leased; None if gone, expired or corrupt,
+        or if DRAM has no room (everything leased or pinned: a miss now, not an error)."""
+        stack = self._stack
+        ssd, dram = stack.ssd, stack.dram
+        if ssd is None:
+            return None
+        with stack.lock:
+            size = ssd.size_of(k)
+            if size is None:
+                return None
+            try:
+                offset = self.alloc(size)
+            except CapacityError:
+                return None
+
+        def into_slot(meta: BlockMeta, payload: memoryview) -> BlockMeta | None:
+            if meta.size != size or (meta.expires and meta.expires <= now):
+                return None
+            dram.arena.buf[offset:offset + size] = payload
+            return meta
+
+        meta = ssd.store.read(k, into_slot)
+        with stack.lock:
+            if meta is None:
+                dram.unreserve(offset)
+                if k in ssd:
+                    stack.drop_ssd(k, "corrupt")
+                return None
+            current = dram.blocks.get(k)
+            if current is not None or k not in ssd:
+                # Put, removed or promoted by another reader while this one read SSD: what was
+                # read may be outdated, so it must not replace what is there now.
+                dram.unreserve(offset)
+                if current is None:
+                    return None
+                dram.lease(current)
+                stack.counters.hits_dram += 1
+                return current
+            b = DramBlock(k, offset, size, meta.checksum, meta.expires, on_ssd=True)
+            stack.commit(b)
+            dram.lease(b)
+            ssd.touch(k)
+            stack.counters.hits_ssd += 1
+            stack.counters.promotions += 1
+        return b
+
+    # ----- the read path ----------------------------------------------------------------------------
+
+    def acquire(self, k: bytes) -> DramBlock | None:
+        """Lease the DRAM block of `k`, promoting it from SSD if needed; None on a miss. Lock not held."""
+        now = time.time()
+        stack, dram = self._stack, self._stack.dram
+        with stack.lock:
+            stack.check_open()
+            b = dram.blocks.get(k)
+            if b is not None and b.expired(now):
+                stack.drop_dram(k, "expire")
+                b = None
+            if b is not None:
+                b.leases += 1  # DramTier.lease, inlined on the hottest path
+                dram.leases += 1
+                dram.order.touch(k)
+                stack.counters.hits_dram += 1
+                return b
+            on_ssd = stack.on_ssd(k, now)
+        if on_ssd:
+            b = self.promote(k, now)
+            if b is not None:
+                return b
+        with stack.lock:
+            stack.counters.misses += 1
+        return None
+
+    def verified(self, b: DramBlock) -> bool:
+        """False if `verify_dram_reads` is set and the leased block's bytes fail their checksum (the
+        block is then dropped: a miss). Lock not held."""
+        stack = self._stack
+        if not stack.config.verify_dram_reads or checksum(stack.dram.view(b)) == b.checksum:
+            return True
+        with stack.lock:
+            stack.counters.checksum_failures += 1
+            if stack.dram.blocks.get(b.key) is b:
+                stack.drop_dram(b.key, "corrupt")
+        return False
+
+    def copy_to_device(self, k: bytes, t: Any, block: DramBlock) -> None:
+        """Keep a device copy of tensor `t`, the bytes of `block`, unless `block` was replaced meantime.
+        Lock not held."""
+        stack = self._stack
+        device = stack.device
+        if device is None or not device.fits(t):
+            return
+        with stack.lock:
+            if stack.dram.blocks.get(k) is not block:
+                return  # replaced, removed or evicted since it was read: the copy could be stale
+            stack.counters.device_evictions += device.put(k, t)
+
+    def read_device(self, k: bytes, dest: Destination) -> int:
+        """Copy `k`'s device copy into `dest` (a tensor); its size, or -1 without a current copy. Lock
+        not held."""
+        stack = self._stack
+        device = stack.device
+        assert device is not None
+        with stack.lock:
+            stack.check_open()
+            t = device.get(k)
+            if t is None or not stack.present(k, time.time()):
+                return -1  # a device copy is only as good as the block below it
+            n = int(t.numel())
+            if n > dest.nbytes:
+                raise BufferSizeError(f"block {k[:24]!r} is {n} bytes; the destination holds {dest.nbytes}",
+                                      key=k, size=n, limit=dest.nbytes)
+            device.touch(k)
+            stack.counters.hits_device += 1
+        dest.tensor[:n].copy_(t)
+        return n
+
+    def flush(self) -> int:
+        """Write every DRAM block without an SSD copy to SSD, in batches of 256 (they stay in DRAM);
+        returns how many. Lock not held."""
+        stack = self._stack
+        if stack.ssd is None:
+            return 0
+        with stack.lock:
+            stack.check_open()
+            pending = [b for b in stack.dram.blocks.values() if not b.on_ssd]
+            self.begin_write(pending)
+        try:
+            for i in range(0, len(pending), 256):
+                self.demote(pending[i:i + 256])
+        finally:
+            with stack.lock:
+                self.end_write(pending)
+        return len(pending)

@@ -1,0 +1,212 @@
+"""The tiers of one cache under one lock: DRAM (always), SSD and device (when configured), the
+counters, and the listeners, with what keeps them in step when a block enters or leaves a tier.
+
+A block is committed into DRAM (its older copies in every tier go with the old bytes); it leaves a
+tier by removal, eviction, expiry or a failed checksum, and the listeners hear whether that was its
+last copy (`removed`) or not (`dropped`). `tier_moves` moves blocks between tiers on top of this.
+"""
+from __future__ import annotations
+
+import threading
+
+from .cache_events import CacheListener
+from .config import CacheConfig
+from .errors import PoolClosed
+from .stats import CacheCounters, CacheStats
+from .tiers.device import DeviceTier, cuda_available
+from .tiers.dram import DramArena, sweep_dead_arenas
+from .tiers.dram_tier import DramBlock, DramTier
+from .tiers.ssd import SsdStore
+from .tiers.ssd_tier import SsdTier
+
+__all__ = ["TierStack"]
+
+
+class TierStack:
+    """The tiers `config` describes; `share_arena=True` names the DRAM arena in /dev/shm for same-node
+    clients to map (and first sweeps arenas that dead workers left). Every method but `close` is
+    called with `lock` held."""
+
+    def __init__(self, config: CacheConfig, *, share_arena: bool = False) -> None:
+        self.config = cfg = config
+        self.lock = threading.RLock()
+        self.demote_due = threading.Condition(self.lock)
+        """Notified when a commit leaves DRAM above its high watermark, and at close."""
+        self.closed = False
+        self.counters = CacheCounters()
+        self.listeners: tuple[CacheListener, ...] = ()  # told of every block change, under the lock
+        if share_arena:
+            sweep_dead_arenas()  # what a kill -9'd worker on this node left
+        arena = DramArena(cfg.dram_bytes, cfg.dram_slab_size, cfg.dram_name, cfg.prefault, shared=share_arena)
+        self.dram = DramTier(arena, cfg.policy, self.counters)
+        self.ssd: SsdTier | None = None
+        store: SsdStore | None = None
+        try:
+            if cfg.ssd_path:
+                store = SsdStore(cfg.ssd_path, cfg.ssd_map_size, cfg.ssd_sync)
+                self.ssd = SsdTier(store, cfg.policy)  # indexes what a previous run left
+            device = cfg.device
+            if device == "auto":
+                device = "cuda" if cuda_available() else None
+            self.device = DeviceTier(device, cfg.device_bytes, cfg.policy) if device else None
+        except BaseException:
+            if store is not None:
+                store.close()
+            arena.close()  # a shared-memory name outlives the process unless it is unlinked
+            raise
+        self._high_bytes = cfg.high_watermark * arena.size
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise PoolClosed("the cache is closed")
+
+    # ----- blocks entering and leaving ------------------------------------------------------------
+
+    def commit(self, block: DramBlock) -> None:
+        """Make a block written into a reserved slot visible under its key. A copy already on SSD
+        (`block.on_ssd`: a promotion) stays; older copies of other bytes go."""
+        key = block.key
+        self.dram.drop(key)  # quietly: a replacement is a store, not a removal
+        if self.device is not None:
+            self.device.drop(key)
+        ssd = self.ssd
+        if ssd is not None and key in ssd and not block.on_ssd:
+            ssd.forget(key)
+            ssd.mark_stale((key,))
+        self.dram.insert(block)
+        for listener in self.listeners:  # on_ssd: a promotion, the same bytes as the SSD copy
+            (listener.copied if block.on_ssd else listener.stored)(key, "dram")
+        if self.dram.arena.used_bytes > self._high_bytes:
+            self.demote_due.notify()
+
+    def left(self, key: bytes, tier: str, why: str) -> None:
+        """Tell the listeners that `tier` let go of `key`: dropped if another tier holds it, else removed."""
+        if not self.listeners:
+            return
+        elsewhere = key in self.dram.blocks if tier == "ssd" else (self.ssd is not None and key in self.ssd)
+        for listener in self.listeners:
+            (listener.dropped if elsewhere else listener.removed)(key, tier, why)
+
+    def drop_dram(self, key: bytes, why: str) -> bool:
+        """Unlink the DRAM block of `key` (its slot is freed now or at its last lease's end); `why`
+        (one of `cache_events.REASONS`) tells the listeners. False if DRAM held no block of `key`."""
+        if self.dram.drop(key) is None:
+            return False
+        self.left(key, "dram", why)
+        return True
+
+    def drop_ssd(self, key: bytes, why: str) -> None:
+        """Unindex the SSD block of `key` and queue its copy for deletion; `why` tells the listeners."""
+        assert self.ssd is not None
+        self.ssd.forget(key)
+        self.ssd.mark_stale((key,))
+        b = self.dram.blocks.get(key)
+        if b is not None:
+            b.on_ssd = False
+        self.left(key, "ssd", why)
+
+    def on_ssd(self, key: bytes, now: float) -> bool:
+        """Whether the SSD tier holds an unexpired block of `key` (an expired one is dropped)."""
+        ssd = self.ssd
+        if ssd is None or key not in ssd:
+            return False
+        if ssd.expired(key, now):
+            self.drop_ssd(key, "expire")
+            return False
+        return True
+
+    def present(self, key: bytes, now: float) -> bool:
+        """Whether any tier holds an unexpired block of `key` (expired ones are dropped)."""
+        b = self.dram.blocks.get(key)
+        if b is not None:
+            if not b.expired(now):
+                return True
+            self.drop_dram(key, "expire")
+        return self.on_ssd(key, now)
+
+    def remove(self, keys: list[bytes]) -> list[bool]:
+        """Remove each key's block from every tier; whether DRAM or SSD held one. Their SSD copies are
+        deleted now, or by the demoter once a full disk lets it."""
+        found = []
+        ssd = self.ssd
+        for key in keys:
+            hit = self.drop_dram(key, "remove")
+            if self.device is not None:
+                self.device.drop(key)
+            if ssd is not None and key in ssd:
+                ssd.forget(key)
+                self.left(key, "ssd", "remove")
+                hit = True
+            found.append(hit)
+        gone = [k for k, f in zip(keys, found) if f]
+        if ssd is not None and gone:
+            ssd.mark_stale(gone)
+            ssd.delete_stale()  # a full disk leaves them queued: the demoter retries
+        return found
+
+    def clear(self) -> None:
+        """Remove every block from every tier, and tell the listeners."""
+        self.dram.clear()
+        if self.device is not None:
+            self.device.clear()
+        if self.ssd is not None:
+            self.ssd.clear()
+        for listener in self.listeners:
+            listener.cleared()
+
+    def keys_with_prefix(self, prefix: bytes) -> list[bytes]:
+        """Keys starting with `prefix` that any tier holds, device copies included, sorted."""
+        doomed = {k for k in self.dram.blocks if k.startswith(prefix)}
+        for tier in (self.ssd, self.device):
+            if tier is not None:
+                doomed.update(k for k in tier if k.startswith(prefix))
+        return sorted(doomed)
+
+    def add_listener(self, listener: CacheListener, replay: bool) -> None:
+        """See `TieredCache.add_listener`."""
+        if replay:
+            for k in self.dram.blocks:
+                listener.stored(k, "dram")
+            for k in self.ssd or ():
+                (listener.copied if k in self.dram.blocks else listener.stored)(k, "ssd")
+        self.listeners = (*self.listeners, listener)
+
+    def remove_listener(self, listener: CacheListener) -> None:
+        self.listeners = tuple(x for x in self.listeners if x is not listener)
+
+    # ----- reports --------------------------------------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        dram, ssd, device = self.dram, self.ssd, self.device
+        dram.pins.expire()  # count live pins only (expiry is otherwise applied when room is needed)
+        pins, pending, refused = dram.pins.counts()
+        s = CacheStats(**vars(self.counters), dram_bytes=dram.arena.used_bytes, dram_capacity=dram.arena.size,
+                       dram_blocks=len(dram), dram_leases=dram.leases,
+                       ssd_bytes=ssd.nbytes if ssd else 0, ssd_blocks=len(ssd) if ssd else 0,
+                       device_bytes=device.nbytes if device else 0, device_blocks=len(device) if device else 0,
+                       pins=pins, pending_pins=pending, pins_refused=refused)
+        if ssd is not None:
+            s.checksum_failures += ssd.store.corrupt
+        return s
+
+    def check(self) -> list[str]:
+        """Every tier's own `check`, then what spans tiers: a DRAM block's SSD copy holds its bytes.
+        (A block past its TTL is not an error: expiry is lazy.)"""
+        dram, ssd, device = self.dram, self.ssd, self.device
+        errors = dram.check()
+        copies = {k: b.meta for k, b in dram.blocks.items() if b.on_ssd}
+        if ssd is not None:
+            errors += ssd.check(copies)
+        elif copies:
+            errors.append(f"{len(copies)} DRAM blocks claim an SSD copy but there is no SSD tier")
+        if device is not None:
+            errors += device.check()  # a copy may outlive its block below: reads check `present` first
+        return errors
+
+    def close(self) -> None:
+        """Close the SSD store and release the arena (the caller stopped every thread first)."""
+        with self.lock:
+            if self.ssd is not None:
+                self.ssd.close()
+            self.dram.arena.close()
+            self.dram.blocks.clear()

@@ -1,0 +1,281 @@
+"""The DRAM tier: committed blocks in the shared-memory arena by key, their eviction order, leases
+and pins, and the choice of which blocks leave when a slot is needed.
+
+It holds no lock of its own: the cache calls every method with its lock held. Where evicted blocks
+go (demotion to SSD) is the cache's business; this tier chooses them and unlinks them. A block
+unlinked while leased keeps its slot until its last lease ends, so a reader's view stays valid.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..blocks import BlockMeta, checksum
+from ..pins import Pins
+from ..policies import EVICTION_POLICY
+from ..stats import CacheCounters
+from .dram import DramArena
+
+__all__ = ["BlockRef", "DramBlock", "DramTier"]
+
+
+class BlockRef(Protocol):
+    """A leased DRAM block as `TieredCache.acquire` hands it out: where its bytes lie in the arena
+    (`offset`, `size` in bytes) and their XXH3-64 `checksum`. Valid until `TieredCache.release(ref)`."""
+
+    @property
+    def key(self) -> bytes: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def checksum(self) -> int: ...
+
+
+@dataclass(eq=False, slots=True)
+class DramBlock:
+    """A committed block in the DRAM arena (the tier's index entry; a `BlockRef` to lease holders)."""
+
+    key: bytes
+    offset: int
+    size: int
+    checksum: int
+    expires: float  # unix seconds; 0 = never
+    leases: int = 0
+    pinned: bool = False
+    live: bool = True  # False once replaced, removed or evicted; the slot is freed at zero leases
+    on_ssd: bool = False  # an identical copy is committed in the SSD tier
+
+    @property
+    def meta(self) -> BlockMeta:
+        return BlockMeta(self.size, self.checksum, self.expires)
+
+    def expired(self, now: float) -> bool:
+        return bool(self.expires) and self.expires <= now
+
+
+Evict = Callable[[list[DramBlock], list[DramBlock]], None]
+"""The cache's eviction: demote a batch (second list, which includes the first) to SSD, then drop the
+first list's blocks from DRAM."""
+
+
+class DramTier:
+    """Blocks in `arena` by key, in the order `policy` (a key of `EVICTION_POLICY`) evicts them."""
+
+    def __init__(self, arena: DramArena, policy: str, counters: CacheCounters) -> None:
+        self.arena = arena
+        self.blocks: dict[bytes, DramBlock] = {}
+        self.order = EVICTION_POLICY[policy]()
+        self.pins = Pins(self.blocks)
+        self._counters = counters
+        self.leases = 0
+        """Leases held now, over all blocks (a reader that never releases shows here)."""
+        self._reserved = 0  # slots allocated for blocks not yet committed (a put's, a promotion's)
+        self._unlinked: set[DramBlock] = set()  # dropped while leased: their slots are freed at release
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    # ----- slots and the index ------------------------------------------------------------------
+
+    def alloc(self, nbytes: int) -> int | None:
+        """A slot for a block of `nbytes` about to be written (`insert` or `unreserve` it), or None
+        when the arena has no free slot of that class."""
+        offset = self.arena.alloc(nbytes)
+        if offset is not None:
+            self._reserved += 1
+        return offset
+
+    def unreserve(self, offset: int) -> None:
+        """Free a slot from `alloc` that will not be committed."""
+        self.arena.free(offset)
+        self._reserved -= 1
+
+    def insert(self, block: DramBlock) -> None:
+        """Index a block written into a slot from `alloc` (drop any older block of its key first). A
+        live pin on its key pins it."""
+        self._reserved -= 1
+        self.blocks[block.key] = block
+        self.order.add(block.key)
+        if self.pins.claim(block.key):
+            block.pinned = True
+
+    def drop(self, key: bytes) -> DramBlock | None:
+        """Unlink the block of `key` (None if there is none); its slot is freed now, or when its last
+        lease ends."""
+        b = self.blocks.pop(key, None)
+        if b is None:
+            return None
+        self.order.discard(key)
+        b.live = False
+        if b.leases == 0:
+            self.arena.free(b.offset)
+        else:
+            self._unlinked.add(b)
+        return b
+
+    def lease(self, b: DramBlock) -> None:
+        """One more lease of `b`: it is neither evicted nor freed until `release`."""
+        b.leases += 1
+        self.leases += 1
+
+    def release(self, b: DramBlock) -> None:
+        """End one lease of `b`; the last lease of an unlinked block frees its slot."""
+        b.leases -= 1
+        self.leases -= 1
+        if b.leases == 0 and not b.live:
+            self.arena.free(b.offset)
+            self._unlinked.discard(b)
+
+    def clear(self) -> None:
+        for k in list(self.blocks):
+            self.drop(k)
+
+    def view(self, b: DramBlock) -> memoryview:
+        return self.arena.view(b.offset, b.size)
+
+    # ----- choosing victims -------------------------------------------------------------------------
+
+    def evictable(self, b: DramBlock) -> bool:
+        return b.leases == 0 and not b.pinned
+
+    def lru_victims(self, nbytes: float, at_most: int) -> list[DramBlock]:
+        """Evictable blocks, first to go first, whose slots add up to `nbytes` (at most `at_most` bytes)."""
+        out: list[DramBlock] = []
+        freed = 0
+        for k in self.order:
+            if freed >= nbytes or freed >= at_most:
+                break
+            b = self.blocks[k]
+            if self.evictable(b):
+                out.append(b)
+                freed += self.arena.slot_size(b.offset)
+        return out
+
+    def victims_for(self, n: int) -> tuple[list[DramBlock], list[DramBlock]]:
+        """Blocks to evict so that a slot for `n` bytes frees up, and the batch to demote with them.
+
+        The least recently used evictable block of `n`'s size class frees a slot; the next few of
+        that class go to SSD in the same transaction but stay in DRAM (their eviction later costs
+        no write). Failing that, every block of the least recently used slab whose blocks are all
+        evictable, so the slab returns to the free pool for any class."""
+        cls = self.arena.class_of(n)
+        same: list[DramBlock] = []
+        slabs: dict[int, None] = {}  # slabs of other classes, least recently used first
+        for k in self.order:
+            b = self.blocks[k]
+            if not self.evictable(b):
+                continue
+            if self.arena.class_of(b.size) == cls:
+                same.append(b)
+                if len(same) >= 8:
+                    break
+            else:
+                slabs.setdefault(self.arena.slab_of(b.offset))
+        if same:
+            return same[:1], same
+        by_slab = self._blocks_by_slab()
+        for slab in slabs:
+            if all(self.evictable(b) for b in by_slab[slab]):
+                return by_slab[slab], by_slab[slab]
+        return [], []
+
+    def _blocks_by_slab(self) -> dict[int, list[DramBlock]]:
+        by_slab: dict[int, list[DramBlock]] = {}
+        for b in self.blocks.values():
+            by_slab.setdefault(self.arena.slab_of(b.offset), []).append(b)
+        return by_slab
+
+    def free_a_slab_by_moving(self, n: int, evict: Evict) -> bool:
+        """Free a whole slab of another size class for a block of `n` bytes when every slab holds some
+        pinned block (a few pinned blocks spread over many slabs would otherwise refuse puts while
+        DRAM is mostly free): evict the slab's evictable blocks and copy its pinned ones into free
+        slots of their class in other slabs. Only a slab with no leased block moves (a reader's view
+        stays valid); the fewest pinned blocks move first. False if no slab can be freed so."""
+        cls = self.arena.class_of(n)
+        by_slab = self._blocks_by_slab()
+        candidates = sorted((sum(b.pinned for b in bs), slab) for slab, bs in by_slab.items()
+                            if self.arena.class_of(bs[0].size) != cls and not any(b.leases for b in bs))
+        for _, slab in candidates:
+            # as of now: making room for an earlier candidate may have evicted some of these blocks
+            blocks = [b for b in by_slab[slab] if b.live and self.blocks.get(b.key) is b]
+            if any(b.leases for b in blocks):
+                continue
+            pinned = [b for b in blocks if b.pinned]
+            self._make_room_elsewhere(pinned, slab, evict)
+            moved: list[tuple[DramBlock, int]] = []
+            for b in pinned:
+                dest = self.arena.alloc_elsewhere(b.size, slab)
+                if dest is None:
+                    break
+                moved.append((b, dest))
+            if len(moved) < len(pinned):  # no room for all of them elsewhere: undo, try the next slab
+                for _, dest in moved:
+                    self.arena.free(dest)
+                continue
+            buf = self.arena.buf
+            for b, dest in moved:
+                buf[dest:dest + b.size] = buf[b.offset:b.offset + b.size]
+                self.arena.free(b.offset)
+                b.offset = dest
+            self._counters.relocations += len(moved)
+            rest = [b for b in blocks if not b.pinned]
+            if rest:
+                evict(rest, rest)
+            return True
+        return False
+
+    def _make_room_elsewhere(self, blocks: list[DramBlock], slab: int, evict: Evict) -> None:
+        """Evict the least recently used evictable blocks of `blocks`' class outside `slab`, as many
+        as `blocks`, so that they can move there (their slots may be free already: then a few blocks
+        leave DRAM early)."""
+        if not blocks:
+            return
+        cls = self.arena.class_of(blocks[0].size)
+        room: list[DramBlock] = []
+        for k in self.order:
+            b = self.blocks[k]
+            if self.evictable(b) and self.arena.slab_of(b.offset) != slab and self.arena.class_of(b.size) == cls:
+                room.append(b)
+                if len(room) == len(blocks):
+                    break
+        if room:
+            evict(room, room)
+
+    # ----- consistency ------------------------------------------------------------------------------
+
+    def check(self) -> list[str]:
+        """What is wrong with this tier (empty when consistent): the allocator's own bookkeeping; every
+        allocated slot is an indexed block's, an unlinked leased block's or a reservation's, and no
+        two share one; the order holds exactly the indexed keys; leases are not negative; every
+        block's bytes match its checksum; pins agree with the pinned blocks."""
+        errors = self.arena.check()
+        blocks, unlinked = self.blocks, self._unlinked
+        if set(self.order) != blocks.keys():
+            errors.append(f"eviction order holds {len(self.order)} keys, the index {len(blocks)}")
+        for k, b in blocks.items():
+            if b.key != k or not b.live or b.leases < 0 or b.size > self.arena.max_block:
+                errors.append(f"DRAM block {k[:24]!r}: key {b.key[:24]!r}, live {b.live}, {b.leases} leases, "
+                              f"{b.size} bytes")
+            elif b.size > self.arena.slot_size(b.offset):
+                errors.append(f"DRAM block {k[:24]!r} of {b.size} bytes lies in a slot of "
+                              f"{self.arena.slot_size(b.offset)}")
+            elif checksum(self.view(b)) != b.checksum:
+                errors.append(f"DRAM block {k[:24]!r}: its bytes do not match their checksum")
+        if any(b.live or b.leases <= 0 for b in unlinked):
+            errors.append("an unlinked DRAM block is live or no longer leased, but its slot is held")
+        held_leases = sum(b.leases for b in blocks.values()) + sum(b.leases for b in unlinked)
+        if held_leases != self.leases:
+            errors.append(f"{self.leases} leases counted; the blocks hold {held_leases}")
+        held = [b.offset for b in blocks.values()] + [b.offset for b in unlinked]
+        allocated = self.arena.allocated()
+        if len(set(held)) != len(held):
+            errors.append("two DRAM blocks share a slot")
+        if not allocated.issuperset(held):
+            errors.append(f"{len(set(held) - allocated)} DRAM blocks lie in free slots")
+        if len(allocated) != len(set(held)) + self._reserved:
+            errors.append(f"{len(allocated)} slots allocated; {len(blocks)} blocks indexed, {len(unlinked)} "
+                          f"unlinked but leased, {self._reserved} reserved")
+        return errors + self.pins.check()
