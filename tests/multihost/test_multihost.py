@@ -1,0 +1,136 @@
+"""Workers, NATS nodes and clients on different hosts (network namespaces): bytes, staleness and call
+deadlines across hosts, through the loss of a NATS node, a cut cable and an asymmetric partition."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mhcluster import CALL_TIMEOUT_S, MEMBER_TTL_S, TOKEN, WORKER_HOSTS, Agent, Cluster
+
+SIZE = 64 << 10
+SLACK = 1.2  # a call may overrun its deadline by at most 20%
+
+
+def keys_of(tag: str, n: int = 48) -> list[str]:
+    return [f"{tag}/{i}" for i in range(n)]
+
+
+def check_call(reply: dict[str, object]) -> None:
+    assert float(reply["s"]) <= CALL_TIMEOUT_S * SLACK, f"call took {reply['s']:.2f} s (timeout {CALL_TIMEOUT_S} s)"
+
+
+def read(agent: Agent, keys: list[str]) -> list[object]:
+    reply = agent("get", keys=keys, size=SIZE)
+    check_call(reply)
+    assert "error" not in reply, reply
+    versions = list(reply["versions"])
+    assert "wrong" not in versions, f"wrong bytes served: {versions}"
+    return versions
+
+
+def wait_members(agent: Agent, n: int, timeout: float) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        members = dict(agent("members")["members"])
+        if len(members) == n or time.monotonic() > deadline:
+            return members
+        time.sleep(0.5)
+
+
+def test_members_advertise_addresses_other_hosts_reach(cluster: Cluster) -> None:
+    members = wait_members(cluster.agent("h4"), len(WORKER_HOSTS), 15)
+    assert sorted(members.values()) == sorted(f"{cluster.lab.addr(h)}:7461" for h in WORKER_HOSTS)
+
+
+def test_puts_and_gets_across_hosts(cluster: Cluster) -> None:
+    for r in (1, 2):
+        remote, local = cluster.agent("h4", replication=r), cluster.agent("h1", replication=r)
+        keys = keys_of(f"across-r{r}")
+        reply = remote("put", keys=keys, version=1, size=SIZE)
+        check_call(reply)
+        assert reply.get("ok"), reply
+        assert read(local, keys) == [1] * len(keys)  # h1 reads its own worker's share through shared memory
+        assert read(remote, keys) == [1] * len(keys)
+
+
+def test_status_from_any_host(cluster: Cluster) -> None:
+    for host in ("h4", "h2"):
+        out = subprocess.run(["ip", "netns", "exec", cluster.lab.ns(host), sys.executable, "-m", "kvpool.core.cli",
+                              "status", "--nats-url", cluster.nats_url, "--token", TOKEN, "--json"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        stats = json.loads(out.stdout.strip().splitlines()[-1])
+        assert sorted(stats) == sorted(f"w-{h}" for h in WORKER_HOSTS), stats
+
+
+def test_losing_one_nats_node_keeps_membership_and_data(cluster: Cluster) -> None:
+    agent = cluster.agent("h4", replication=2)
+    keys = keys_of("nats-loss")
+    cluster.lab.stop(cluster.nats["h3"])
+    try:
+        time.sleep(MEMBER_TTL_S + 2)  # heartbeats must have gone through the other two nodes meanwhile
+        assert len(wait_members(agent, len(WORKER_HOSTS), 1)) == len(WORKER_HOSTS)
+        check_call(agent("put", keys=keys, version=1, size=SIZE))
+        assert read(agent, keys) == [1] * len(keys)
+    finally:
+        cluster.start_nats("h3")
+
+
+def test_cut_worker_is_dropped_and_serves_nothing_stale_when_back(cluster: Cluster) -> None:
+    agent = cluster.agent("h4", replication=1)
+    keys = keys_of("cut")
+    overwritten, removed = keys[: len(keys) // 2], keys[len(keys) // 2:]
+    check_call(agent("put", keys=keys, version=1, size=SIZE))
+    cluster.lab.cut("h2")
+    try:
+        assert set(read(agent, keys)) <= {1, -1}  # before the member TTL: misses where h2 owned the key
+        members = wait_members(agent, len(WORKER_HOSTS) - 1, MEMBER_TTL_S + 10)
+        assert "w-h2" not in members
+        check_call(agent("put", keys=overwritten, version=2, size=SIZE))
+        check_call(agent("remove", keys=removed))
+    finally:
+        cluster.lab.restore("h2")
+    assert len(wait_members(agent, len(WORKER_HOSTS), MEMBER_TTL_S + 10)) == len(WORKER_HOSTS)
+    versions = read(agent, keys)
+    assert set(versions[: len(overwritten)]) <= {2, -1}, f"stale versions after h2 came back: {versions}"
+    assert set(versions[len(overwritten):]) == {-1}, f"removed keys came back: {versions}"
+
+
+def test_client_cut_from_one_worker_reads_nothing_stale(cluster: Cluster) -> None:
+    """R=1 (R=2 replicas carry no versions yet: a replica that missed a put may serve the one before)."""
+    cut_off, whole = cluster.agent("h4"), cluster.agent("h1")
+    keys = keys_of("asym")
+    check_call(cut_off("put", keys=keys, version=1, size=SIZE))
+    cluster.lab.blackhole("h4", "h2")
+    try:
+        reply = cut_off("put_each", keys=keys, version=2, size=SIZE)
+        acked = reply["acked"]
+        assert 0 < sum(acked) < len(keys), "some keys live on h2, some elsewhere"
+        assert set(read(cut_off, keys)) <= {2, -1}
+    finally:
+        cluster.lab.heal("h4", "h2")
+    versions = read(whole, keys)
+    stale = [(k, v) for k, v, a in zip(keys, versions, acked) if a and v != 2]
+    assert not stale, f"acknowledged puts read back older: {stale}"
+    assert set(versions) <= {1, 2}, versions  # nothing was lost: h2 kept its version 1
+
+
+def test_prefill_to_decode_handoff_across_hosts(cluster: Cluster) -> None:
+    lab, script = cluster.lab, str(Path(__file__).with_name("handoff.py"))
+
+    def on(host: str, *argv: str) -> list[str]:
+        return ["ip", "netns", "exec", lab.ns(host), sys.executable, *argv]
+
+    made = subprocess.run(on("h4", "-m", "kvpool.core.cli", "streams", "--nats-url", cluster.nats_url, "create",
+                             "handoff", "--replicas", "3"), capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    opts = json.dumps({"nats_url": cluster.nats_url, "token": TOKEN, "stream": "handoff", "request": "req-x"})
+    decode = subprocess.Popen(on("h4", script, "decode", opts), stdout=subprocess.PIPE, text=True)
+    prefill = subprocess.run(on("h1", script, "prefill", opts), capture_output=True, text=True, timeout=90)
+    assert prefill.returncode == 0, prefill.stderr
+    out, _ = decode.communicate(timeout=90)
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got == {"layers": list(range(6)), "exact": True}
