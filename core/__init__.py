@@ -4,7 +4,7 @@ Also what the faces (kvpool.backends, kvpool.streams) build on, so that they nee
 name: the client's configuration, keys, block checksums, buffer views, the asyncio loop thread and
 NATS helpers, and the command-line hook type (`registry`). Their bench suites use `kvpool.core.bench`.
 """
-from .aio import LoopThread, nats_connect, nats_failure
+from .aio import LoopThread, nats_connect, nats_denied, nats_failure
 from .async_client import AsyncPoolClient
 from .blocks import checksum
 from .buffers import readable
@@ -23,13 +23,16 @@ from .errors import (
     InvalidArgument,
     InvalidKey,
     KVPoolError,
+    NamespaceError,
     PoolClosed,
     PoolTimeout,
     PoolUnavailable,
     ProtocolError,
+    QuotaExceeded,
     StorageError,
 )
 from .keys import MAX_KEY_BYTES, Key, block_keys, key_bytes
+from .nats_creds import NatsCreds, Role, find_creds
 from .registry import AddParser, Subparsers
 
 __all__ = [
@@ -37,7 +40,8 @@ __all__ = [
     "KVPoolError", "InvalidKey", "BlockTooLarge", "BufferSizeError", "CapacityError", "ConfigError",
     "PoolClosed", "PoolTimeout", "PoolUnavailable", "AuthError", "ProtocolError",
     "InvalidArgument", "CorruptBlock", "StorageError", "BenchError",
+    "NamespaceError", "QuotaExceeded",
     # what the faces build on
     "ClientConfig", "load_config", "Key", "key_bytes", "checksum", "readable", "LoopThread", "nats_connect",
-    "nats_failure", "AddParser", "Subparsers",
+    "nats_failure", "nats_denied", "NatsCreds", "Role", "find_creds", "AddParser", "Subparsers",
 ]

@@ -5,11 +5,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
+import ssl
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Literal, TypeVar
 
 from .errors import AuthError, KVPoolError, PoolTimeout, PoolUnavailable
+from .nats_creds import NatsCreds, Role, creds_path, find_creds
+
+__all__ = ["LoopThread", "nats_error_logger", "PING_INTERVAL_S", "MAX_OUTSTANDING_PINGS", "nats_connect",
+    "nats_denied", "NatsFailure", "nats_failure", "nats_error"]
 
 T = TypeVar("T")
 
@@ -65,17 +71,97 @@ def nats_error_logger(log: logging.Logger) -> Callable[[Exception], Awaitable[No
     return on_error
 
 
-async def nats_connect(url: str, timeout_s: float, log: logging.Logger, **callbacks: Any) -> Any:
+def _auth_refused(e: Exception) -> bool:
+    return "authorization violation" in str(e).lower() or "authentication" in str(e).lower()
+
+
+PING_INTERVAL_S = 2.0
+MAX_OUTSTANDING_PINGS = 2
+"""A server that answers no ping for about PING_INTERVAL_S * (MAX_OUTSTANDING_PINGS + 1) seconds is
+given up for another of the cluster's: a cut network sends no FIN, and nats-py's default (pings every
+2 minutes) would leave a client deaf to membership for minutes, well past the member TTL."""
+
+
+async def nats_connect(url: str, timeout_s: float, log: logging.Logger, *, role: Role = "client",
+                       creds: NatsCreds | None = None, tls: ssl.SSLContext | None = None, **callbacks: Any) -> Any:
     """A nats-py connection to `url` (one server, or a comma-separated list of a cluster's) that, once
     up, reconnects forever (a restarted server, or another of the cluster's, is picked up again), with
     its errors logged by `nats_error_logger`; the first connection must succeed within `timeout_s`
-    seconds. `callbacks`: nats-py's, e.g. `disconnected_cb`, `reconnected_cb`."""
-    import nats
+    seconds. It authenticates as `creds`, else with the user and password in `url`, else as the
+    credentials `find_creds(role)` finds (KVPOOL_NATS_CREDS, or `kvpool up`'s in the state folder).
+    A server that refuses them, or whose TLS certificate we do not trust, raises AuthError at once.
+    `tls`: talk TLS, verified by this context (e.g. `ssl.create_default_context(cafile=...)`; default:
+    one trusting the CA file named by `KVPOOL_NATS_TLS_CA`, if set). Publishes the server denies
+    (see `nats_creds.PERMISSIONS`) are logged and kept for `nats_denied`. `callbacks`: nats-py's,
+    e.g. `disconnected_cb`, `reconnected_cb`."""
+    import nats.aio.client
 
     servers = [u.strip() for u in url.split(",") if u.strip()]  # a NATS cluster: any of its servers
-    return await asyncio.wait_for(nats.connect(servers, connect_timeout=timeout_s, allow_reconnect=True,
-                                               max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                               error_cb=nats_error_logger(log), **callbacks), timeout_s)
+    if creds is None and not any("@" in u for u in servers):
+        creds = find_creds(role)
+    auth: dict[str, Any] = {"user": creds.user, "password": creds.password} if creds is not None else {}
+    if tls is None and os.environ.get("KVPOOL_NATS_TLS_CA"):
+        tls = ssl.create_default_context(cafile=os.environ["KVPOOL_NATS_TLS_CA"])
+    if tls is not None:
+        auth["tls"] = tls
+    logger = nats_error_logger(log)
+    refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+    denied: list[str] = []
+
+    async def on_error(e: Exception) -> None:
+        if (_auth_refused(e) or isinstance(e, ssl.SSLCertVerificationError)) and not refused.done():
+            refused.set_result(e)
+        if "permissions violation" in str(e).lower():
+            denied.append(str(e))
+            del denied[:-16]
+        await logger(e)
+
+    nc: Any = nats.aio.client.Client()
+    connecting: asyncio.Future[Any] = asyncio.ensure_future(nc.connect(
+        servers, connect_timeout=timeout_s, allow_reconnect=True, max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5, ping_interval=PING_INTERVAL_S, max_outstanding_pings=MAX_OUTSTANDING_PINGS,
+        error_cb=on_error, **auth, **callbacks))
+    racing: set[asyncio.Future[Any]] = {connecting, refused}
+    done, _ = await asyncio.wait(racing, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    if connecting not in done:
+        connecting.cancel()
+        await asyncio.gather(connecting, return_exceptions=True)
+        await _close_quietly(nc, log)
+        if refused in done and isinstance(refused.result(), ssl.SSLCertVerificationError):
+            raise AuthError(f"NATS at {url}: its TLS certificate is not trusted (KVPOOL_NATS_TLS_CA names the CA "
+                            f"file to trust): {refused.result()}")
+        if refused in done:
+            who = f"as {creds.user!r} (from {creds.path or 'the caller'})" if creds is not None else (
+                "with the credentials in the URL" if "@" in url else
+                f"without credentials (none in {creds_path(role)} or KVPOOL_NATS_CREDS)")
+            raise AuthError(f"NATS at {url} refused to let us in {who}: {refused.result()}")
+        raise asyncio.TimeoutError(f"no NATS server answered at {url} within {timeout_s} s")
+    refused.cancel()
+    if connecting.exception() is not None:
+        await _close_quietly(nc, log)
+        connecting.result()  # raises what the connection failed with
+    nc.kvpool_denied = denied  # for nats_denied
+    return nc
+
+
+async def _close_quietly(nc: Any, log: logging.Logger) -> None:
+    """Close a connection that never came up (its socket with it)."""
+    try:
+        await nc.close()
+    except Exception as e:  # nothing left to release but the socket, which close() has dropped
+        log.debug("closing a refused NATS connection: %r", e)
+    transport = getattr(nc, "_transport", None)
+    if transport is not None:
+        transport.close()
+
+
+def nats_denied(nc: Any, subject_prefix: str = "") -> str | None:
+    """The latest publish the server refused on connection `nc` (from `nats_connect`) whose subject
+    starts with `subject_prefix` (case-insensitive), as the server said it; None if none. nats-server
+    drops a denied publish with only an asynchronous error, so a request to it times out: check here
+    to report a timeout as the AuthError it is."""
+    needle = f'publish to "{subject_prefix.lower()}'
+    return next((d for d in reversed(getattr(nc, "kvpool_denied", [])) if needle in d.lower()), None)
 
 
 NatsFailure = Literal["timeout", "unavailable", "auth", "refused"]
@@ -98,7 +184,8 @@ def nats_failure(err: BaseException) -> NatsFailure | None:
                         nats.errors.ConnectionDrainingError, nats.errors.OutboundBufferLimitError,
                         nats.js.errors.ServiceUnavailableError, OSError)):
         return "unavailable"
-    if isinstance(err, (nats.errors.AuthorizationError, nats.errors.InvalidUserCredentialsError)):
+    if isinstance(err, (nats.errors.AuthorizationError, nats.errors.InvalidUserCredentialsError)) or (
+            type(err) is nats.errors.Error and _auth_refused(err)):
         return "auth"
     if isinstance(err, nats.errors.Error):
         return "refused"

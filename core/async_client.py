@@ -17,6 +17,8 @@ from .keys import Key
 from .pool_backend import MembersPredicate
 from .records import PoolStats, WorkerInfo
 
+__all__ = ["AsyncPoolClient"]
+
 T = TypeVar("T")
 P = ParamSpec("P")
 

@@ -11,6 +11,8 @@ import numpy as np
 
 from .errors import BufferSizeError
 
+__all__ = ["readable", "Destination"]
+
 
 def _torch_host_bytes(t: Any) -> np.ndarray:
     import torch

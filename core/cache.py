@@ -20,7 +20,7 @@ from .cache_events import CacheListener
 from .config import CacheConfig, load
 from .demoter import Demoter
 from .errors import BlockTooLarge, BufferSizeError, InvalidArgument
-from .keys import Key, key_bytes
+from .keys import Key, key_bytes, keys_bytes
 from .stats import CacheStats
 from .tier_moves import TierMoves
 from .tier_stack import TierStack
@@ -87,7 +87,7 @@ class TieredCache:
         """Store each buffer under its key. All inputs are validated before anything is written."""
         if len(keys) != len(buffers):
             raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
-        raw_keys = [key_bytes(k) for k in keys]
+        raw_keys = keys_bytes(keys)
         views = [readable(b) for b in buffers]
         max_block = self.max_block
         for k, v in zip(raw_keys, views):
@@ -151,7 +151,7 @@ class TieredCache:
         """`get_into` for each pair; sizes, -1 for each miss."""
         if len(keys) != len(buffers):
             raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
-        raw_keys = [key_bytes(k) for k in keys]
+        raw_keys = keys_bytes(keys)
         return [self._get_into(k, Destination(b)) for k, b in zip(raw_keys, buffers)]
 
     def _get_into(self, k: bytes, dest: Destination) -> int:
@@ -193,7 +193,7 @@ class TieredCache:
     @contextmanager
     def batch_lease(self, keys: Sequence[Key]) -> Iterator[list[memoryview | None]]:
         """`lease` of each key at once: a read-only view per key, None for each miss."""
-        raw_keys = [key_bytes(k) for k in keys]
+        raw_keys = keys_bytes(keys)
         blocks: list[DramBlock | None] = []
         try:
             for k in raw_keys:
@@ -215,31 +215,34 @@ class TieredCache:
         return self.batch_exists([key])[0]
 
     def batch_exists(self, keys: Sequence[Key]) -> list[bool]:
-        raw_keys = [key_bytes(k) for k in keys]
+        """`exists` of each key, under one lock; the cost grows with len(keys), not with the blocks held."""
+        raw_keys = keys_bytes(keys, lengths=False)
         now = time.time()
         with self._lock:
             self._stack.check_open()
-            present = self._stack.present
-            return [present(k, now) for k in raw_keys]
+            held = self._stack.presence(raw_keys, now)
+        if not all(held):
+            keys_bytes([k for k, h in zip(raw_keys, held) if not h])  # raises for a bad key (one found is valid)
+        return held
 
     def prefix_match(self, keys: Sequence[Key]) -> int:
-        """Length of the longest prefix of the key chain `keys` whose blocks are all present."""
-        raw_keys = [key_bytes(k) for k in keys]
+        """Length of the longest prefix of the key chain `keys` whose blocks are all present; the cost
+        grows with len(keys) (a few C-level passes over them), not with the blocks held."""
+        raw_keys = keys_bytes(keys, lengths=False)
         now = time.time()
         with self._lock:
             self._stack.check_open()
-            present = self._stack.present
-            for i, k in enumerate(raw_keys):
-                if not present(k, now):
-                    return i
-        return len(raw_keys)
+            n = self._stack.prefix_match(raw_keys, now)
+        if n < len(raw_keys):
+            keys_bytes(raw_keys[n:])  # raises for a bad key (one found is valid)
+        return n
 
     def remove(self, key: Key) -> bool:
         """Remove the block from every tier; True if it was present."""
         return self.batch_remove([key])[0]
 
     def batch_remove(self, keys: Sequence[Key]) -> list[bool]:
-        raw_keys = [key_bytes(k) for k in keys]
+        raw_keys = keys_bytes(keys)
         with self._lock:
             self._stack.check_open()
             return self._stack.remove(raw_keys)
@@ -262,7 +265,7 @@ class TieredCache:
     def batch_pin(self, keys: Sequence[Key], pin_s: float) -> None:
         """`pin` of each key. A key whose block is not in DRAM yet is pinned when it is committed, if
         that happens within `pins.PENDING_PIN_S`."""
-        raw_keys = [key_bytes(k) for k in keys]
+        raw_keys = keys_bytes(keys)
         with self._lock:
             self._stack.check_open()
             self._dram.pins.pin(raw_keys, pin_s)

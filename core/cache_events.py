@@ -7,6 +7,8 @@ published block events (NATS, vLLM's ZMQ format) on this interface.
 """
 from __future__ import annotations
 
+__all__ = ["TIERS", "REASONS", "CacheListener"]
+
 TIERS = ("dram", "ssd")
 """Tiers reported. Device copies mirror DRAM blocks of the same node and are not reported."""
 

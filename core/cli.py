@@ -5,12 +5,15 @@ import argparse
 import faulthandler
 import json
 import logging
+import os
 import signal
 import sys
 import threading
 from typing import Any
 
 from .registry import add_command
+
+__all__ = ["COMMANDS", "cmd_worker", "cmd_up", "cmd_status", "build_parser", "main"]
 
 COMMANDS: dict[str, str] = {
     "bench": "kvpool.core.bench",
@@ -28,8 +31,16 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML/JSON file with [worker] and [cache] sections")
     p.add_argument("--host", help="bind address (default 127.0.0.1; others need --token)")
     p.add_argument("--port", type=int, help="TCP port (default 7461; 0 = any free port)")
-    p.add_argument("--token", help="shared secret clients must present (or KVPOOL_TOKEN)")
+    p.add_argument("--token", help="shared secret clients must prove they hold (or KVPOOL_TOKEN; on loopback "
+                                   "the default is the token file made at first start, <state dir>/token)")
+    p.add_argument("--no-auth", action="store_true", default=None,
+                   help="loopback only: no token (any local user may use the pool); or KVPOOL_NO_AUTH=1")
+    p.add_argument("--tenants", dest="tenants_file", metavar="FILE",
+                   help="tenant tokens, each bound to the key namespace '<tenant>/' with a quota: a 0600 JSON/TOML "
+                        "file {name: {token, quota_bytes}} (or KVPOOL_TENANTS_FILE)")
     p.add_argument("--nats-url", help="register in the cluster at this NATS server")
+    p.add_argument("--nats-creds", help="file with the NATS user and password to register with (or KVPOOL_NATS_CREDS; "
+                                        "default: the worker credentials of `kvpool up` in <state dir>/nats)")
     p.add_argument("--worker-id", help="this worker's id in the cluster (default: kept with its SSD tier or state)")
     p.add_argument("--advertise-host", help="the address other machines reach this worker at (default --host; "
                                             "required with a wildcard --host in a cluster)")
@@ -52,8 +63,8 @@ def _build_worker(args: argparse.Namespace) -> Any:
         return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
     wcfg = load(WorkerConfig, file=args.config, section="worker",
-                **pick(["host", "port", "token", "nats_url", "metrics_port", "worker_id", "advertise_host", "node_id",
-                         "events", "events_zmq"]))
+                **pick(["host", "port", "token", "no_auth", "tenants_file", "nats_url", "nats_creds", "metrics_port",
+                         "worker_id", "advertise_host", "node_id", "events", "events_zmq"]))
     ccfg = load(CacheConfig, file=args.config, section="cache", **pick(["dram_bytes", "ssd_path", "ssd_map_size"]))
     return Worker(wcfg, ccfg)
 
@@ -85,11 +96,22 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from .config import default_state_dir
+    from .nats_creds import authorization, creds_dir, creds_path, ensure_creds
     from .nats_server import NatsServer
 
     done = _stop_signal()
-    nats = NatsServer(default_state_dir() / "nats", port=args.nats_port).start()
+    where = creds_dir()
+    if args.nats_no_auth:
+        auth, secured = None, "anyone who reaches it may join and write membership (--nats-no-auth)"
+    else:
+        auth = authorization(ensure_creds(where))
+        secured = f"users and passwords in {where} (0600)"
+        args.nats_creds = str(creds_path("worker", where))
+    tls = (args.nats_tls_cert, args.nats_tls_key) if args.nats_tls_cert else None
+    if tls:  # our own worker trusts the certificate (itself the CA, when self-signed) unless told a CA
+        os.environ.setdefault("KVPOOL_NATS_TLS_CA", tls[0])
+        secured += f"; TLS: clients set KVPOOL_NATS_TLS_CA={os.environ['KVPOOL_NATS_TLS_CA']}"
+    nats = NatsServer(where, port=args.nats_port, host=args.nats_host, authorization=auth, tls=tls).start()
     args.nats_url = nats.url
     try:
         worker = _build_worker(args).start()
@@ -98,6 +120,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise
     print(f"""kvpool is up: NATS {nats.url}, worker {worker.worker_id} at {worker.address}
 
+  NATS access:      {secured}
+                    processes of this user find them there; elsewhere, hand over only the role needed:
+                    KVPOOL_NATS_CREDS={creds_path("client", where)}  (clients: read membership, use streams)
+                    {creds_path("worker", where)} (workers), {creds_path("admin", where)} (create streams)
   Python clients:   KVPOOL_NATS_URL={nats.url}   (cluster mode)
   same-node only:   KVPOOL_MODE=local KVPOOL_WORKER={worker.unix_path}
   SGLang:           --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
@@ -117,6 +143,9 @@ Ctrl-C stops both.""", flush=True)
 
 def cmd_status(args: argparse.Namespace) -> int:
     from .client import PoolClient
+
+    if args.nats_creds:
+        os.environ["KVPOOL_NATS_CREDS"] = args.nats_creds  # read by every NATS connection this command makes
 
     with PoolClient(mode="cluster", nats_url=args.nats_url, token=args.token) as client:
         if args.watch:
@@ -153,10 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("up", help="start nats-server and one worker: the single-machine deployment")
     _worker_args(u)
     u.add_argument("--nats-port", type=int, default=4222)
+    u.add_argument("--nats-host", default="127.0.0.1", help="NATS listen address (127.0.0.1)")
+    u.add_argument("--nats-no-auth", action="store_true",
+                   help="run NATS without users (anyone who reaches it joins the cluster): trusted networks only")
+    u.add_argument("--nats-tls-cert", help="serve NATS over TLS with this certificate (PEM; with --nats-tls-key)")
+    u.add_argument("--nats-tls-key", help="the certificate's private key (PEM)")
     u.set_defaults(func=cmd_up)
     s = sub.add_parser("status", help="members, capacities, fill and hit rates of the cluster")
     s.add_argument("--nats-url", default="nats://127.0.0.1:4222")
     s.add_argument("--token", default=None)
+    s.add_argument("--nats-creds", help="NATS user/password file (or KVPOOL_NATS_CREDS; default: in the state dir)")
     s.add_argument("--json", action="store_true")
     s.add_argument("--watch", action="store_true", help="live rates per worker, redrawn every --interval seconds")
     s.add_argument("--interval", type=float, default=2.0, help="seconds between redraws with --watch (2)")

@@ -28,6 +28,8 @@ from .pool_backend import MembersPredicate, PoolBackend
 from .records import PoolStats, WorkerInfo
 from .transport import connect
 
+__all__ = ["MODES", "ClientConfig", "BACKENDS", "open_backend", "PoolClient"]
+
 MODES = ("embedded", "local", "cluster")
 
 
@@ -43,7 +45,11 @@ class ClientConfig:
     nats_url: str | None = None
     """cluster mode: the NATS server of the cluster."""
     token: str | None = None
-    """shared secret for workers that require one (TCP)."""
+    """the pool token, for TCP workers (loopback ones too); unset: `KVPOOL_TOKEN`, else the token file a
+    worker of this user made (`KVPOOL_TOKEN_FILE`, else `<state dir>/token`), read when connecting.
+    It never crosses the wire (challenge-response), and a client holding one treats a worker that cannot
+    prove it holds the same as absent. Same-node (Unix socket) workers need none: the kernel vouches
+    for the peer's user."""
     replication: int = 1
     """cluster mode: copies written per block (top-R workers by rendezvous score)."""
     timeout_s: float = 5.0

@@ -17,9 +17,12 @@ from typing import Any
 
 import xxhash
 
-from .aio import LoopThread, nats_connect
-from .errors import PoolUnavailable
+from .aio import LoopThread, nats_connect, nats_denied, nats_error
+from .errors import AuthError, ConfigError, PoolUnavailable
+from .nats_creds import NatsCreds, Role
 from .records import WorkerInfo
+
+__all__ = ["BUCKET", "rank", "Membership"]
 
 log = logging.getLogger("kvpool.cluster")
 
@@ -33,10 +36,16 @@ def rank(key: bytes, worker_ids: Sequence[str]) -> list[str]:
 
 
 class Membership:
-    """A NATS connection that registers a worker and/or watches the member list."""
+    """A NATS connection that registers a worker and/or watches the member list.
 
-    def __init__(self, nats_url: str, ttl_s: float = 10.0, connect_timeout_s: float = 5.0, replicas: int = 1) -> None:
+    `role`: the NATS user to connect as (`kvpool.core.nats_creds`): a `worker` registers; a `client`
+    with credentials may only read the bucket, so it waits for a worker to create it. `creds`: that
+    user's credentials, if not those `find_creds(role)` finds (or the URL holds)."""
+
+    def __init__(self, nats_url: str, ttl_s: float = 10.0, connect_timeout_s: float = 5.0, replicas: int = 1, *,
+                 role: Role = "client", creds: NatsCreds | None = None) -> None:
         self.url = nats_url
+        self.role = role
         self.ttl_s = ttl_s
         self.replicas = replicas
         self._io = LoopThread("kvpool-nats")
@@ -48,15 +57,26 @@ class Membership:
         self._watcher: Any = None
 
         try:
-            self._nc = self._io.run(nats_connect(nats_url, connect_timeout_s, log, disconnected_cb=self._disconnected,
+            self._nc = self._io.run(nats_connect(nats_url, connect_timeout_s, log, role=role, creds=creds,
+                                                 disconnected_cb=self._disconnected,
                                                  reconnected_cb=self._reconnected), timeout=connect_timeout_s + 2)
-            self._kv = self._io.run(self._bucket(), timeout=connect_timeout_s + 2)
+            # a client user may not create the bucket (nats_creds.PERMISSIONS): it waits for a worker's
+            self._may_create = role != "client" or not (self._nc.options.get("user") or "@" in nats_url)
+            self._kv: Any = self._io.run(self._bucket(), timeout=connect_timeout_s + 2)
+        except (AuthError, ConfigError):  # refused, or a credentials file that is not one
+            self._io.stop()
+            raise
         except Exception as e:
             self._io.stop()
+            denied = nats_denied(getattr(self, "_nc", None), f"$JS.API.STREAM.CREATE.KV_{BUCKET}")
+            if denied:
+                raise AuthError(f"the NATS user at {nats_url} may not create the member bucket (role {role!r}): "
+                                f"{denied}") from e
             raise PoolUnavailable(f"cannot reach the cluster at {nats_url}: {e}") from e
 
     async def _bucket(self) -> Any:
-        """The members bucket, created on first use (entries age out after `ttl_s`)."""
+        """The members bucket, created on first use (entries age out after `ttl_s`); None while it does
+        not exist and this user may not create it."""
         from nats.js.api import KeyValueConfig
         from nats.js.errors import BucketNotFoundError
 
@@ -64,6 +84,8 @@ class Membership:
         try:
             kv = await js.key_value(BUCKET)
         except BucketNotFoundError:
+            if not self._may_create:
+                return None
             return await js.create_key_value(KeyValueConfig(bucket=BUCKET, history=1, ttl=self.ttl_s,
                                                             replicas=self.replicas))
         if self.replicas > 1:  # a bucket made by a client (1 replica) is raised to the workers' setting
@@ -89,7 +111,6 @@ class Membership:
         `on_rejoin(gap_s)` runs once per outage (in the NATS thread) as soon as no heartbeat got through
         for so long that the entry may have expired: clients then place this worker's keys elsewhere, so
         what it holds may become older than what they write meanwhile."""
-        self._registered = worker_id
         last_ok = time.monotonic()
         told = last_ok  # the gap on_rejoin was last called for, by its start
 
@@ -110,7 +131,18 @@ class Membership:
                     await self._reopen_bucket()
                 await asyncio.sleep(heartbeat_s)
 
-        self._io.run(self._kv.put(worker_id, json.dumps({**info(), "ts": time.time()}).encode()), timeout=10)
+        try:
+            if self._kv is None:
+                raise PoolUnavailable(f"no member bucket {BUCKET!r} at {self.url}, and this NATS user may not "
+                                      "create it")
+            self._io.run(self._kv.put(worker_id, json.dumps({**info(), "ts": time.time()}).encode()), timeout=10)
+        except Exception as e:
+            denied = nats_denied(self._nc, f"$KV.{BUCKET}.")
+            if denied:
+                raise AuthError(f"the NATS user at {self.url} may not register members (role {self.role!r}; "
+                                f"workers need the worker credentials): {denied}") from e
+            raise nats_error(e, f"cannot register {worker_id!r} at {self.url}") from e
+        self._registered = worker_id
         self._io.spawn(beat())
 
     # ----- client side ------------------------------------------------------------------------
@@ -122,6 +154,11 @@ class Membership:
         async def follow() -> None:
             while True:  # an iteration ends when `_reconnected` stops the watcher: watch afresh
                 try:
+                    if self._kv is None:  # no bucket yet, and ours to wait for: no members yet
+                        ready.set()
+                        await asyncio.sleep(0.5)
+                        await self._reopen_bucket()
+                        continue
                     self._watcher = watcher = await self._kv.watchall()
                     async for entry in watcher:
                         if entry is None:

@@ -19,6 +19,8 @@ from .fanout import FanOut, Transport
 from .pool_backend import MembersPredicate, leases_by_copy
 from .records import PoolStats, WorkerInfo, WorkerStats
 
+__all__ = ["Groups", "ClusterBackend"]
+
 Groups = dict[str, list[int]]
 """Key indices by the worker asked about them."""
 

@@ -19,8 +19,12 @@ from typing import TYPE_CHECKING, Any, TypeVar, get_type_hints
 from .errors import ConfigError
 from .policies import EVICTION_POLICY
 
+__all__ = ["parse_size", "default_state_dir", "default_node_id", "read_file", "load", "CacheConfig", "WorkerConfig"]
+
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
+
+    from .nats_creds import NatsCreds
 
 C = TypeVar("C", bound="DataclassInstance")
 
@@ -169,7 +173,18 @@ class WorkerConfig:
     unix_path: str | None = None
     """Unix socket for same-node clients; default `<state dir>/worker-<port>.sock`."""
     token: str | None = None
-    """Shared secret; required for any non-loopback bind, and then checked on every TCP connection."""
+    """Shared secret every TCP client proves it holds (challenge-response; it never crosses the wire).
+    Required for a non-loopback bind; on loopback, unset, the worker uses the token file
+    (`KVPOOL_TOKEN_FILE`, else `<state dir>/token`), made 0600 at first start and found there by
+    clients of the same user."""
+    no_auth: bool = False
+    """`--no-auth` / `KVPOOL_NO_AUTH=1`, loopback binds only: TCP clients need no token, so every
+    local user can read, write and clear the pool. For single-user machines. Unix-socket clients are
+    still checked (same user or root, by SO_PEERCRED)."""
+    tenants_file: str | None = None
+    """Tenant tokens, each scoped to the key namespace `<name>/` with a quota in bytes (`--tenants`,
+    `KVPOOL_TENANTS_FILE`): a 0600 JSON or TOML file `{"<name>": {"token": ..., "quota_bytes": ...}}`;
+    see `kvpool.core.tenants`. The pool token keeps full access."""
     max_connections: int = 1024
     """Connections served at once (a thread each); further ones are closed at once, with a warning."""
     io_timeout_s: float = 30.0
@@ -194,6 +209,10 @@ class WorkerConfig:
     """Prometheus metrics port on `host`; none when unset."""
     nats_url: str | None = None
     """Register in the cluster at this NATS server; standalone when unset."""
+    nats_creds: str | None = None
+    """File with the NATS user and password to register with (`KVPOOL_NATS_CREDS`); default the
+    worker credentials `kvpool up` keeps in `<state dir>/nats/worker.json`, if any (see
+    `kvpool.core.nats_creds`)."""
     heartbeat_s: float = 2.0
     member_ttl_s: float = 10.0
     advertise_host: str | None = None
@@ -214,3 +233,10 @@ class WorkerConfig:
     """ZMQ block hashes as 32 `bytes` or 64-bit `int` (Dynamo)."""
     events_block_tokens: int = 16
     """The engine's tokens per block, as ZMQ events report it."""
+
+    def nats_credentials(self) -> NatsCreds | None:
+        """The credentials in the `nats_creds` file; None when unset (then `nats_connect` uses the URL's,
+        or finds the worker's)."""
+        from .nats_creds import load_creds
+
+        return load_creds(self.nats_creds) if self.nats_creds else None

@@ -5,15 +5,19 @@ that are the same over TCP and shared memory (exists, prefix, remove, clear, pin
 """
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import socket
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 
 from . import protocol as P
+from .auth import NONCE_BYTES, find_token, no_auth_env, peer_uid, proof, same_user, token_path
 from .errors import (
     AuthError,
     BlockTooLarge,
@@ -23,9 +27,12 @@ from .errors import (
     PoolTimeout,
     PoolUnavailable,
     ProtocolError,
+    QuotaExceeded,
 )
 from .pool_backend import MembersPredicate
 from .records import PoolStats, WorkerInfo, WorkerStats
+
+__all__ = ["DEFAULT_MAX_BLOCK", "Connection", "raise_item", "send_pin"]
 
 log = logging.getLogger("kvpool.transport")
 
@@ -39,6 +46,7 @@ class Connection:
     def __init__(self, address: str, token: str | None = None, timeout_s: float = 5.0) -> None:
         self.address = address
         self.token = token
+        """The pool token; None: found when connecting (`kvpool.core.auth.find_token`)."""
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
@@ -47,9 +55,13 @@ class Connection:
         self.checksum_failures = 0
         """Blocks received from this worker whose bytes failed their checksum (each served as a miss)."""
 
+    @property
+    def unix(self) -> bool:
+        return self.address.startswith("/")
+
     def _connect(self) -> socket.socket:
         try:
-            if self.address.startswith("/"):
+            if self.unix:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 try:
                     sock.settimeout(self.timeout_s)
@@ -64,13 +76,53 @@ class Connection:
         except OSError as e:
             raise PoolUnavailable(f"cannot connect to worker {self.address}: {e}") from e
         self._sock = sock
-        self.info = WorkerInfo.from_dict(P.unpack_json(self._roundtrip(P.Op.HELLO).meta))
-        if self.info.auth and not self.address.startswith("/"):
-            if not self.token:
-                self.close()
-                raise AuthError(f"worker {self.address} requires a token (KVPOOL_TOKEN)") from None
-            self._roundtrip(P.Op.AUTH, P.pack_json({"token": self.token}))
+        try:
+            self.info = WorkerInfo.from_dict(self._handshake(sock))
+        except BaseException:
+            self.close()
+            raise
         return sock
+
+    def _handshake(self, sock: socket.socket) -> dict[str, Any]:
+        """Make sure of the worker before sending it anything but HELLO; its description.
+
+        Unix socket: the kernel says the peer is this user (or root). TCP: both ends prove they hold
+        the token (`kvpool.core.auth`); a worker that cannot is treated as absent (PoolUnavailable),
+        and is sent neither the token nor data. A client with no token reaches only workers that ask
+        for none (`--no-auth`); one with a token trusts no worker that does not prove it."""
+        if self.unix:
+            uid = peer_uid(sock)
+            if not same_user(uid):
+                raise PoolUnavailable(f"worker socket {self.address} is served by uid {uid}, not this user: "
+                                      "treated as absent")
+        hello = P.unpack_json(self._roundtrip(P.Op.HELLO).meta)
+        token = self.token if self.token is not None else find_token()
+        if "nonce" not in hello:
+            if token and not self.unix and not no_auth_env():
+                raise PoolUnavailable(f"worker {self.address} does not authenticate (--no-auth?) and so cannot "
+                                      "prove it holds this client's token: treated as absent")
+            return hello
+        if not token:
+            raise AuthError(f"worker {self.address} requires a token (KVPOOL_TOKEN, or the token file "
+                            f"{token_path()} its user's workers make)")
+        try:
+            nonce_w = bytes.fromhex(str(hello["nonce"]))
+        except ValueError as e:
+            raise PoolUnavailable(f"worker {self.address} sent a malformed nonce") from e
+        if len(nonce_w) != NONCE_BYTES:
+            raise PoolUnavailable(f"worker {self.address} sent a nonce of {len(nonce_w)} bytes; {NONCE_BYTES} expected")
+        nonce_c = secrets.token_bytes(NONCE_BYTES)
+        mine = proof(token, nonce_w, nonce_c, "client")
+        answer = P.pack_json({"nonce": nonce_c.hex(), "proof": mine.hex()})
+        info = P.unpack_json(self._roundtrip(P.Op.AUTH, answer).meta)
+        try:
+            theirs = bytes.fromhex(str(info.pop("proof", "")))
+        except ValueError:
+            theirs = b""
+        if not hmac.compare_digest(theirs, proof(token, nonce_w, nonce_c, "worker")):
+            raise PoolUnavailable(f"worker {self.address} accepted this client's proof but could not prove it holds "
+                                  "the token: treated as absent, sent no data")
+        return info
 
     @contextmanager
     def _session(self) -> Iterator[socket.socket]:
@@ -169,6 +221,9 @@ def raise_item(status: int, key: bytes, size: int, max_block: int) -> None:
                             key=key, size=size, limit=max_block)
     if status == P.ITEM_FULL:
         raise CapacityError(f"worker has no room for block {key[:24]!r} ({size} bytes)", key=key, size=size)
+    if status == P.ITEM_QUOTA:
+        raise QuotaExceeded(f"block {key[:24]!r} ({size} bytes) would take this token's tenant past its quota "
+                            "of bytes stored on the worker; nothing was stored under it", key=key, size=size)
     if status == P.ITEM_CORRUPT:
         raise CorruptBlock(f"block {key[:24]!r} arrived corrupt at the worker (checksum mismatch); nothing "
                            "was stored under it", key=key, size=size)

@@ -9,6 +9,8 @@ from .cache import TieredCache
 from .pool_backend import MembersPredicate
 from .records import PoolStats, WorkerInfo
 
+__all__ = ["EmbeddedBackend"]
+
 
 class EmbeddedBackend:
     """Every call goes straight to `cache` (timed pins included); the backend owns it and closes it."""

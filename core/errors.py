@@ -6,6 +6,10 @@ Third-party exceptions (lmdb, sockets, nats) are translated at the boundary that
 """
 from __future__ import annotations
 
+__all__ = ["KVPoolError", "InvalidKey", "InvalidArgument", "BlockTooLarge", "BufferSizeError", "CapacityError",
+    "PoolClosed", "PoolUnavailable", "PoolTimeout", "AuthError", "NamespaceError", "QuotaExceeded", "ProtocolError",
+    "CorruptBlock", "ConfigError", "StorageError", "ListenError", "BenchError"]
+
 
 class KVPoolError(Exception):
     """Root of every kvpool error. `key`, `size` and `limit` are set where the error concerns one block,
@@ -53,6 +57,15 @@ class PoolTimeout(PoolUnavailable, TimeoutError):
 
 class AuthError(KVPoolError, PermissionError):
     """A connection failed to authenticate."""
+
+
+class NamespaceError(AuthError):
+    """A tenant's connection named a key (or a clear prefix) outside its namespace `<tenant>/`; nothing
+    of the request was done."""
+
+
+class QuotaExceeded(CapacityError):
+    """A tenant's put would take its bytes stored past its quota (`limit`); the block was not stored."""
 
 
 class ProtocolError(KVPoolError):

@@ -25,9 +25,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .aio import LoopThread, nats_connect, nats_error
+from .aio import LoopThread, nats_connect, nats_denied, nats_error
 from .cache_events import CacheListener
-from .errors import ProtocolError
+from .errors import AuthError, ProtocolError
+from .nats_creds import NatsCreds
+
+__all__ = ["STREAM", "SUBJECT_PREFIX", "FLUSH_S", "MAX_QUEUED", "MAX_BATCH", "MAX_BATCH_BYTES", "KINDS",
+    "BlockEvent", "EventBatch", "subject_of", "EventQueue", "ensure_stream", "Sink", "EventPublisher", "NatsSink",
+    "EventIndex", "EventFeed"]
 
 log = logging.getLogger("kvpool.events")
 
@@ -217,12 +222,14 @@ class EventPublisher:
 class NatsSink:
     """Publishes batches on `kvpool.events.<worker>` (JetStream keeps them in `KVPOOL_EVENTS`)."""
 
-    def __init__(self, nats_url: str, worker_id: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, nats_url: str, worker_id: str, timeout_s: float = 5.0, *,
+                 creds: NatsCreds | None = None) -> None:
         self.subject = subject_of(worker_id)
         self.timeout_s = timeout_s
         self._io = LoopThread("kvpool-events-nats")
         try:
-            self._nc = self._io.run(nats_connect(nats_url, timeout_s, log), timeout=timeout_s + 2)
+            self._nc = self._io.run(nats_connect(nats_url, timeout_s, log, role="worker", creds=creds),
+                                    timeout=timeout_s + 2)
             self._io.run(ensure_stream(self._nc.jetstream()), timeout=timeout_s + 2)
         except Exception as e:
             self._io.stop()
@@ -277,15 +284,20 @@ class EventFeed:
     """The pool's event batches from NATS, oldest first: every batch still retained (`replay=True`)
     or only those published from now on. Iterate it, or `next_batch(timeout)`; `close()` ends it."""
 
-    def __init__(self, nats_url: str, *, replay: bool = False, timeout_s: float = 5.0) -> None:
+    def __init__(self, nats_url: str, *, replay: bool = False, timeout_s: float = 5.0,
+                 creds: NatsCreds | None = None) -> None:
         self._io = LoopThread("kvpool-events-feed")
         self._q: queue.Queue[EventBatch] = queue.Queue()
         self.malformed = 0
+        self._nc: Any = None
         try:
-            self._nc = self._io.run(nats_connect(nats_url, timeout_s, log), timeout=timeout_s + 2)
+            self._nc = self._io.run(nats_connect(nats_url, timeout_s, log, creds=creds), timeout=timeout_s + 2)
             self._sub = self._io.run(self._subscribe(replay), timeout=timeout_s + 2)
         except Exception as e:
             self._io.stop()
+            if self._nc is not None and nats_denied(self._nc, "$JS.API.STREAM.CREATE."):
+                raise AuthError(f"no events stream {STREAM} at {nats_url} yet, and this NATS user may not create "
+                                "it: start a worker with --events first") from e
             raise nats_error(e, f"cannot read events at {nats_url}") from e
 
     async def _subscribe(self, replay: bool) -> Any:

@@ -13,6 +13,8 @@ from .events import EventBatch, EventFeed
 from .events_zmq import HASHES, LAYOUTS, VllmFormat, ZmqSink
 from .registry import Subparsers
 
+__all__ = ["add_parser", "run"]
+
 
 def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     p = sub.add_parser("events", help="follow the pool's block events (workers started with --events)")

@@ -26,6 +26,8 @@ from typing import Any
 from .errors import ConfigError
 from .events import EventBatch
 
+__all__ = ["MEDIUM", "LAYOUTS", "HASHES", "VllmFormat", "block_hash", "vllm_events", "encode", "ZmqSink"]
+
 MEDIUM = {"dram": "CPU", "ssd": "STORAGE"}
 LAYOUTS = ("map", "array")
 HASHES = ("bytes", "int")

@@ -18,6 +18,8 @@ from .errors import PoolTimeout, PoolUnavailable
 from .records import WorkerInfo
 from .transport import ShmTransport, TcpTransport, connect
 
+__all__ = ["Transport", "SUSPECT_S", "FanOut"]
+
 log = logging.getLogger("kvpool.client")
 
 T = TypeVar("T")

@@ -12,6 +12,8 @@ import numpy as np
 
 from .errors import InvalidArgument, InvalidKey
 
+__all__ = ["Key", "MAX_KEY_BYTES", "key_bytes", "keys_bytes", "block_keys"]
+
 Key = str | bytes
 
 MAX_KEY_BYTES = 511
@@ -35,6 +37,29 @@ def key_bytes(key: Key) -> bytes:
     if not raw:
         raise InvalidKey(f"key is empty; keys are 1 to {MAX_KEY_BYTES} bytes")
     raise InvalidKey(f"key {raw[:16]!r}… is {len(raw)} bytes; the limit is {MAX_KEY_BYTES}")
+
+
+def keys_bytes(keys: Sequence[Key], *, lengths: bool = True) -> list[bytes]:
+    """`key_bytes` of each key, validated in bulk: for a batch of str keys (or of bytes keys) a few
+    C-level passes (encode, lengths) instead of a Python call per key. Raises as `key_bytes` would.
+
+    `lengths=False` skips the length check, for lookups that check only the keys they do not find
+    (every stored key is valid, so a key found is one)."""
+    raw: list[bytes]
+    try:
+        raw = list(map(str.encode, keys))  # type: ignore[arg-type]  # a bytes key raises TypeError
+    except TypeError:  # not all str: all bytes, or a mix the per-key path sorts out
+        if set(map(type, keys)) != {bytes}:
+            return [key_bytes(k) for k in keys]
+        raw = list(keys)  # type: ignore[arg-type]  # all bytes: checked above
+    except UnicodeEncodeError:
+        return [key_bytes(k) for k in keys]  # raises, naming the key
+    if not lengths:
+        return raw
+    sizes = list(map(len, raw))
+    if sizes and (not min(sizes) or max(sizes) > MAX_KEY_BYTES):
+        return [key_bytes(k) for k in keys]  # raises, naming the first bad key
+    return raw
 
 
 def block_keys(token_ids: Sequence[int] | np.ndarray, block_size: int, namespace: str = "") -> list[str]:

@@ -17,6 +17,8 @@ from .pool_backend import MembersPredicate
 from .records import PoolStats, WorkerInfo
 from .stats import CacheStats
 
+__all__ = ["MemoryBackend"]
+
 
 class MemoryBackend:
     """Blocks in a dict, under one lock; `max_block` bounds a block as a DRAM tier's slab would."""

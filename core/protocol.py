@@ -26,8 +26,13 @@ import xxhash
 from .errors import PoolUnavailable, ProtocolError
 from .keys import MAX_KEY_BYTES
 
+__all__ = ["MAGIC", "VERSION", "HEADER", "MAX_META", "MAX_DATA", "MAX_BATCH", "Op", "Status", "ITEM_QUOTA", "Frame",
+    "header", "recv_exactly", "recv_frame", "send_frame", "pack_json", "unpack_json", "frames", "pack_batch",
+    "unpack_batch", "unpack_ids", "check_reply"]
+
 MAGIC = b"KVPW"
-VERSION = 1
+VERSION = 2
+"""2: HELLO/AUTH are a challenge-response in both directions (the token never crosses the wire)."""
 HEADER = struct.Struct("<4sBBHIIQII")
 MAX_META = 16 << 20
 MAX_DATA = 8 << 30
@@ -36,8 +41,8 @@ _META_STEP = 1 << 20
 
 
 class Op(IntEnum):
-    HELLO = 1     # json -> json: worker identity, arena name/size, whether auth is required
-    AUTH = 2      # json {"token"} -> status
+    HELLO = 1     # -> json: before auth {"auth": true, "nonce"} only; after (or unneeded) the worker's description
+    AUTH = 2      # json {"nonce", "proof"} (client's) -> json: the worker's description and {"proof"} (worker's)
     PUT = 3       # keys + sizes, checksums; data -> statuses
     GET = 4       # keys -> sizes, checksums; data
     EXISTS = 5    # keys -> flags
@@ -46,7 +51,7 @@ class Op(IntEnum):
     CLEAR = 8     # -> status
     STATS = 9     # -> json
     ALLOC = 10    # same node: keys + sizes -> offsets (-1: no room)
-    COMMIT = 11   # same node: keys + offsets + sizes + checksums -> statuses
+    COMMIT = 11   # same node: keys + offsets + sizes + checksums -> statuses (ITEM_CORRUPT: bytes do not match)
     ABORT = 12    # same node: raw offsets -> (no reply)
     LEASE = 13    # same node: keys -> lease ids, offsets, sizes, checksums
     RELEASE = 14  # same node: raw lease ids -> (no reply)
@@ -59,6 +64,11 @@ class Status(IntEnum):
     AUTH_REQUIRED = 2
     AUTH_FAILED = 3
     BAD_REQUEST = 4
+    FORBIDDEN = 5  # a tenant's request names a key outside its namespace: NamespaceError
+
+
+ITEM_QUOTA = -5
+"""A put's per-block status: the tenant's quota has no room for it (QuotaExceeded)."""
 
 
 ITEM_OK, ITEM_MISS, ITEM_CORRUPT, ITEM_FULL, ITEM_TOO_LARGE = 0, -1, -2, -3, -4
@@ -230,5 +240,10 @@ def check_reply(frame: Frame, op: int) -> None:
         from .errors import AuthError
 
         raise AuthError(unpack_json(frame.meta).get("error", "authentication required"))
+    if frame.status == Status.FORBIDDEN:
+        from .errors import NamespaceError
+
+        meta = unpack_json(frame.meta)
+        raise NamespaceError(meta.get("error", "outside this token's namespace"), key=meta.get("key"))
     if frame.status != Status.OK:
         raise ProtocolError(unpack_json(frame.meta).get("error", f"worker error status {frame.status}"))

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .stats import CacheStats
 
+__all__ = ["WorkerInfo", "WorkerStats", "PoolStats"]
+
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 

@@ -1,45 +1,41 @@
-"""The node worker: serves its TieredCache over TCP (any node) and a Unix socket (same node).
+"""The node worker: its lifecycle (bind, start, stop, join the cluster) and what it says of itself.
 
-One thread per connection, blocking sockets: block bytes go from the socket straight into arena slots
-and from arena slots straight to the socket. Same-node clients map the arena and exchange only small
-control messages (alloc/commit, lease/release); a connection that closes gives back its reservations
-and leases. A malformed frame closes that connection only, with a logged reason.
+It serves its TieredCache over TCP (any node) and a Unix socket (same node), one thread per
+connection, blocking sockets: block bytes go from the socket straight into arena slots and from arena
+slots straight to the socket. Same-node clients map the arena and exchange only small control
+messages (alloc/commit, lease/release). How connections are accepted, authenticated and timed is
+`kvpool.core.worker_serving`; what each request does is `kvpool.core.worker_ops`; the token and the
+challenge-response are `kvpool.core.auth`.
 """
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import secrets
 import socket
-import struct
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import xxhash
-
-from . import protocol as P
-from .cache import BlockRef, TieredCache
+from .auth import load_or_create_token, private_dir, token_path
+from .cache import TieredCache
 from .config import CacheConfig, WorkerConfig, default_node_id, default_state_dir
-from .errors import BlockTooLarge, CapacityError, ConfigError, KVPoolError, ListenError, ProtocolError
+from .errors import ConfigError, ListenError
 from .metrics import WorkerMetrics
+from .tenants import Tenant, TenantUsage, load_tenants
+from .worker_ops import RESERVE_SHARE, RequestHandlers
+
+__all__ = ["Worker", "is_local_only", "stored_worker_id"]
 
 log = logging.getLogger("kvpool.worker")
-
-_SCRATCH = 1 << 20
-_SOCK_BUF = 8 << 20  # room for the sender to run ahead while a received chunk is hashed
-
 
 _LOCAL_ONLY = {"127.0.0.1", "::1", "localhost"}
 
 
 def _unix_listener(path: str) -> socket.socket:
     """A listening Unix socket at `path`, created 0600: only this user's processes connect."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    parent = Path(path).parent
+    private_dir(parent, tighten=parent == default_state_dir())
     if os.path.exists(path):
         os.unlink(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -76,9 +72,13 @@ def stored_worker_id(path: Path) -> str:
     except FileNotFoundError:
         pass
     wid = secrets.token_hex(4)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent, tighten=path.parent == default_state_dir())
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(wid + "\n")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, (wid + "\n").encode())
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
     return wid
 
@@ -88,42 +88,49 @@ def is_local_only(host: str) -> bool:
     return host in _LOCAL_ONLY
 
 
-class _Conn:
-    """State of one client connection."""
+def _worker_token(cfg: WorkerConfig) -> str | None:
+    """The token TCP clients must prove they hold: the configured one; none with `no_auth` (loopback
+    only); else, on loopback, the token file's (made at first start)."""
+    if cfg.no_auth:
+        if not is_local_only(cfg.host):
+            raise ConfigError(f"--no-auth is for loopback binds only; {cfg.host} needs a token")
+        if cfg.token:
+            raise ConfigError("both a token and --no-auth (KVPOOL_NO_AUTH) are set: choose one")
+        log.warning("authentication is off (--no-auth): every local user can read, write and clear this pool")
+        return None
+    if cfg.token:
+        return cfg.token
+    if not is_local_only(cfg.host):
+        raise ConfigError(f"binding {cfg.host} (not 127.0.0.1) needs a token: set KVPOOL_TOKEN or --token")
+    return load_or_create_token(token_path())
 
-    def __init__(self, sock: socket.socket, transport: str, authed: bool) -> None:
-        self.sock = sock
-        self.transport = transport
-        self.authed = authed
-        self.since = time.monotonic()
-        self.request_since = 0.0  # monotonic time of the current request's first byte; 0 between requests
-        self.closing = ""  # why the watchdog shut the connection down
-        self.busy = False
-        self.reserved: dict[int, int] = {}  # offset -> size
-        self.leases: dict[int, BlockRef] = {}  # lease id -> block
-        self.next_lease = 1
+
+def _worker_tenants(cfg: WorkerConfig, token: str | None) -> dict[str, Tenant]:
+    """The tenant tokens of `cfg.tenants_file` (none without one); they need authentication on."""
+    if not cfg.tenants_file:
+        return {}
+    if token is None:
+        raise ConfigError("tenants (--tenants, KVPOOL_TENANTS_FILE) need authentication: drop --no-auth")
+    tenants = load_tenants(cfg.tenants_file, token)
+    log.info("%d tenant token(s) from %s, each bound to its namespace '<tenant>/'", len(tenants), cfg.tenants_file)
+    return tenants
 
 
-class Worker:
+class Worker(RequestHandlers):
     """A kvpool worker. `start()` binds and serves in background threads; `stop()` drains and flushes."""
 
     def __init__(self, config: WorkerConfig | None = None, cache: CacheConfig | None = None) -> None:
         from .config import load
 
         self.config = cfg = config if config is not None else load(WorkerConfig)
-        if not is_local_only(cfg.host) and not cfg.token:
-            raise ConfigError(f"binding {cfg.host} (not 127.0.0.1) needs a token: set KVPOOL_TOKEN or --token")
+        self.token = _worker_token(cfg)
+        self.tenants = _worker_tenants(cfg, self.token)
         if cfg.host in ("0.0.0.0", "::", "") and not cfg.advertise_host and cfg.nats_url:
             raise ConfigError(f"binding the wildcard {cfg.host!r} in a cluster needs --advertise-host (the address "
                               "other machines reach this worker at); a wildcard is no address to advertise")
         cache_cfg = cache if cache is not None else load(CacheConfig)
         self.node_id = cfg.node_id or default_node_id()
-        self._stopping = threading.Event()
-        self._conns: set[_Conn] = set()
-        self._conns_lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-        self._accept_errors: dict[str, str] = {}  # transport -> the error last logged
-        self._refusing: set[str] = set()  # connection limits already logged as reached
+        self._init_serving()
         self.membership: Any = None
         self.events: Any = None  # block-event publishing (--events, --events-zmq), from start() to stop()
         # Sockets first: a port in use must fail before a pre-faulted arena of many GiB exists.
@@ -144,18 +151,16 @@ class Worker:
         except BaseException:
             self._close_listeners()
             raise
-        self.max_reserve = max(self.cache.max_block, self.cache.arena.size // _RESERVE_SHARE)
+        self.max_reserve = max(self.cache.max_block, self.cache.arena.size // RESERVE_SHARE)
         """Bytes one same-node connection may hold allocated but not committed: a client that stalls
         between ALLOC and COMMIT (it writes the arena itself, so its slots cannot be taken back while
         it lives) blocks at most this much of the arena."""
+        ssd = self.cache.ssd
+        self.tenant_usage = TenantUsage(self.tenants, ssd.size_of if ssd is not None else None)
+        if self.tenants:  # replay: blocks found on SSD at start count toward their tenants' quotas
+            self.cache.add_listener(self.tenant_usage, replay=True)
         self.metrics = WorkerMetrics(lambda: self.cache.stats().as_dict())
-        self._handlers: dict[int, Callable[[_Conn, P.Frame], None]] = {
-            P.Op.HELLO: self._hello, P.Op.AUTH: self._auth, P.Op.PUT: self._put, P.Op.GET: self._get,
-            P.Op.EXISTS: self._exists, P.Op.PREFIX: self._prefix, P.Op.REMOVE: self._remove,
-            P.Op.CLEAR: self._clear, P.Op.STATS: self._stats, P.Op.ALLOC: self._alloc,
-            P.Op.COMMIT: self._commit, P.Op.ABORT: self._abort, P.Op.LEASE: self._lease,
-            P.Op.RELEASE: self._release, P.Op.PIN: self._pin,
-        }
+        self._init_handlers()
 
     # ----- lifecycle --------------------------------------------------------------------------
 
@@ -172,7 +177,7 @@ class Worker:
                 "ssd_bytes": s.ssd_bytes, "hits": s.hits_dram + s.hits_ssd + s.hits_device,
                 "misses": s.misses, "max_block": self.cache.max_block, "max_reserve": self.max_reserve,
                 "transports": ["tcp", "shm"],
-                "auth": bool(self.config.token), "pid": os.getpid()}
+                "auth": bool(self.token), "pid": os.getpid()}
 
     def start(self) -> Worker:
         """Serve in background threads and join the cluster. If any of it fails (metrics port in use,
@@ -184,7 +189,8 @@ class Worker:
                 from .cluster import Membership
 
                 self.membership = Membership(self.config.nats_url, self.config.member_ttl_s,
-                                             replicas=self.config.nats_replicas)
+                                             replicas=self.config.nats_replicas, role="worker",
+                                             creds=self.config.nats_credentials())
                 self.membership.register(self.worker_id, self.info, self.config.heartbeat_s,
                                          on_rejoin=self._left_cluster)
             if self.config.events or self.config.events_zmq:
@@ -198,11 +204,7 @@ class Worker:
             self._close_listeners()
             self.cache.close()
             raise
-        for lsock, transport in ((self._tcp, "tcp"), (self._unix, "shm")):
-            t = threading.Thread(target=self._accept_loop, args=(lsock, transport), daemon=True,
-                                 name=f"kvpool-accept-{transport}")
-            t.start()
-        threading.Thread(target=self._watchdog, daemon=True, name="kvpool-watchdog").start()
+        self._serve_in_background()
         log.info("worker %s serving tcp %s and %s (arena %s, %d bytes)", self.worker_id, self.address,
                  self.unix_path, self.cache.arena.name, self.cache.arena.size)
         return self
@@ -215,18 +217,7 @@ class Worker:
         if self.membership is not None:
             self.membership.close()
         self._close_listeners()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._conns_lock:
-                idle = [c for c in self._conns if not c.busy]
-                busy = len(self._conns) - len(idle)
-            for c in idle:
-                _shutdown(c.sock)
-            if not busy and not idle:
-                break
-            time.sleep(0.01)
-        for t in list(self._threads):
-            t.join(max(0.0, deadline - time.monotonic()))
+        self._drain_connections(time.monotonic() + timeout)
         self.cache.flush()
         self.cache.close()
         if self.events is not None:
@@ -249,351 +240,3 @@ class Worker:
         except FileNotFoundError:
             pass
 
-    def _accept_loop(self, lsock: socket.socket, transport: str) -> None:
-        """Accept until stop(). An accept error (EMFILE, ENFILE, ENOBUFS, ...) never ends the loop while
-        the worker is listed: it is counted, logged once per change, and retried after a back-off."""
-        backoff = 0.0
-        while not self._stopping.is_set():
-            try:
-                sock, _ = lsock.accept()
-            except OSError as e:
-                if self._stopping.is_set():
-                    return
-                backoff = min(1.0, backoff * 2 or 0.01)
-                self._accept_failed(transport, e)
-                self._stopping.wait(backoff)
-                continue
-            if backoff:
-                backoff = 0.0
-                log.info("accepting %s connections again", transport)
-                self._accept_errors.pop(transport, None)
-            authed = transport == "shm" or not self.config.token
-            with self._conns_lock:
-                full = len(self._conns) >= self.config.max_connections
-                waiting = [c for c in self._conns if not c.authed and not c.closing]
-            if full:
-                self._refused(transport, "max_connections")
-                sock.close()
-                continue
-            if not authed and len(waiting) >= self.config.max_unauthenticated:
-                # The oldest stranger makes room: a client with the token authenticates within a round
-                # trip and so outlives any crowd of strangers, who only ever displace each other.
-                oldest = min(waiting, key=lambda c: c.since)
-                oldest.closing = "displaced by a newer unauthenticated connection (max_unauthenticated)"
-                self._refused(transport, "max_unauthenticated")
-                _shutdown(oldest.sock)
-            if transport == "tcp":
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
-            io_timeout = struct.pack("ll", int(self.config.io_timeout_s), int(self.config.io_timeout_s % 1 * 1e6))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, io_timeout)  # see _next_frame
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, io_timeout)
-            conn = _Conn(sock, transport, authed)
-            if not conn.authed:
-                sock.settimeout(self.config.auth_timeout_s)  # lifted by a good AUTH; the watchdog bounds the rest
-            t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name="kvpool-conn")
-            with self._conns_lock:
-                self._conns.add(conn)
-                self._threads.append(t)
-            t.start()
-
-    def _refused(self, transport: str, limit: str) -> None:
-        """Count (and log the first time) a connection closed because `limit` was reached."""
-        self.metrics.refused.labels(limit).inc()
-        if limit not in self._refusing:
-            self._refusing.add(limit)
-            log.warning("%s connections: %s (%d) reached; connections are closed (counted in "
-                        "kvpool_refused_connections_total; logged once)", transport, limit, getattr(self.config, limit))
-
-    def _watchdog(self) -> None:
-        """Enforce the deadlines that span system calls: a request must be received and answered within
-        io_timeout_s of its first byte, a TCP peer with a token to present must authenticate within
-        auth_timeout_s of connecting. A late connection is shut down, which wakes its thread out of
-        any blocked receive or send; that thread then frees what the connection held."""
-        cfg = self.config
-        every = max(0.05, min(cfg.io_timeout_s, cfg.auth_timeout_s) / 10)
-        while not self._stopping.wait(every):
-            now = time.monotonic()
-            with self._conns_lock:
-                conns = list(self._conns)
-            for c in conns:
-                if c.closing:
-                    continue
-                if not c.authed and now - c.since > cfg.auth_timeout_s:
-                    c.closing = f"not authenticated within auth_timeout_s ({cfg.auth_timeout_s} s)"
-                elif c.request_since and now - c.request_since > cfg.io_timeout_s:
-                    c.closing = f"a request not done within io_timeout_s ({cfg.io_timeout_s} s)"
-                else:
-                    continue
-                self.metrics.deadline_closes.labels("auth" if not c.authed else "io").inc()
-                _shutdown(c.sock)
-
-    def _accept_failed(self, transport: str, err: OSError) -> None:
-        self.metrics.accept_errors.labels(transport).inc()
-        why = f"{type(err).__name__}: {err}"
-        if self._accept_errors.get(transport) != why:
-            self._accept_errors[transport] = why
-            log.warning("cannot accept %s connections (%s); retrying with back-off", transport, why)
-
-    def _serve(self, conn: _Conn) -> None:
-        self.metrics.connections.labels(conn.transport).inc()
-        try:
-            while not self._stopping.is_set():
-                frame = self._next_frame(conn)  # sets conn.request_since at the request's first byte
-                conn.busy = True
-                t0 = time.perf_counter()
-                self._dispatch(conn, frame)
-                op = P.Op(frame.op).name.lower()
-                self.metrics.ops.labels(op).inc()
-                self.metrics.latency.labels(op).observe(time.perf_counter() - t0)
-                conn.busy = False
-                conn.request_since = 0.0
-        except ProtocolError as e:
-            self.metrics.protocol_errors.inc()
-            log.warning("closing %s connection: %s", conn.transport, e)
-        except KVPoolError as e:  # e.g. a full disk under REMOVE or CLEAR, or the cache closing under us
-            log.warning("closing %s connection: %s: %s", conn.transport, type(e).__name__, e)
-        except (ConnectionError, OSError):
-            if conn.closing:  # the watchdog's doing, not the client's
-                log.warning("closed a %s connection: %s", conn.transport, conn.closing)
-        finally:
-            conn.busy = False
-            self._cleanup(conn)
-            self.metrics.connections.labels(conn.transport).dec()
-
-    def _next_frame(self, conn: _Conn) -> P.Frame:
-        """Wait for the next request for as long as the client idles; from its first byte on, every
-        receive and send of the exchange must progress within io_timeout_s (the socket's SO_RCVTIMEO
-        and SO_SNDTIMEO) or the connection is dropped, so a stalled peer cannot hold slots or leases."""
-        while True:
-            try:
-                if not conn.sock.recv(1, socket.MSG_PEEK):
-                    raise ConnectionError("closed by the client")
-                break
-            except BlockingIOError:  # SO_RCVTIMEO while idle: keep waiting, unless stopping
-                if self._stopping.is_set():
-                    raise ConnectionError("worker stopping") from None
-        conn.request_since = time.monotonic()
-        return P.recv_frame(conn.sock, P.MAX_META if conn.authed else _PREAUTH_META)
-
-    def _cleanup(self, conn: _Conn) -> None:
-        """Give back what a departed client held: reservations (never committed) and leases."""
-        for offset in conn.reserved:
-            self.cache.abort(offset)
-        for block in conn.leases.values():
-            self.cache.release(block)
-        conn.reserved.clear()
-        conn.leases.clear()
-        _shutdown(conn.sock)
-        conn.sock.close()
-        with self._conns_lock:
-            self._conns.discard(conn)
-            t = threading.current_thread()
-            if t in self._threads:
-                self._threads.remove(t)
-
-    def _dispatch(self, conn: _Conn, frame: P.Frame) -> None:
-        handler = self._handlers.get(frame.op)
-        if handler is None:
-            raise ProtocolError(f"unknown op {frame.op}")
-        if not conn.authed and frame.op not in (P.Op.HELLO, P.Op.AUTH):
-            P.send_frame(conn.sock, frame.op, P.pack_json({"error": "authenticate first (AUTH with the pool token)"}),
-                         status=P.Status.AUTH_REQUIRED, req_id=frame.req_id)
-            raise ProtocolError(f"unauthenticated op {frame.op}")
-        if frame.data_len and frame.op != P.Op.PUT:
-            raise ProtocolError(f"op {frame.op} carries {frame.data_len} data bytes; only PUT carries data")
-        if conn.transport == "tcp" and frame.op in _SHM_OPS:
-            raise ProtocolError(f"op {frame.op} is for same-node clients over the Unix socket")
-        handler(conn, frame)
-
-    def _reply(self, conn: _Conn, frame: P.Frame, meta: bytes = b"", data: list[memoryview] | None = None,
-               status: int = P.Status.OK) -> None:
-        P.send_frame(conn.sock, frame.op, meta, status=status, req_id=frame.req_id, data=data)
-
-    # ----- handlers ---------------------------------------------------------------------------
-
-    def _hello(self, conn: _Conn, frame: P.Frame) -> None:
-        self._reply(conn, frame, P.pack_json(self.info()))
-
-    def _auth(self, conn: _Conn, frame: P.Frame) -> None:
-        token = str(P.unpack_json(frame.meta).get("token", ""))
-        if self.config.token and not hmac.compare_digest(token.encode(), self.config.token.encode()):
-            self._reply(conn, frame, P.pack_json({"error": "bad token"}), status=P.Status.AUTH_FAILED)
-            raise ProtocolError("authentication failed")
-        conn.authed = True
-        conn.sock.settimeout(None)
-        self._reply(conn, frame)
-
-    def _put(self, conn: _Conn, frame: P.Frame) -> None:
-        keys, (sizes, csums) = P.unpack_batch(frame.meta, "<i8", "<u8")
-        total = sum(sizes.tolist())  # Python ints: an int64 sum of huge sizes could wrap to data_len
-        if (sizes < 0).any() or total != frame.data_len:
-            raise ProtocolError(f"PUT sizes sum to {total}; the frame carries {frame.data_len} bytes")
-        status = np.zeros(len(keys), dtype="<i1")
-        arena = self.cache.arena
-        scratch: bytearray | None = None
-        for i, (key, size, csum) in enumerate(zip(keys, sizes.tolist(), csums.tolist())):
-            try:
-                offset = self.cache.reserve(size)
-            except (BlockTooLarge, CapacityError) as e:
-                status[i] = P.ITEM_TOO_LARGE if isinstance(e, BlockTooLarge) else P.ITEM_FULL
-                scratch = scratch or bytearray(_SCRATCH)
-                _drain(conn.sock, size, scratch)
-                continue
-            try:
-                ok = _recv_checked(conn.sock, arena.view(offset, size), csum)
-            except BaseException:
-                self.cache.abort(offset)
-                raise
-            if ok:
-                self.cache.commit(key, offset, size, csum)  # a pin sent before the block pins it
-            else:
-                self.cache.abort(offset)
-                self.metrics.corrupt_blocks.inc()
-                status[i] = P.ITEM_CORRUPT
-        self.metrics.bytes.labels("in").inc(frame.data_len)
-        self._reply(conn, frame, status.tobytes())
-
-    def _get(self, conn: _Conn, frame: P.Frame) -> None:
-        keys, _ = P.unpack_batch(frame.meta)
-        blocks = []
-        try:
-            for k in keys:
-                blocks.append(self.cache.acquire(k))
-            sizes = np.array([b.size if b else P.ITEM_MISS for b in blocks], dtype="<i8")
-            csums = np.array([b.checksum if b else 0 for b in blocks], dtype="<u8")
-            arena = self.cache.arena
-            data = [arena.view(b.offset, b.size) for b in blocks if b]
-            self._reply(conn, frame, sizes.tobytes() + csums.tobytes(), data)
-            self.metrics.bytes.labels("out").inc(sum(len(d) for d in data))
-            del data
-        finally:
-            for b in blocks:
-                if b:
-                    self.cache.release(b)
-
-    def _exists(self, conn: _Conn, frame: P.Frame) -> None:
-        keys, _ = P.unpack_batch(frame.meta)
-        self._reply(conn, frame, np.array(self.cache.batch_exists(keys), dtype="<u1").tobytes())
-
-    def _prefix(self, conn: _Conn, frame: P.Frame) -> None:
-        keys, _ = P.unpack_batch(frame.meta)
-        self._reply(conn, frame, P.pack_json({"n": self.cache.prefix_match(keys)}))
-
-    def _remove(self, conn: _Conn, frame: P.Frame) -> None:
-        keys, _ = P.unpack_batch(frame.meta)
-        self._reply(conn, frame, np.array(self.cache.batch_remove(keys), dtype="<u1").tobytes())
-
-    def _clear(self, conn: _Conn, frame: P.Frame) -> None:
-        prefix = P.unpack_batch(frame.meta)[0] if frame.meta else [None]
-        if len(prefix) != 1:
-            raise ProtocolError(f"CLEAR names {len(prefix)} prefixes; at most one")
-        self.cache.clear(prefix[0])
-        self._reply(conn, frame)
-
-    def _stats(self, conn: _Conn, frame: P.Frame) -> None:
-        self._reply(conn, frame, P.pack_json({**self.info(), "stats": self.cache.stats().as_dict()}))
-
-    def _alloc(self, conn: _Conn, frame: P.Frame) -> None:
-        keys, (sizes,) = P.unpack_batch(frame.meta, "<i8")
-        offsets = np.full(len(keys), P.ITEM_FULL, dtype="<i8")
-        budget = self.max_reserve - sum(conn.reserved.values())
-        for i, size in enumerate(sizes.tolist()):
-            if size > budget and size <= self.cache.max_block:
-                continue  # ITEM_FULL: this connection holds its share of the arena uncommitted
-            try:
-                offsets[i] = off = self.cache.reserve(size)
-                conn.reserved[off] = size
-                budget -= size
-            except BlockTooLarge:
-                offsets[i] = P.ITEM_TOO_LARGE
-            except CapacityError:
-                pass
-        self._reply(conn, frame, offsets.tobytes())
-
-    def _commit(self, conn: _Conn, frame: P.Frame) -> None:
-        # A same-node writer copies into the arena itself and sends the checksum of what it wrote
-        # (hashed from the arena while hot); every later crossing (TCP, SSD) verifies against it.
-        keys, (offsets, sizes, csums) = P.unpack_batch(frame.meta, "<i8", "<i8", "<u8")
-        for key, off, size, csum in zip(keys, offsets.tolist(), sizes.tolist(), csums.tolist()):
-            if conn.reserved.get(off) != size:
-                raise ProtocolError(f"COMMIT of offset {off} ({size} bytes) that this connection did not reserve")
-            del conn.reserved[off]
-            self.cache.commit(key, off, size, csum)
-        self.metrics.bytes.labels("in").inc(int(sizes.sum()))
-        self._reply(conn, frame, np.zeros(len(keys), dtype="<i1").tobytes())
-
-    def _abort(self, conn: _Conn, frame: P.Frame) -> None:
-        for off in P.unpack_ids(frame.meta).tolist():
-            if conn.reserved.pop(off, None) is not None:
-                self.cache.abort(off)
-
-    def _lease(self, conn: _Conn, frame: P.Frame) -> None:
-        keys, _ = P.unpack_batch(frame.meta)
-        n = len(keys)
-        ids = np.zeros(n, dtype="<i8")
-        offsets = np.full(n, P.ITEM_MISS, dtype="<i8")
-        sizes = np.full(n, P.ITEM_MISS, dtype="<i8")
-        csums = np.zeros(n, dtype="<u8")
-        for i, key in enumerate(keys):
-            b = self.cache.acquire(key)
-            if b is None:
-                continue
-            lid = conn.next_lease
-            conn.next_lease += 1
-            conn.leases[lid] = b
-            ids[i], offsets[i], sizes[i], csums[i] = lid, b.offset, b.size, b.checksum
-        self.metrics.bytes.labels("out").inc(int(sizes[sizes > 0].sum()))
-        self._reply(conn, frame, ids.tobytes() + offsets.tobytes() + sizes.tobytes() + csums.tobytes())
-
-    def _pin(self, conn: _Conn, frame: P.Frame) -> None:
-        keys, (seconds,) = P.unpack_batch(frame.meta, "<f8")
-        groups: dict[float, list[bytes]] = {}
-        for k, s in zip(keys, seconds.tolist()):  # clients send one duration per frame: one call each
-            groups.setdefault(s, []).append(k)
-        for s, ks in groups.items():
-            self.cache.batch_pin(ks, s)
-
-    def _release(self, conn: _Conn, frame: P.Frame) -> None:
-        for lid in P.unpack_ids(frame.meta).tolist():
-            b = conn.leases.pop(lid, None)
-            if b is not None:
-                self.cache.release(b)
-
-
-_RESERVE_SHARE = 8
-"""A same-node connection may hold at most 1/8 of the arena reserved and not yet committed."""
-
-_PREAUTH_META = 4096
-"""Metadata bytes a frame may carry before its connection authenticates (HELLO and AUTH need little)."""
-
-_SHM_OPS = frozenset({P.Op.ALLOC, P.Op.COMMIT, P.Op.ABORT, P.Op.LEASE, P.Op.RELEASE})
-
-
-_CHUNK = 64 << 10
-
-
-def _recv_checked(sock: socket.socket, view: memoryview, csum: int) -> bool:
-    """Receive into `view`, hashing each chunk while it is still in cache; True if `csum` matches."""
-    h = xxhash.xxh3_64()
-    for start in range(0, len(view), _CHUNK):
-        chunk = view[start:start + _CHUNK]
-        P.recv_exactly(sock, chunk)
-        h.update(chunk)
-    return h.intdigest() == csum
-
-
-def _drain(sock: socket.socket, n: int, scratch: bytearray) -> None:
-    view = memoryview(scratch)
-    while n:
-        k = min(n, len(view))
-        P.recv_exactly(sock, view[:k])
-        n -= k
-
-
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, TextIO
 from .records import PoolStats
 from .stats import CacheStats
 
+__all__ = ["Row", "rates", "render", "watch"]
+
 if TYPE_CHECKING:
     from .client import PoolClient
 

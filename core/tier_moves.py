@@ -20,6 +20,10 @@ from .tiers.dram_tier import DramBlock
 
 __all__ = ["TierMoves"]
 
+_FLUSH_BATCH = 1024
+"""Blocks `flush` writes per LMDB transaction (4 MiB of 4 KiB blocks: per-transaction costs amortised,
+while LMDB's dirty-page list stays far below the size at which it spills)."""
+
 
 class TierMoves:
     """The moves of `stack`'s blocks. Methods say whether they expect the stack's lock held."""
@@ -90,7 +94,9 @@ class TierMoves:
             return
         with stack.lock:
             superseded = ssd.supersede(b.key for b in blocks)
-        items = [(b.key, b.meta, stack.dram.view(b)) for b in blocks]
+        metas = [b.meta for b in blocks]
+        view = stack.dram.view
+        items = [(b.key, m, view(b)) for b, m in zip(blocks, metas)]
         try:
             ssd.store.batch_put(items)
         except CapacityError:
@@ -101,7 +107,7 @@ class TierMoves:
         finally:
             del items
         with stack.lock:
-            for b in blocks:
+            for b, meta in zip(blocks, metas):
                 if not b.live:
                     # Replaced, removed, expired or cleared while it was written outside the lock:
                     # that copy must go. A newer copy indexed meantime may have been overwritten
@@ -113,7 +119,7 @@ class TierMoves:
                     continue
                 b.on_ssd = True
                 if b.key not in ssd:
-                    ssd.add(b.key, b.meta)
+                    ssd.add(b.key, meta)
                     for listener in stack.listeners:
                         listener.copied(b.key, "ssd")
             stack.counters.demotions += len(blocks)
@@ -250,8 +256,8 @@ class TierMoves:
         return n
 
     def flush(self) -> int:
-        """Write every DRAM block without an SSD copy to SSD, in batches of 256 (they stay in DRAM);
-        returns how many. Lock not held."""
+        """Write every DRAM block without an SSD copy to SSD, in batches of `_FLUSH_BATCH` (they stay in
+        DRAM); returns how many. Lock not held."""
         stack = self._stack
         if stack.ssd is None:
             return 0
@@ -260,8 +266,8 @@ class TierMoves:
             pending = [b for b in stack.dram.blocks.values() if not b.on_ssd]
             self.begin_write(pending)
         try:
-            for i in range(0, len(pending), 256):
-                self.demote(pending[i:i + 256])
+            for i in range(0, len(pending), _FLUSH_BATCH):
+                self.demote(pending[i:i + _FLUSH_BATCH])
         finally:
             with stack.lock:
                 self.end_write(pending)

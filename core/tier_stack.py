@@ -7,6 +7,7 @@ last copy (`removed`) or not (`dropped`). `tier_moves` moves blocks between tier
 """
 from __future__ import annotations
 
+import operator
 import threading
 
 from .cache_events import CacheListener
@@ -20,6 +21,9 @@ from .tiers.ssd import SsdStore
 from .tiers.ssd_tier import SsdTier
 
 __all__ = ["TierStack"]
+
+_PREFIX_CHUNK = 512
+"""Keys `prefix_match` looks up at a time."""
 
 
 class TierStack:
@@ -123,6 +127,27 @@ class TierStack:
                 return True
             self.drop_dram(key, "expire")
         return self.on_ssd(key, now)
+
+    def presence(self, keys: list[bytes], now: float) -> list[bool]:
+        """`present` of each key. Without TTL'd blocks a dict lookup or two per key in C (`map`), so
+        the cost grows with len(keys), not with the number of blocks held."""
+        ssd = self.ssd
+        if self.dram.timed or (ssd is not None and ssd.timed):
+            present = self.present
+            return [present(k, now) for k in keys]
+        held = list(map(self.dram.blocks.__contains__, keys))
+        if ssd is not None and not all(held):
+            held = list(map(operator.or_, held, ssd.holds(keys)))
+        return held
+
+    def prefix_match(self, keys: list[bytes], now: float) -> int:
+        """Length of the longest prefix of `keys` whose blocks are all present (`presence` a chunk at
+        a time, so a chain that breaks early costs little)."""
+        for start in range(0, len(keys), _PREFIX_CHUNK):
+            held = self.presence(keys[start:start + _PREFIX_CHUNK], now)
+            if not all(held):
+                return start + held.index(False)
+        return len(keys)
 
     def remove(self, keys: list[bytes]) -> list[bool]:
         """Remove each key's block from every tier; whether DRAM or SSD held one. Their SSD copies are

@@ -26,6 +26,8 @@ from .errors import BufferSizeError, ProtocolError
 from .pool_backend import leases_by_copy
 from .tiers.dram import DramArena
 
+__all__ = ["TcpTransport", "ShmTransport", "connect"]
+
 log = logging.getLogger("kvpool.transport")
 
 
@@ -103,20 +105,32 @@ class ShmTransport(Connection):
     def __init__(self, address: str, token: str | None = None, timeout_s: float = 5.0) -> None:
         super().__init__(address, token, timeout_s)
         self._arena: memoryview | None = None
+        self._arena_rw: memoryview | None = None
 
     @property
     def arena(self) -> memoryview:
+        """The worker's arena mapped read-only: what gets and leases read."""
         if self._arena is None:
-            with self._session():  # connecting fills self.info; a failure to map is the worker's, typed
-                if self._arena is None:
-                    self._arena = DramArena.attach(self.info.arena, self.info.arena_size)
+            self._arena = self._attach(writable=False)
         return self._arena
+
+    @property
+    def writable_arena(self) -> memoryview:
+        """The arena mapped read-write, made at the first put: a writer copies into the slots it
+        ALLOCs (the worker checks each block's checksum before it commits it)."""
+        if self._arena_rw is None:
+            self._arena_rw = self._attach(writable=True)
+        return self._arena_rw
+
+    def _attach(self, writable: bool) -> memoryview:
+        with self._session():  # connecting fills self.info; a failure to map is the worker's, typed
+            return DramArena.attach(self.info.arena, self.info.arena_size, writable)
 
     def batch_put(self, keys: Sequence[bytes], buffers: Sequence[Any], pin_s: float = 0.0) -> None:
         """Store blocks; with `pin_s` > 0, pinned for that many seconds (see `batch_pin`). A batch
         larger than the worker lets one connection reserve at once goes in several rounds."""
         views = [readable(b) for b in buffers]
-        arena = self.arena  # connects, so `info` is known
+        arena = self.writable_arena  # connects, so `info` is known
         budget = self.info.max_reserve or P.MAX_DATA
         for f in P.frames(len(keys), [v.nbytes for v in views], budget):
             self._put_frame(arena, keys[f], views[f], pin_s)
@@ -158,7 +172,7 @@ class ShmTransport(Connection):
                 raise ProtocolError(f"LEASE reply metadata is {len(meta)} bytes for {n} keys")
         ids, offsets, sizes = (np.frombuffer(meta, dtype=dt, count=n, offset=8 * n * j)
                                       for j, dt in enumerate(("<i8", "<i8", "<i8")))
-        # the worker verified each block's checksum at commit; the arena is this node's own memory
+        # the worker verified each block's checksum at commit; this mapping is read-only
         views = [None if off < 0 else arena[off:off + size].toreadonly()
                  for off, size in zip(offsets.tolist(), sizes.tolist())]
         try:
@@ -188,10 +202,13 @@ class ShmTransport(Connection):
 
     def close(self) -> None:
         super().close()
-        if self._arena is not None:
-            mapping = self._arena.obj  # the mmap DramArena.attach made
-            self._arena.release()
-            self._arena = None
+        for name in ("_arena", "_arena_rw"):
+            view: memoryview | None = getattr(self, name)
+            if view is None:
+                continue
+            mapping = view.obj  # the mmap DramArena.attach made
+            view.release()
+            setattr(self, name, None)
             try:
                 if isinstance(mapping, mmap.mmap):
                     mapping.close()

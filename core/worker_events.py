@@ -8,6 +8,8 @@ from .errors import ConfigError
 from .events import EventPublisher, NatsSink, Sink
 from .events_zmq import VllmFormat, ZmqSink
 
+__all__ = ["WorkerEvents"]
+
 
 class WorkerEvents:
     """Starts publishing on construction (raising, with nothing left open, if a sink cannot start)."""
@@ -19,7 +21,7 @@ class WorkerEvents:
             if cfg.events:
                 if not cfg.nats_url:
                     raise ConfigError("events on NATS (--events) need the worker in a cluster (--nats-url)")
-                self._sinks.append(NatsSink(cfg.nats_url, worker.worker_id))
+                self._sinks.append(NatsSink(cfg.nats_url, worker.worker_id, creds=cfg.nats_credentials()))
             if cfg.events_zmq:
                 fmt = VllmFormat(cfg.events_layout, cfg.events_block_hash, cfg.events_block_tokens)
                 self._sinks.append(ZmqSink(cfg.events_zmq, fmt))

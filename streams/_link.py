@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import nats.js.errors
 
-from kvpool.core import LoopThread, nats_connect, nats_failure
+from kvpool.core import AuthError, LoopThread, NatsCreds, Role, nats_connect, nats_denied, nats_failure
 
 from .errors import StreamError, StreamFull, StreamNotFound, StreamRefused, StreamTimeout, StreamUnavailable
 
@@ -54,22 +54,28 @@ def translate(err: BaseException, what: str) -> BaseException:
     return StreamRefused(f"{what}: {err!r}")
 
 
-async def connect(url: str, timeout_s: float) -> Any:
-    """`kvpool.core.aio.nats_connect`, its failure a StreamError."""
+async def connect(url: str, timeout_s: float, role: Role = "client", creds: NatsCreds | None = None) -> Any:
+    """`kvpool.core.aio.nats_connect` as NATS user `role` (or `creds`), its failure a StreamError
+    (StreamRefused when the server refuses the credentials)."""
     try:
-        return await nats_connect(url, timeout_s, log)
+        return await nats_connect(url, timeout_s, log, role=role, creds=creds)
+    except AuthError as e:
+        raise StreamRefused(f"connect to {url}: {e}") from e
     except Exception as e:
         raise translate(e, f"connect to {url}") from e
 
 
 class Link:
-    """A NATS connection plus JetStream context on a private loop; `call` blocks for a coroutine."""
+    """A NATS connection plus JetStream context on a private loop; `call` blocks for a coroutine.
+    `role`: the NATS user to connect as (`kvpool.core.nats_creds`): `client` uses streams, `admin`
+    creates and deletes them."""
 
-    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 5.0, *, role: Role = "client",
+                 creds: NatsCreds | None = None) -> None:
         self.url, self.timeout_s = url, timeout_s
         self.io = LoopThread("kvpool-streams")
         try:
-            self.nc = self.call(connect(url, timeout_s), f"connect to {url}")
+            self.nc = self.call(connect(url, timeout_s, role, creds), f"connect to {url}")
         except BaseException:
             self.io.stop()
             raise
@@ -80,10 +86,15 @@ class Link:
         if self.io.loop.is_closed():
             coro.close()
             raise StreamUnavailable(f"{what}: the connection to {self.url} is closed")
+        before = nats_denied(self.nc) if hasattr(self, "nc") else None
         try:
             return self.io.run(coro, (timeout if timeout is not None else self.timeout_s) + 2)
         except Exception as e:
-            raise translate(e, what) from e
+            err = translate(e, what)
+            denied = nats_denied(self.nc) if isinstance(err, StreamTimeout) and hasattr(self, "nc") else None
+            if denied and denied is not before:  # nats-server drops a denied publish: it shows as a timeout
+                raise StreamRefused(f"{what}: this NATS user may not do it: {denied}") from e
+            raise err from e
 
     def close(self) -> None:
         if self.io.loop.is_closed():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from typing import Any
 
 from nats.js import api
@@ -15,8 +16,10 @@ from nats.js import api
 from kvpool.core import ConfigError
 
 from ._link import Link
+from .errors import StreamUnavailable
 
 SUBJECT_PREFIX = "kvpool.stream"
+DEAD_PREFIX = "kvpool.dead"
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 RETENTIONS = ("limits", "interest", "workqueue")
 DISCARDS = ("old", "new")
@@ -32,6 +35,12 @@ def check_token(value: str, what: str) -> str:
 def subject(stream: str, *tokens: str) -> str:
     """The subject `kvpool.stream.<stream>.<tokens...>` (`>` for all of the stream)."""
     return ".".join((SUBJECT_PREFIX, stream, *tokens))
+
+
+def dead_subject(stream: str) -> str:
+    """Where consumers of `stream` send messages past their max_deliver: `kvpool.dead.<stream>`, outside
+    the stream (a JetStream stream on `kvpool.dead.>` keeps them; otherwise only live subscribers see them)."""
+    return ".".join((DEAD_PREFIX, stream))
 
 
 @dataclasses.dataclass
@@ -73,7 +82,7 @@ class StreamConfig:
 
 def create_stream(nats_url: str, name: str, config: StreamConfig | None = None) -> dict[str, Any]:
     """Create stream `name` (or update its limits if it exists); returns its info (see `stream_info`)."""
-    link = Link(nats_url)
+    link = Link(nats_url, role="admin")  # configuring streams is the admin user's (see nats_creds)
     try:
         cfg = (config or StreamConfig()).to_nats(name)
         try:
@@ -81,9 +90,29 @@ def create_stream(nats_url: str, name: str, config: StreamConfig | None = None) 
             info = link.call(link.js.update_stream(cfg), f"update stream {name!r}")
         except LookupError:
             info = link.call(link.js.add_stream(cfg), f"create stream {name!r}")
+        if cfg.num_replicas and cfg.num_replicas > 1:
+            info = _led(link, name)
         return _describe(info)
     finally:
         link.close()
+
+
+def _led(link: Link, name: str) -> Any:
+    """The stream's info once its replicas have elected a leader: until then a NATS cluster answers
+    its calls with 503 (unavailable), so a stream is not handed out before it can serve."""
+    deadline = time.monotonic() + link.timeout_s
+    while True:
+        try:
+            info = link.call(link.js.stream_info(name), f"stream {name!r}")
+            if info.cluster is None or info.cluster.leader:
+                return info
+        except StreamUnavailable:
+            if time.monotonic() > deadline:
+                raise
+        if time.monotonic() > deadline:
+            raise StreamUnavailable(f"stream {name!r} elected no leader within {link.timeout_s} s",
+                                    limit=link.timeout_s)
+        time.sleep(0.1)
 
 
 def stream_info(nats_url: str, name: str) -> dict[str, Any]:
@@ -111,7 +140,7 @@ def list_streams(nats_url: str) -> list[dict[str, Any]]:
 def delete_stream(nats_url: str, name: str) -> None:
     """Delete stream `name` and its consumers. Raises StreamNotFound if there is none. Pool blocks that its
     messages referenced are left to the pool's eviction."""
-    link = Link(nats_url)
+    link = Link(nats_url, role="admin")  # configuring streams is the admin user's (see nats_creds)
     try:
         link.call(link.js.delete_stream(name), f"delete stream {name!r}")
     finally:

@@ -11,14 +11,16 @@ with a callback.
         ...
         await handle.stop()
 
-Same semantics as `Consumer` (groups, start, acks, bounds); by-reference payloads are fetched from the
-pool in a worker thread so the loop never blocks on bulk reads.
+Same semantics as `Consumer` (groups, start, acks, bounds, max_deliver and the dead-letter subject,
+'invalid' messages, limits, the stream secret); by-reference payloads are fetched from the pool in a
+worker thread so the loop never blocks on bulk reads.
 """
 from __future__ import annotations
 
 import asyncio
 import inspect
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,7 +31,7 @@ from kvpool.core import PoolClient
 from . import envelope as env
 from ._link import connect, translate
 from .admin import check_token, subject
-from .consumer import Start, consumer_config, decode
+from .consumer import MAX_DELIVER, Checks, Start, bury, consumer_config, decode
 from .errors import PayloadError, StreamError, StreamUnavailable
 from .message import BaseMessage
 
@@ -95,11 +97,14 @@ class AsyncConsumer:
 
     def __init__(self, stream: str, nats_url: str, *, group: str | None = None, start: Start = "all",
                  pool: PoolClient | None = None, topic: str = ">", ack_wait_s: float = 30.0,
-                 max_ack_pending: int = 1000, fetch: bool = True, timeout_s: float = 5.0) -> None:
+                 max_ack_pending: int = 1000, fetch: bool = True, timeout_s: float = 5.0,
+                 max_deliver: int = MAX_DELIVER, limits: env.Limits | None = None,
+                 secret: str | bytes | None = None) -> None:
         self.stream, self.group, self.pool, self.fetch = check_token(stream, "stream name"), group, pool, fetch
         if group is not None:
             check_token(group, "group")
         self._cfg = consumer_config(start, ack_wait_s, max_ack_pending)
+        self._checks = Checks(stream, pool, limits, max_deliver, secret)
         self._filter = subject(stream, ">" if topic == ">" else check_token(topic, "topic"))
         self._url, self._timeout_s = nats_url, timeout_s
         self._nc: Any = None
@@ -118,28 +123,52 @@ class AsyncConsumer:
             raise translate(e, f"subscribe to stream {self.stream!r}") from e
         return self
 
+    @property
+    def counts(self) -> dict[str, int]:
+        """Messages seen invalid, forged (bad or missing signature) and dead-lettered, so far."""
+        return dict(self._checks.counts)
+
     async def receive(self, timeout: float = 1.0, into: Any = None) -> AsyncMessage | None:
         """The next message, or None if none arrives within `timeout` seconds (see Consumer.receive)."""
-        try:
-            (raw,) = await self._sub.fetch(1, timeout=timeout)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
-            return None
-        except Exception as e:
-            raise translate(e, f"receive from stream {self.stream!r}") from e
+        deadline = time.monotonic() + timeout
+        wait = timeout
+        while True:
+            try:
+                (raw,) = await self._sub.fetch(1, timeout=wait)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                return None
+            except Exception as e:
+                raise translate(e, f"receive from stream {self.stream!r}") from e
+            reason = self._checks.exhausted(raw)
+            if reason is None:
+                break
+            await self._bury(raw, reason)
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                return None
         msg = AsyncMessage(0, "", "", b"", {}, 0, 0.0)
         msg._raw = raw
-        if env.kind_of(raw.headers) in (env.REF, env.KV) and self.fetch:
-            return await asyncio.to_thread(decode, raw, self.stream, self.pool, into, self.fetch, msg)
-        return decode(raw, self.stream, self.pool, into, self.fetch, msg)
+        if (raw.headers or {}).get(env.KIND) in (env.REF, env.KV) and self.fetch:
+            return await asyncio.to_thread(decode, raw, self._checks, into, self.fetch, msg)
+        return decode(raw, self._checks, into, self.fetch, msg)
+
+    async def _bury(self, raw: Any, reason: str) -> None:
+        name = self.group or self._sub._consumer
+        try:
+            await bury(self._nc, self.stream, name, raw, reason)
+        except Exception as e:
+            raise translate(e, f"dead-letter message {raw.metadata.sequence.stream} of {self.stream!r}") from e
+        self._checks.buried(raw, name, reason)
 
     async def consume(self, callback: Callback, *, nak_delay_s: float = 1.0) -> Consuming:
         """Call `callback(msg)` for each message, in stream order, from a task on the running loop.
 
         A message the callback leaves unsettled is acked when it returns. If the callback raises, the
         error is logged and the message is nak'ed (redelivered after `nak_delay_s` seconds): one bad
-        message never stops the loop. A payload that cannot be delivered intact (PayloadError) is
-        termed and logged; while NATS is unreachable the loop waits for it to come back. Returns the
-        handle that stops it."""
+        message never stops the loop. A message that cannot be decoded ('invalid') or whose payload
+        cannot be delivered intact (PayloadError) never reaches the callback: it is logged, sent to the
+        dead-letter subject and terminated. While NATS is unreachable the loop waits for it to come
+        back. Returns the handle that stops it."""
         return Consuming(asyncio.get_running_loop().create_task(self._consume(callback, nak_delay_s)))
 
     async def _consume(self, callback: Callback, nak_delay_s: float) -> None:
@@ -147,16 +176,25 @@ class AsyncConsumer:
             try:
                 msg = await self.receive(1.0)
             except PayloadError as e:
-                log.error("stream %r: %s; terminating it", self.stream, e)
+                log.error("stream %r: %s; dead-lettering it", self.stream, e)
                 if isinstance(e.message, AsyncMessage):
-                    await e.message.term()
+                    await self._dead_letter(e.message, str(e))
                 continue
             except StreamUnavailable as e:
                 log.warning("stream %r: %s; retrying", self.stream, e)
                 await asyncio.sleep(_RETRY_S)
                 continue
-            if msg is not None:
+            if msg is not None and msg.error is not None:
+                await self._dead_letter(msg, str(msg.error))
+            elif msg is not None:
                 await self._handle(callback, msg, nak_delay_s)
+
+    async def _dead_letter(self, msg: AsyncMessage, reason: str) -> None:
+        msg._settled = True
+        try:
+            await self._bury(msg._raw, reason)
+        except StreamError as e:  # NATS away: unsettled, the message comes back after the ack wait
+            log.warning("stream %r: %s", self.stream, e)
 
     async def _handle(self, callback: Callback, msg: AsyncMessage, nak_delay_s: float) -> None:
         try:

@@ -23,7 +23,6 @@ from nats.js import api
 
 from kvpool.core import Key
 
-from . import envelope as env
 from ._link import Link, translate
 from .errors import StreamNotFound, StreamRefused, StreamTimeout
 
@@ -38,7 +37,7 @@ class Announcer:
     def __init__(self, link: Link, stream: str, stored: Callable[[int, str, Sequence[Key]], None],
                  refused: Callable[[Sequence[Key]], None]) -> None:
         self._link, self.stream, self._stored, self._on_refused = link, stream, stored, refused
-        self._queue: asyncio.Queue[tuple[str, bytes, Sequence[Key]]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[str, bytes, dict[str, str], Sequence[Key]]] = asyncio.Queue()
         self._unacked: dict[str, tuple[str, Sequence[Key], asyncio.Future[None]]] = {}  # on the loop only
         self._refused: collections.deque[tuple[BaseException, Sequence[Key]]] = collections.deque()
         self._queued = 0  # since the last flush; touched by the caller only
@@ -53,9 +52,9 @@ class Announcer:
             self.flush()
         self._raise_refused()
 
-    def send(self, subj: str, body: bytes, keys: Sequence[Key]) -> None:
+    def send(self, subj: str, body: bytes, headers: dict[str, str], keys: Sequence[Key]) -> None:
         """Queue an announcement naming blocks `keys`; returns without waiting for the loop."""
-        self._link.io.loop.call_soon_threadsafe(self._queue.put_nowait, (subj, body, keys))
+        self._link.io.loop.call_soon_threadsafe(self._queue.put_nowait, (subj, body, headers, keys))
         self._queued += 1
 
     def flush(self) -> None:
@@ -65,10 +64,10 @@ class Announcer:
         self._raise_refused()
 
     async def _write(self) -> None:
-        headers = {env.KIND: env.KV, api.Header.EXPECTED_STREAM: self.stream}
         loop = asyncio.get_running_loop()
         for n in itertools.count():
-            subj, body, keys = await self._queue.get()
+            subj, body, headers, keys = await self._queue.get()
+            headers = {**headers, api.Header.EXPECTED_STREAM: self.stream}
             token = str(n)
             self._unacked[token] = (subj, keys, loop.create_future())
             try:

@@ -10,6 +10,7 @@ from typing import Any
 from kvpool.core import Subparsers
 
 from .admin import StreamConfig, create_stream, delete_stream, list_streams, stream_info
+from .errors import MalformedMessage
 
 _COLUMNS = ("name", "messages", "bytes", "first_seq", "last_seq", "consumers", "retention", "discard")
 
@@ -102,12 +103,21 @@ def _tail(args: argparse.Namespace) -> int:
                 if args.idle_s:
                     break
                 continue
-            body = msg.json() if msg.is_json and msg.kind != "ref" else None
+            body = _json_or_none(msg) if msg.is_json and msg.kind == "inline" else None
             print(json.dumps({"seq": msg.seq, "subject": msg.subject, "kind": msg.kind, "bytes": msg.size,
-                              **({"data": body} if body is not None else {})}), flush=True)
+                              **({"data": body} if body is not None else {}),
+                              **({"error": str(msg.error)} if msg.error is not None else {})}), flush=True)
             msg.ack()
             seen += 1
     return 0
+
+
+def _json_or_none(msg: Any) -> Any:
+    """A notification's JSON, or None if its body is not JSON (anyone may publish to a stream)."""
+    try:
+        return msg.json()
+    except MalformedMessage:
+        return None
 
 
 def _pub(args: argparse.Namespace) -> int:

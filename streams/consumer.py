@@ -3,11 +3,16 @@
 Each Consumer without a group is its own (ephemeral) JetStream consumer: every such consumer sees every
 message (fan-out). Consumers sharing a `group` share one durable consumer: each message goes to one
 member. At most `max_ack_pending` messages are out unacked per consumer/group; an unacked message is
-redelivered after `ack_wait_s` seconds. By-reference payloads are fetched through the pool and verified.
+redelivered after `ack_wait_s` seconds, at most `max_deliver` times: the next delivery goes to the
+dead-letter subject `kvpool.dead.<stream>` instead and is terminated. By-reference payloads are fetched
+through the pool and verified. Whatever arrives is handed out as a message: one that cannot be decoded
+has kind 'invalid' and its `error`, so that no message, however malformed, blocks a consumer.
 """
 from __future__ import annotations
 
 import datetime
+import logging
+import time
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -18,14 +23,21 @@ from kvpool.core import ConfigError, PoolClient
 
 from . import envelope as env
 from ._link import Link
-from .admin import check_token, subject
-from .errors import PayloadError
+from .admin import check_token, dead_subject, subject
+from .errors import ForgedMessage, MalformedMessage, PayloadError, StreamError
 from .message import BaseMessage, Message
 from .payload import fetch
+from .sealing import secret_from, verify
+
+log = logging.getLogger("kvpool.streams")
 
 Start = str | int | datetime.datetime
 """Where a new consumer starts: 'all' (default), 'new', 'last', a stream sequence (int, 1-based) or a
 time (timezone-aware datetime). A group that already exists keeps its position."""
+
+MAX_DELIVER = 5
+"""Default deliveries of one message to one consumer (or group) before it is dead-lettered."""
+_REASON_CHARS = 300
 
 
 def consumer_config(start: Start, ack_wait_s: float, max_ack_pending: int) -> api.ConsumerConfig:
@@ -49,29 +61,104 @@ def consumer_config(start: Start, ack_wait_s: float, max_ack_pending: int) -> ap
     return cfg
 
 
+class Checks:
+    """What a consumer checks on every delivery, shared by `Consumer` and `AsyncConsumer`: the limits,
+    the signing key, `max_deliver`; and what it counts (`counts`: invalid, forged, dead-lettered)."""
+
+    def __init__(self, stream: str, pool: PoolClient | None, limits: env.Limits | None, max_deliver: int,
+                 secret: str | bytes | None) -> None:
+        if max_deliver < 0:
+            raise ConfigError(f"max_deliver={max_deliver} must be >= 0 (0 = redeliver forever)")
+        self.stream, self.pool, self.max_deliver = stream, pool, max_deliver
+        self.limits, self.key = limits or env.Limits(), secret_from(secret)
+        self.counts = {"invalid": 0, "forged": 0, "dead": 0}
+
+    def current_limits(self) -> env.Limits:
+        """The limits, with max_block no larger than the pool's (asked each time: members come and go)."""
+        if self.pool is None:
+            return self.limits
+        return env.Limits(min(self.limits.max_block, self.pool.max_block), self.limits.max_keys,
+                          self.limits.max_bytes, self.limits.max_layer)
+
+    def exhausted(self, raw: Any) -> str | None:
+        """Why `raw` goes to the dead-letter subject instead of the caller, or None."""
+        n = raw.metadata.num_delivered
+        if self.max_deliver and n > self.max_deliver:
+            return f"delivered {n} times; max_deliver is {self.max_deliver}"
+        return None
+
+    def buried(self, raw: Any, consumer: str, reason: str) -> None:
+        """Count a dead-lettered message; the first (and every 1000th) is logged as a warning."""
+        self.counts["dead"] += 1
+        n = self.counts["dead"]
+        (log.warning if n % 1000 == 1 else log.debug)(
+            "stream %r: message %d on %r dead-lettered to %s by %r (%d so far): %s", self.stream,
+            raw.metadata.sequence.stream, raw.subject[:200], dead_subject(self.stream), consumer, n, reason)
+
+    def invalid(self, msg: BaseMessage, err: StreamError) -> None:
+        """Mark `msg` undeliverable; the first of each kind (and every 1000th) is logged as a warning."""
+        msg.kind, msg.data, msg.ref, msg.error = env.INVALID, b"", None, err
+        what = "forged" if isinstance(err, ForgedMessage) else "invalid"
+        self.counts[what] += 1
+        (log.warning if self.counts[what] % 1000 == 1 else log.debug)(
+            "stream %r: message %d on %r is %s (%d so far): %s", self.stream, msg.seq, msg.subject[:200], what,
+            self.counts[what], err)
+
+
+def _printable(text: str) -> str:
+    """`text` safe as a NATS header value: printable ASCII, bounded."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text[:_REASON_CHARS])
+
+
+async def bury(nc: Any, stream: str, consumer: str, raw: Any, reason: str) -> None:
+    """Publish `raw` to the dead-letter subject `kvpool.dead.<stream>` (its body, and headers saying
+    where it came from and why) and terminate it, so that it is never delivered again."""
+    meta = raw.metadata
+    headers = {"Kvpool-Dead-Stream": stream, "Kvpool-Dead-Seq": str(meta.sequence.stream),
+               "Kvpool-Dead-Subject": _printable(raw.subject), "Kvpool-Dead-Consumer": _printable(consumer),
+               "Kvpool-Dead-Delivered": str(meta.num_delivered), "Kvpool-Dead-Reason": _printable(reason),
+               "Kvpool-Dead-Kind": _printable((raw.headers or {}).get(env.KIND, env.INLINE))}
+    body = bytes(raw.data[:max(nc.max_payload - 16384, 0)])
+    await nc.publish(dead_subject(stream), body, headers=headers)
+    await raw.term()
+
+
 M = TypeVar("M", bound=BaseMessage)
 
 
-def decode(raw: Any, stream: str, pool: PoolClient | None, into: Any, fetch_payload: bool, msg: M) -> M:
+def decode(raw: Any, checks: Checks, into: Any, fetch_payload: bool, msg: M) -> M:
     """Fill `msg` from a JetStream message; a by-reference payload is fetched (if `fetch_payload`) and
-    verified. Raises PayloadError (with `.message`) if it cannot be delivered intact."""
+    verified. A message that cannot be decoded comes back with kind 'invalid' and its `error`; a payload
+    that cannot be delivered intact raises PayloadError (with `.message`, whose `error` it also is)."""
     headers = dict(raw.headers or {})
     meta = raw.metadata
-    msg.seq, msg.subject, msg.kind, msg.data, msg.headers = (meta.sequence.stream, raw.subject, env.kind_of(headers),
-                                                             raw.data, headers)
+    msg.seq, msg.subject, msg.kind, msg.data, msg.headers = (meta.sequence.stream, raw.subject, env.INVALID,
+                                                             b"", headers)
     msg.delivered, msg.timestamp = meta.num_delivered, meta.timestamp.timestamp()
-    if msg.kind not in (env.REF, env.KV):
+    try:
+        msg.kind = env.kind_of(headers)
+        if checks.key is not None and (why := verify(checks.key, raw.subject, headers, raw.data)):
+            raise ForgedMessage(f"message {msg.seq} of stream {checks.stream!r}: {why} (a stream secret is set)")
+        if msg.kind in (env.REF, env.KV):
+            msg.ref = env.Ref.decode(raw.data, checks.current_limits())
+        elif msg.kind == env.END:
+            env.End.decode(raw.data, checks.limits)
+    except (MalformedMessage, ForgedMessage) as e:
+        checks.invalid(msg, e)
         return msg
-    msg.ref, msg.data = env.Ref.decode(raw.data), b""
+    if msg.ref is None:
+        msg.data = raw.data
+        return msg
     if not fetch_payload:
         return msg
-    what = f"message {msg.seq} of stream {stream!r}"
-    if pool is None:
-        raise PayloadError(f"{what} holds {msg.ref.total} bytes by reference; the Consumer needs a pool", msg)
+    what = f"message {msg.seq} of stream {checks.stream!r}"
     try:
-        msg.data, msg.blocks = fetch(pool, msg.ref, into, what=what)
+        if checks.pool is None:
+            raise PayloadError(f"{what} holds {msg.ref.total} bytes by reference; the Consumer needs a pool",
+                               size=msg.ref.total)
+        msg.data, msg.blocks = fetch(checks.pool, msg.ref, into, what=what)
     except PayloadError as e:
-        e.message = msg
+        e.message, msg.error = msg, e
         raise
     return msg
 
@@ -81,8 +168,8 @@ class Subscription:
     other members may take the next ones) and hands it out with its payload fetched and verified."""
 
     def __init__(self, link: Link, stream: str, filter_subject: str, group: str | None,
-                 config: api.ConsumerConfig, pool: PoolClient | None, fetch: bool = True) -> None:
-        self._link, self.stream, self.group, self.pool, self.fetch = link, stream, group, pool, fetch
+                 config: api.ConsumerConfig, checks: Checks, fetch: bool = True) -> None:
+        self._link, self.stream, self.group, self.checks, self.fetch = link, stream, group, checks, fetch
         if group is None:
             config.inactive_threshold = 60.0  # an abandoned ephemeral consumer is dropped by the server
         self._sub = link.call(link.js.pull_subscribe(filter_subject, durable=group, stream=stream, config=config),
@@ -90,16 +177,28 @@ class Subscription:
         self.name = group or self._sub._consumer
 
     def receive(self, timeout: float, into: Any = None) -> Message | None:
-        """The next message, or None if none arrives within `timeout` seconds."""
-        try:
-            (raw,) = self._link.call(self._sub.fetch(1, timeout=timeout), f"receive from stream {self.stream!r}",
-                                     timeout=timeout)
-        except TimeoutError:
-            return None
-        return self._decode(raw, into)
+        """The next message, or None if none arrives within `timeout` seconds. Messages past
+        `max_deliver` are dead-lettered on the way and never returned."""
+        deadline = time.monotonic() + timeout
+        wait = timeout
+        while True:
+            try:
+                (raw,) = self._link.call(self._sub.fetch(1, timeout=wait), f"receive from stream {self.stream!r}",
+                                         timeout=wait)
+            except TimeoutError:
+                return None
+            reason = self.checks.exhausted(raw)
+            if reason is None:
+                return self._decode(raw, into)
+            self._link.call(bury(self._link.nc, self.stream, self.name, raw, reason),
+                            f"dead-letter message {raw.metadata.sequence.stream} of stream {self.stream!r}")
+            self.checks.buried(raw, self.name, reason)
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                return None
 
     def _decode(self, raw: Any, into: Any) -> Message:
-        return decode(raw, self.stream, self.pool, into, self.fetch,
+        return decode(raw, self.checks, into, self.fetch,
                       Message(0, "", "", b"", {}, 0, 0.0, _settle=lambda op, delay: self._settle(raw, op, delay)))
 
     def _settle(self, raw: Any, op: str, delay_s: float) -> None:
@@ -123,27 +222,41 @@ class Consumer:
     `topic`: only messages published with that topic (default: all). `pool`: needed to receive payloads
     that went by reference. `fetch=False`: leave by-reference payloads in the pool (`data` is empty;
     `ref` names the blocks and `size` is their total), e.g. to monitor a stream.
+    `max_deliver`: deliveries of an unacked message before it goes to `kvpool.dead.<stream>` and is
+    terminated (0: redeliver forever). `limits`: what one message may name (blocks, bytes), checked
+    before anything is allocated. `secret`: the stream secret (default $KVPOOL_STREAM_SECRET); when
+    set, unsigned or badly signed messages arrive as 'invalid' with a ForgedMessage `error`.
+    `counts` says how many messages were invalid, forged, dead-lettered.
     """
 
     def __init__(self, stream: str, nats_url: str, *, group: str | None = None, start: Start = "all",
                  pool: PoolClient | None = None, topic: str = ">", ack_wait_s: float = 30.0,
-                 max_ack_pending: int = 1000, fetch: bool = True, timeout_s: float = 5.0) -> None:
+                 max_ack_pending: int = 1000, fetch: bool = True, timeout_s: float = 5.0,
+                 max_deliver: int = MAX_DELIVER, limits: env.Limits | None = None,
+                 secret: str | bytes | None = None) -> None:
         check_token(stream, "stream name")
         if group is not None:
             check_token(group, "group")
         cfg = consumer_config(start, ack_wait_s, max_ack_pending)
+        checks = Checks(stream, pool, limits, max_deliver, secret)
         filt = subject(stream, ">" if topic == ">" else check_token(topic, "topic"))
         self._link = Link(nats_url, timeout_s)
         try:
-            self._sub = Subscription(self._link, stream, filt, group, cfg, pool, fetch)
+            self._sub = Subscription(self._link, stream, filt, group, cfg, checks, fetch)
         except BaseException:
             self._link.close()
             raise
 
+    @property
+    def counts(self) -> dict[str, int]:
+        """Messages seen invalid, forged (bad or missing signature) and dead-lettered, so far."""
+        return dict(self._sub.checks.counts)
+
     def receive(self, timeout: float = 1.0, into: Any = None) -> Message | None:
         """The next message, or None if none arrives within `timeout` seconds.
 
-        A by-reference payload is read into `into` (writable, large enough) or a new buffer, and
+        A message that cannot be decoded is returned with kind 'invalid' and its `error` (ack or term
+        it). A by-reference payload is read into `into` (writable, large enough) or a new buffer, and
         verified; a missing or corrupt block raises PayloadError whose `.message` can be acked/termed."""
         return self._sub.receive(timeout, into)
 

@@ -2,20 +2,51 @@
 
 Kinds (header `Kvpool-Kind`): `inline` (the body is the payload), `ref` (the body names pool blocks:
 keys, sizes in bytes, XXH3-64 checksums), `kv` (one layer of a prefill/decode handoff, by reference)
-and `end` (a handoff request is complete). Decoding ignores unknown JSON fields (forward compatible).
+and `end` (a handoff request is complete). Decoding ignores unknown JSON fields (forward compatible)
+but checks every field it uses against `Limits` before anything is allocated: whatever arrives on a
+stream's subjects may come from anyone who can publish there. Failures are `MalformedMessage`.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
 
-from kvpool.core import Key, ProtocolError
+from kvpool.core import MAX_KEY_BYTES, Key
+
+from .errors import MalformedMessage
 
 KIND = "Kvpool-Kind"
 TYPE = "Kvpool-Type"
+SIG = "Kvpool-Sig"
 INLINE, REF, KV, END = "inline", "ref", "kv", "end"
 KINDS = (INLINE, REF, KV, END)
+INVALID = "invalid"
+"""The kind of a delivered message that could not be decoded (its `.error` says why)."""
+
+_REQUEST = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_HEX32, _HEX64 = re.compile(r"^[0-9a-f]{32}$"), re.compile(r"^[0-9a-f]{64}$")
+_U64 = 1 << 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What a consumer accepts in one message, checked before it allocates or asks the pool anything.
+
+    Sizes in bytes. `max_block` defaults to the pool's max block where the consumer has a pool."""
+
+    max_block: int = 64 << 20
+    max_keys: int = 65536
+    """blocks one message may name (a worker takes at most 65536 keys per request)."""
+    max_bytes: int = 1 << 30
+    """total payload bytes one message may name."""
+    max_layer: int = 65535
+    """largest handoff layer number."""
+
+
+def _fail(text: str, *, key: Key | None = None, size: int | None = None, limit: int | None = None) -> MalformedMessage:
+    return MalformedMessage(text, key=key, size=size, limit=limit)
 
 
 def _key_out(k: Key) -> Any:
@@ -23,7 +54,79 @@ def _key_out(k: Key) -> Any:
 
 
 def _key_in(k: Any) -> Key:
-    return bytes.fromhex(k["hex"]) if isinstance(k, dict) else str(k)
+    """A key from the wire, checked as `kvpool.core.key_bytes` would check it (never raising anything
+    but MalformedMessage: lone surrogates, bad hex, empty or long keys)."""
+    if isinstance(k, dict) and isinstance(k.get("hex"), str) and len(k["hex"]) <= 2 * MAX_KEY_BYTES:
+        try:
+            raw = bytes.fromhex(k["hex"])
+        except ValueError as e:
+            raise _fail(f"key {k['hex'][:40]!r} is not hex: {e}") from None
+        out: Key = raw
+    elif isinstance(k, str) and len(k) <= MAX_KEY_BYTES:
+        try:
+            raw = k.encode()
+        except UnicodeEncodeError as e:
+            raise _fail(f"key {k[:40]!r} is not valid UTF-8 text: {e.reason}") from None
+        out = k
+    else:
+        raise _fail(f"key {str(k)[:40]!r} is not text or {{'hex': ...}} of at most {MAX_KEY_BYTES} bytes",
+                    limit=MAX_KEY_BYTES)
+    if not 0 < len(raw) <= MAX_KEY_BYTES:
+        raise _fail(f"key {raw[:16]!r} is {len(raw)} bytes; keys are 1 to {MAX_KEY_BYTES} bytes",
+                    size=len(raw), limit=MAX_KEY_BYTES)
+    return out
+
+
+def _int(v: Any, what: str, lo: int, hi: int) -> int:
+    """`v` if it is an int (not a bool) in [lo, hi]."""
+    if type(v) is not int:
+        raise _fail(f"{what} {str(v)[:40]!r} is not an integer")
+    if not lo <= v <= hi:
+        raise _fail(f"{what} is {v}; it must be {lo} to {hi}", size=v, limit=hi)
+    return v
+
+
+def _request(v: Any) -> str:
+    if not isinstance(v, str) or not _REQUEST.match(v):
+        raise _fail(f"request id {str(v)[:80]!r} is not 1-64 letters, digits, '_' or '-'")
+    return v
+
+
+def _object(raw: bytes, what: str) -> dict[str, Any]:
+    try:
+        d = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError; deep nesting recurses
+        raise _fail(f"malformed {what} body of {len(raw)} bytes: {type(e).__name__}: {str(e)[:120]}") from None
+    if not isinstance(d, dict):
+        raise _fail(f"{what} body of {len(raw)} bytes is a JSON {type(d).__name__}, not an object")
+    return d
+
+
+@dataclasses.dataclass(frozen=True)
+class Seal:
+    """Where a handoff message sits in its request's producer chain (see `handoff`): the chain's random
+    `nonce`, the message's index `n` from 0, the secret `reveal`ed now (empty at n=0) and the hash
+    `commit`ting to the next one (empty in an `end`). Hex strings."""
+
+    nonce: str
+    n: int
+    reveal: str
+    commit: str
+
+    def out(self) -> dict[str, Any]:
+        return {"nonce": self.nonce, "n": self.n, "reveal": self.reveal, "commit": self.commit}
+
+    @classmethod
+    def of(cls, d: Any) -> Seal:
+        if not isinstance(d, dict):
+            raise _fail("handoff message has no producer seal")
+        nonce, reveal, commit = d.get("nonce"), d.get("reveal", ""), d.get("commit", "")
+        if not isinstance(nonce, str) or not _HEX32.match(nonce):
+            raise _fail(f"seal nonce {str(nonce)[:40]!r} is not 32 hex digits")
+        for name, v in (("reveal", reveal), ("commit", commit)):
+            if not isinstance(v, str) or (v and not _HEX64.match(v)):
+                raise _fail(f"seal {name} {str(v)[:40]!r} is not empty or 64 hex digits")
+        return cls(nonce, _int(d.get("n"), "seal index", 0, 1 << 31), reveal, commit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +138,7 @@ class Ref:
     checksums: list[int]
     request: str = ""
     layer: int = -1
+    seal: Seal | None = None
 
     @property
     def total(self) -> int:
@@ -45,25 +149,63 @@ class Ref:
                                 "checksums": self.checksums}
         if self.request:
             body.update(request=self.request, layer=self.layer)
+        if self.seal is not None:
+            body["seal"] = self.seal.out()
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
-    def decode(cls, raw: bytes) -> Ref:
-        try:
-            d = json.loads(raw)
-            ref = cls([_key_in(k) for k in d["keys"]], [int(s) for s in d["sizes"]],
-                      [int(c) for c in d["checksums"]], str(d.get("request", "")), int(d.get("layer", -1)))
-        except (ValueError, KeyError, TypeError) as e:
-            raise ProtocolError(f"malformed reference body of {len(raw)} bytes: {e}") from e
-        if not len(ref.keys) == len(ref.sizes) == len(ref.checksums):
-            raise ProtocolError(f"reference names {len(ref.keys)} keys, {len(ref.sizes)} sizes and "
-                                f"{len(ref.checksums)} checksums; they must match")
-        return ref
+    def decode(cls, raw: bytes, limits: Limits | None = None) -> Ref:
+        """The reference in a `ref` or `kv` body, every field checked against `limits` (key count,
+        block size, total bytes, layer) before the caller allocates anything for it."""
+        lim = limits or Limits()
+        d = _object(raw, "reference")
+        keys, sizes, sums = d.get("keys"), d.get("sizes"), d.get("checksums")
+        if not (isinstance(keys, list) and isinstance(sizes, list) and isinstance(sums, list)):
+            raise _fail(f"reference body of {len(raw)} bytes lacks the lists keys, sizes and checksums")
+        if not len(keys) == len(sizes) == len(sums):
+            raise _fail(f"reference names {len(keys)} keys, {len(sizes)} sizes and {len(sums)} checksums; "
+                        "they must match")
+        if not 0 < len(keys) <= lim.max_keys:
+            raise _fail(f"reference names {len(keys)} blocks; a message may name 1 to {lim.max_keys}",
+                        size=len(keys), limit=lim.max_keys)
+        sizes = [_int(s, "block size", 0, lim.max_block) for s in sizes]
+        if sum(sizes) > lim.max_bytes:
+            raise _fail(f"reference names {sum(sizes)} bytes; a message may name at most {lim.max_bytes}",
+                        size=sum(sizes), limit=lim.max_bytes)
+        out = [_key_in(k) for k in keys], sizes, [_int(c, "checksum", 0, _U64 - 1) for c in sums]
+        if "request" in d or "layer" in d or "seal" in d:
+            return cls(*out, _request(d.get("request")), _int(d.get("layer"), "layer", 0, lim.max_layer),
+                       Seal.of(d["seal"]) if "seal" in d else None)
+        return cls(*out)
+
+
+@dataclasses.dataclass(frozen=True)
+class End:
+    """A handoff request's end: how many layers its producer published, and its seal."""
+
+    request: str
+    layers: int | None
+    seal: Seal | None = None
+
+    def encode(self) -> bytes:
+        body: dict[str, Any] = {"request": self.request, "layers": self.layers}
+        if self.seal is not None:
+            body["seal"] = self.seal.out()
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes, limits: Limits | None = None) -> End:
+        lim = limits or Limits()
+        d = _object(raw, "end")
+        layers = d.get("layers")
+        return cls(_request(d.get("request")),
+                   None if layers is None else _int(layers, "layer count", 0, lim.max_layer + 1),
+                   Seal.of(d["seal"]) if "seal" in d else None)
 
 
 def kind_of(headers: dict[str, str] | None) -> str:
     """The message kind; messages from plain NATS publishers (no headers) count as inline bytes."""
     kind = (headers or {}).get(KIND, INLINE)
     if kind not in KINDS:
-        raise ProtocolError(f"unknown message kind {kind!r}; known: {', '.join(KINDS)}")
+        raise _fail(f"unknown message kind {kind[:40]!r}; known: {', '.join(KINDS)}")
     return kind

@@ -1,7 +1,7 @@
 """Errors of kvpool.streams, all under the root `KVPoolError`; NATS errors are translated in `_link`."""
 from __future__ import annotations
 
-from kvpool.core import CorruptBlock, KVPoolError
+from kvpool.core import AuthError, CorruptBlock, KVPoolError, ProtocolError
 
 
 class StreamError(KVPoolError):
@@ -51,3 +51,21 @@ class CorruptPayload(PayloadError, CorruptBlock):
 class HandoffTimeout(StreamError, TimeoutError):
     """A prefill/decode handoff saw no next layer (or end of request) within its timeout: the producer
     is slow or died mid-request."""
+
+
+class MalformedMessage(StreamError, ProtocolError):
+    """A delivered message cannot be decoded: an unknown kind, a malformed body, a bad key or request id,
+    or a size or count past the consumer's limits (`size` and `limit` say which). It arrives as a
+    message of kind 'invalid' whose `.error` is this; ack or term it (after `max_deliver` deliveries
+    the consumer dead-letters it)."""
+
+
+class ForgedMessage(StreamError, AuthError):
+    """A message that is not from who it claims: unsigned or badly signed while a stream secret is
+    configured, or a handoff message outside its request's producer chain."""
+
+
+class HandoffError(StreamError):
+    """A handoff request's own producer sent an inconsistent sequence (an `end` whose layer count
+    disagrees with the layers that arrived, a layer twice, a layer out of range), or two producers
+    claim one request id. Raised instead of ever returning a short or mixed request."""

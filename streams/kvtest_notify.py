@@ -8,6 +8,7 @@ Stream `kvtest-<namespace>` (an hour of retention), one inline message per creat
 """
 from __future__ import annotations
 
+import logging
 import queue
 import re
 import threading
@@ -16,7 +17,9 @@ from typing import Any
 
 from kvpool.core.bench import percentiles_us
 
-from . import Consumer, Producer, StreamConfig, create_stream
+from . import Consumer, Producer, StreamConfig, StreamError, create_stream
+
+log = logging.getLogger("kvpool.streams")
 
 
 def stream_name(namespace: str) -> str:
@@ -60,13 +63,19 @@ class NotifyReader:
             msg = self._consumer.receive(0.2)
             if msg is None:
                 continue
-            body: dict[str, Any] = msg.json()
+            try:
+                body: dict[str, Any] = msg.json()
+                run, t, keys = body.get("run"), float(body["t"]), [str(k) for k in body["keys"]]
+            except (StreamError, ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, or not ours
+                log.warning("kvtest notifications: message %d is not an announcement: %s", msg.seq, e)
+                msg.term()
+                continue
             msg.ack()
-            if self.run is not None and body.get("run") != self.run:
+            if self.run is not None and run != self.run:
                 continue  # an earlier writer's run in the same namespace
-            self.latency_s.append(max(0.0, time.time() - float(body["t"])))
+            self.latency_s.append(max(0.0, time.time() - t))
             self.received += 1
-            for k in body["keys"]:
+            for k in keys:
                 self._keys.put(k)
                 self.keys += 1
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .envelope import TYPE, Ref
+from .errors import MalformedMessage, StreamError
 
 
 @dataclasses.dataclass
@@ -19,13 +20,15 @@ class BaseMessage:
 
     `data` is the payload: the inline bytes, or for a by-reference payload the buffer it was fetched
     into (verified against its checksums). `blocks` are the per-block views of that buffer (`kv` layers).
+    A message that could not be decoded (malformed, over the consumer's limits, or unsigned where a
+    stream secret is set) has kind 'invalid', no data, and its reason in `error`: ack or term it.
     """
 
     seq: int
     """stream sequence number (1-based, increasing in publish order)."""
     subject: str
     kind: str
-    """'inline', 'ref', 'kv' or 'end' (see `envelope`)."""
+    """'inline', 'ref', 'kv' or 'end' (see `envelope`), or 'invalid' (see `error`)."""
     data: bytes | memoryview
     headers: dict[str, str]
     delivered: int
@@ -34,6 +37,8 @@ class BaseMessage:
     """when the stream stored it, unix seconds."""
     ref: Ref | None = None
     blocks: list[memoryview] = dataclasses.field(default_factory=list)
+    error: StreamError | None = None
+    """why the message cannot be delivered: MalformedMessage, ForgedMessage or PayloadError; None if it can."""
 
     @property
     def size(self) -> int:
@@ -41,8 +46,15 @@ class BaseMessage:
         return self.ref.total if self.ref is not None else len(self.data)
 
     def json(self) -> Any:
-        """The payload decoded as JSON (notifications published as dict/list)."""
-        return json.loads(bytes(self.data))
+        """The payload decoded as JSON (notifications published as dict/list); raises `error` if set, and
+        MalformedMessage if the payload is not JSON (anyone may publish to a stream)."""
+        if self.error is not None:
+            raise self.error
+        try:
+            return json.loads(bytes(self.data))
+        except (ValueError, RecursionError) as e:
+            raise MalformedMessage(f"message {self.seq} on {self.subject[:200]!r} is not JSON: "
+                                   f"{type(e).__name__}: {str(e)[:120]}", size=len(self.data)) from None
 
     @property
     def is_json(self) -> bool:

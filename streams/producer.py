@@ -7,7 +7,11 @@ The prefill side of a KV handoff uses `publish_kv` per layer and `end_request` w
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
+import numbers
+import re
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -21,11 +25,17 @@ from .announcer import Announcer
 from .errors import StreamUnavailable
 from .payload import put_blocks, put_payload
 from .pins import PinKeeper
+from .sealing import Sealer, secret_from, sign
 
 INLINE_MAX = 256 << 10
 """Default largest payload sent inline, in bytes."""
 PIN_TTL_S = 60.0
 """Default bound, in seconds, on how long a by-reference payload's pins outlive its producer."""
+_HEADER_NAME = re.compile(r"^[!-9;-~]+$")
+"""A header name: printable ASCII but ':' (no spaces)."""
+_OPEN_REQUESTS = 4096
+"""Handoff requests a producer keeps the chain of until their end; past it the oldest is forgotten
+(its further messages start a new chain, which its receiver refuses as a second producer)."""
 
 
 def encode(data: Any) -> tuple[memoryview, str]:
@@ -47,13 +57,16 @@ class Producer:
     oldest are unpinned, so consumers that never ack cannot fill the pool (a consumer that reads one
     the pool then evicted gets a PayloadError).
     A publish to a full stream with discard=new raises `StreamFull`; one to a missing stream raises
-    `StreamNotFound`.
+    `StreamNotFound`. `secret`: the stream secret (default $KVPOOL_STREAM_SECRET; "" for none): every
+    message is signed with it (HMAC-SHA256), for consumers and handoff receivers that require it.
     """
 
     def __init__(self, stream: str, nats_url: str, pool: PoolClient | None = None, *,
                  inline_max: int = INLINE_MAX, pin_ttl_s: float = PIN_TTL_S, timeout_s: float = 5.0,
-                 max_pinned_bytes: int | None = None) -> None:
+                 max_pinned_bytes: int | None = None, secret: str | bytes | None = None) -> None:
         self.stream = check_token(stream, "stream name")
+        self._key = secret_from(secret)
+        self._chains: collections.OrderedDict[str, Sealer] = collections.OrderedDict()
         if inline_max < 0 or pin_ttl_s < 0:
             raise ConfigError(f"inline_max={inline_max} bytes and pin_ttl_s={pin_ttl_s} must be >= 0")
         self.pool, self.inline_max, self.pin_ttl_s = pool, inline_max, pin_ttl_s
@@ -67,7 +80,7 @@ class Producer:
 
         `topic` is the last subject token (consumers may filter on it)."""
         view, kind = encode(data)
-        hdrs = {**(headers or {}), env.TYPE: kind}
+        hdrs = {**_checked_headers(headers or {}), env.TYPE: kind}
         subj = subject(self.stream, check_token(topic, "topic"))
         if len(view) <= self.inline_max:
             return self._send(subj, bytes(view), {**hdrs, env.KIND: env.INLINE})
@@ -84,13 +97,34 @@ class Producer:
         announcement the stream refused (e.g. StreamFull) raises from the next call."""
         if len(block_keys) != len(tensors):
             raise InvalidArgument(f"{len(block_keys)} block keys but {len(tensors)} tensors")
+        limit = env.Limits().max_layer
+        if not isinstance(layer, numbers.Integral) or isinstance(layer, bool) or not 0 <= layer <= limit:
+            raise InvalidArgument(f"layer {layer!r} must be an integer from 0 to {limit}", limit=limit)
+        layer = int(layer)
         subj = subject(self.stream, "req", check_token(request_id, "request id"))
         pool = self._need_pool("publish_kv")
         if self._announcer is None:
             self._announcer = Announcer(self._link, self.stream, self._stored, self._unpin)
         self._announcer.ready()
         ref = put_blocks(pool, block_keys, tensors, request=request_id, layer=layer, pin_s=self.pin_ttl_s)
-        self._announcer.send(subj, ref.encode(), ref.keys)
+        chain = self._chain(request_id)
+        body = dataclasses.replace(ref, seal=chain.next()).encode()
+        chain.layers += 1
+        self._announcer.send(subj, body, self._signed(subj, {env.KIND: env.KV}, body), ref.keys)
+
+    def _chain(self, request_id: str) -> Sealer:
+        chain = self._chains.get(request_id)
+        if chain is None:
+            chain = self._chains[request_id] = Sealer()
+            if len(self._chains) > _OPEN_REQUESTS:
+                self._chains.popitem(last=False)
+        return chain
+
+    def _signed(self, subj: str, headers: dict[str, str], body: bytes) -> dict[str, str]:
+        """`headers`, with the message's signature if this producer has a stream secret."""
+        if self._key is not None:
+            headers[env.SIG] = sign(self._key, subj, headers, body)
+        return headers
 
     def flush(self) -> None:
         """Wait until JetStream has stored every kv announcement sent so far (publish_kv does not wait);
@@ -100,12 +134,20 @@ class Producer:
 
     def end_request(self, request_id: str, layers: int | None = None) -> int:
         """Tell the decode side that request `request_id` has no more layers, once JetStream has stored
-        every layer announced before; raises the error of any it refused. Returns the end's sequence."""
+        every layer announced before; raises the error of any it refused. Returns the end's sequence.
+
+        The end carries the number of layers this producer published for the request (the receiver
+        checks it against what arrived); `layers`, if given, must agree with it."""
+        subj = subject(self.stream, "req", check_token(request_id, "request id"))
+        chain = self._chains.get(request_id) or Sealer()
+        if layers is not None and layers != chain.layers:
+            raise InvalidArgument(f"end_request({request_id!r}, layers={layers}): this producer published "
+                                  f"{chain.layers} layer(s) of it", size=layers, limit=chain.layers)
         if self._announcer is not None:
             self._announcer.flush()
-        body = json.dumps({"request": request_id, "layers": layers}).encode()
-        return self._send(subject(self.stream, "req", check_token(request_id, "request id")), body,
-                          {env.KIND: env.END, env.TYPE: "json"})
+        body = env.End(request_id, chain.layers, chain.next(last=True)).encode()
+        self._chains.pop(request_id, None)
+        return self._send(subj, body, {env.KIND: env.END, env.TYPE: "json"})
 
     def _stored(self, seq: int, subj: str, keys: Sequence[Key]) -> None:
         """JetStream stored kv announcement `seq`: its blocks stay pinned until it is consumed."""
@@ -149,6 +191,7 @@ class Producer:
         return seq
 
     def _send(self, subj: str, body: bytes, headers: dict[str, str]) -> int:
+        headers = self._signed(subj, dict(headers), body)
         ack = self._link.call(self._link.js.publish(subj, body, stream=self.stream, headers=headers),
                               f"publish {len(body)} bytes to stream {self.stream!r}")
         return int(ack.seq)
@@ -170,6 +213,25 @@ class Producer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _checked_headers(headers: dict[str, str]) -> dict[str, str]:
+    """`headers` if each name is a header token and each value one line of UTF-8 text; InvalidArgument
+    otherwise (a CR/LF would let a value add headers of its own, and a lone surrogate cannot be sent)."""
+    for name, value in headers.items():
+        if not (isinstance(name, str) and isinstance(value, str) and _HEADER_NAME.match(name)
+                and "\r" not in value and "\n" not in value and _utf8(value)):
+            raise InvalidArgument(f"header {str(name)[:40]!r}: {str(value)[:40]!r} is not a header name "
+                                  "with one line of UTF-8 text")
+    return headers
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _default_budget(pool: PoolClient) -> int | None:

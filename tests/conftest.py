@@ -1,4 +1,5 @@
-"""Fixtures of every test: no KVPOOL_*/MOONCAKE_* settings leak in from the environment, no
+"""Fixtures of every test: no KVPOOL_*/MOONCAKE_* settings leak in from the environment (the token
+file is the test's own), no
 shared-memory arena leaks out; real services on demand: nats-server on a free loopback port (temp
 JetStream dir) and `kvpool worker` processes, always stopped, their arenas removed even if killed."""
 from __future__ import annotations
@@ -15,10 +16,13 @@ from kvpool.core.tiers.dram import arena_names
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No KVPOOL_*/MOONCAKE_* settings from outside; the pool token file is the test's own, shared by the
+    workers it starts (in process, or spawned: they inherit it) and found there by its clients."""
     for name in list(os.environ):
         if name.startswith(("KVPOOL_", "MOONCAKE_")):
             monkeypatch.delenv(name)
+    monkeypatch.setenv("KVPOOL_TOKEN_FILE", str(tmp_path / "kvpool-token"))
 
 
 @pytest.fixture(autouse=True)

@@ -138,3 +138,12 @@ def test_a_face_that_cannot_be_imported_breaks_only_itself(monkeypatch: pytest.M
     args = parser.parse_args(["mooncake-shim"])  # the others still work
     assert args.func(args) == 0
     assert capsys.readouterr().out.strip().endswith("mooncake_shim")
+
+
+def test_every_core_module_says_what_it_exports() -> None:
+    """Each module of core declares `__all__`: what is not in it is internal to core."""
+    missing = [str(path.relative_to(ROOT)) for path, _ in _modules("core")
+               if path.name != "__init__.py" or path.parent.name != "tiers"
+               if not any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in n.targets)
+                          for n in ast.parse(path.read_text()).body)]
+    assert not missing, missing

@@ -28,6 +28,7 @@ SUITES: dict[str, str] = {
     "cache": "kvpool.core.bench.cache_suite",
     "kvtest": "kvpool.core.bench.kvtest_suite",
     "transport": "kvpool.core.bench.transport_suite",
+    "scale": "kvpool.core.bench.scale_suite",
     "streams": "kvpool.streams.bench_suite",
     "backends": "kvpool.backends.bench_suite",
     "engines": "kvpool.backends.engines.bench",

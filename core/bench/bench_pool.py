@@ -18,6 +18,8 @@ from ..procs import WorkerProcess
 from ..records import PoolStats
 from .kvtest_instance import Instance, instance_cluster, run_ended, run_started, wait_for_peer
 
+__all__ = ["local_cluster", "wait_members", "totals", "BenchPool"]
+
 _SLAB = 16 << 20
 _TOTALS = ("hits_device", "hits_dram", "hits_ssd", "misses", "evictions", "demotions", "promotions",
            "dram_bytes", "dram_capacity", "ssd_bytes", "device_bytes")

@@ -19,6 +19,8 @@ from ..config import parse_size
 from ..errors import ConfigError
 from .kvtest_instance import DEFAULT_NATS, Instance
 
+__all__ = ["ROLES", "CacheOptions", "from_kvtest_files", "read_kvtest", "from_kvtest", "add_arguments", "resolve"]
+
 ROLES = ("both", "writer", "reader")
 
 

@@ -40,6 +40,8 @@ from .notify import Notifier, NotifyReader, open_notifier, open_notify_reader
 from .owners import Owners
 from .pacing import Pacer
 
+__all__ = ["add_arguments", "run"]
+
 _TICK_S = 0.5
 _DEFAULT_DRAM_CAP = 1 << 30
 """Largest pool DRAM a run sizes by itself (per worker), in bytes: kvtest's key pools of 10000 blocks

@@ -14,6 +14,8 @@ from ..errors import ConfigError
 from ..registry import Subparsers
 from .report import RESULTS
 
+__all__ = ["add_parser", "load", "table", "run"]
+
 
 def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="print two runs (--json output or --report results) side by side")

@@ -18,6 +18,8 @@ import numpy as np
 from ..cache import TieredCache
 from .measure import best_seconds, emit, filled, gbps
 
+__all__ = ["add_arguments", "run"]
+
 _BATCH = 64
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import random
 
+__all__ = ["KeyDraw"]
+
 
 class KeyDraw:
     GAIN = 0.05

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+__all__ = ["HEADER", "row", "write"]
+
 HEADER = ("timestamp", "op", "count", "success", "fail", "qps", "avg_ms", "p50_ms", "p90_ms", "p99_ms",
           "p99_9_ms", "min_ms", "max_ms", "bytes")
 

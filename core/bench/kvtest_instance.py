@@ -31,6 +31,9 @@ from ..nats_server import NatsServer
 from ..procs import WorkerProcess
 from ..records import WorkerInfo
 
+__all__ = ["DEFAULT_NATS", "WAIT_FOR_PEER_S", "Instance", "instance_cluster", "wait_for_peer", "run_started",
+    "run_ended"]
+
 log = logging.getLogger("kvpool.bench")
 
 DEFAULT_NATS = "nats://127.0.0.1:4222"

@@ -35,6 +35,8 @@ from .content import BlockContent, memcpy_gbps
 from .measure import emit, gbps
 from .pacing import Pacer
 
+__all__ = ["MODES", "KvtestOptions", "add_arguments", "resolve", "run"]
+
 MODES = ("set_local", "get_local", "set_cross_node", "get_cross_node")
 _KEYS_PER_GET_MODE = 256
 """Distinct keys a get mode stores first and then reads at random."""

@@ -16,6 +16,8 @@ import numpy as np
 
 from . import report
 
+__all__ = ["LATENCY_QS", "best_seconds", "best_in_turns", "gbps", "percentiles_us", "filled", "Progress", "emit"]
+
 log = logging.getLogger("kvpool.bench")
 
 LATENCY_QS = (50, 90, 99, 99.9)

@@ -23,6 +23,8 @@ from ..errors import BenchError, InvalidArgument
 from ..nats_server import free_port
 from .measure import gbps
 
+__all__ = ["measure"]
+
 _INSTALL = "apt-get install -y libibverbs1; pip install mooncake-transfer-engine-non-cuda"
 _START_S = 30.0
 _LOCAL_BUFFER = 16 << 20

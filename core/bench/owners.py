@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from ..client import PoolClient
 from ..cluster import rank
 
+__all__ = ["Owners"]
+
 
 class Owners:
     """The member list of a cluster client, refreshed on demand, and each key's serving node."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 import threading
 import time
 
+__all__ = ["Pacer"]
+
 
 class Pacer:
     """`wait()` returns at the next free slot of a schedule of `qps` calls per second (0: at once).

@@ -18,6 +18,8 @@ import numpy as np
 from ..errors import BenchError
 from ..nats_server import free_port
 
+__all__ = ["server", "serve", "put", "get"]
+
 
 @contextmanager
 def server(timeout: float = 20.0) -> Iterator[int]:

@@ -15,6 +15,8 @@ from typing import Any
 
 from ..errors import KVPoolError
 
+__all__ = ["RESULTS", "ReportUnavailable", "require_matplotlib", "requested", "write_if_requested", "write"]
+
 RESULTS = "results.json"
 _DIR: ContextVar[Path | None] = ContextVar("kvpool_bench_report_dir", default=None)
 

@@ -21,6 +21,8 @@ from ..procs import WorkerProcess
 from . import raw_socket
 from .measure import best_seconds, emit, filled, gbps
 
+__all__ = ["add_arguments", "run"]
+
 _BATCH = 64
 
 

@@ -14,11 +14,12 @@ import bisect
 import mmap
 import os
 import secrets
+import stat
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import CapacityError, ConfigError
+from ..errors import CapacityError, ConfigError, PoolUnavailable
 
 __all__ = ["DramArena", "arena_names", "size_classes", "sweep_dead_arenas"]
 
@@ -81,6 +82,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _check_arena(fd: int, name: str, size: int) -> None:
+    """An arena a same-node client may map: this user's, 0600, `size` bytes."""
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o600 or st.st_size != size:
+        raise PoolUnavailable(f"the arena {name!r} is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}, "
+                              f"{st.st_size} bytes; this client maps only its own user's 0600 arena of {size} bytes")
+
+
 class DramArena:
     """A named shared-memory arena with a size-class slab allocator.
 
@@ -126,11 +135,25 @@ class DramArena:
         self.used_bytes = 0  # bytes in allocated slots
 
     @classmethod
-    def attach(cls, name: str, size: int) -> memoryview:
-        """Map another process's arena read-write (a same-node client); returns the whole mapping."""
-        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    def attach(cls, name: str, size: int, writable: bool = False) -> memoryview:
+        """Map another process's arena (a same-node client): read-only unless `writable` (a writer, which
+        copies into slots it ALLOCs). Only an arena of this user's, mode 0600 and exactly `size` bytes,
+        checked with fstat before and after mapping: a stranger's arena (which could be read, or
+        shrunk under the mapping for a SIGBUS) is refused with PoolUnavailable."""
         try:
-            return memoryview(mmap.mmap(fd, size))
+            fd = _posixshmem.shm_open("/" + name, os.O_RDWR if writable else os.O_RDONLY, mode=0o600)
+        except OSError as e:
+            raise PoolUnavailable(f"cannot open the worker's arena {name!r}: {e}") from e
+        try:
+            _check_arena(fd, name, size)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mapping = mmap.mmap(fd, size, prot=prot)
+            try:
+                _check_arena(fd, name, size)
+            except BaseException:
+                mapping.close()
+                raise
+            return memoryview(mapping)
         finally:
             os.close(fd)
 

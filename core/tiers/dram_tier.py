@@ -72,6 +72,8 @@ class DramTier:
         self._counters = counters
         self.leases = 0
         """Leases held now, over all blocks (a reader that never releases shows here)."""
+        self.timed = 0
+        """Indexed blocks that have a TTL (none: lookups need not check expiry)."""
         self._reserved = 0  # slots allocated for blocks not yet committed (a put's, a promotion's)
         self._unlinked: set[DramBlock] = set()  # dropped while leased: their slots are freed at release
 
@@ -99,6 +101,8 @@ class DramTier:
         self._reserved -= 1
         self.blocks[block.key] = block
         self.order.add(block.key)
+        if block.expires:
+            self.timed += 1
         if self.pins.claim(block.key):
             block.pinned = True
 
@@ -110,6 +114,8 @@ class DramTier:
             return None
         self.order.discard(key)
         b.live = False
+        if b.expires:
+            self.timed -= 1
         if b.leases == 0:
             self.arena.free(b.offset)
         else:
@@ -253,6 +259,9 @@ class DramTier:
         block's bytes match its checksum; pins agree with the pinned blocks."""
         errors = self.arena.check()
         blocks, unlinked = self.blocks, self._unlinked
+        if sum(1 for b in blocks.values() if b.expires) != self.timed:
+            errors.append(f"{self.timed} DRAM blocks counted with a TTL; the index holds "
+                          f"{sum(1 for b in blocks.values() if b.expires)}")
         if set(self.order) != blocks.keys():
             errors.append(f"eviction order holds {len(self.order)} keys, the index {len(blocks)}")
         for k, b in blocks.items():

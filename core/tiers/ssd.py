@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import lmdb
 
+from ..auth import private_dir
 from ..blocks import HEADER_SIZE, BlockMeta, CorruptBlock, decode, decode_header, encode_header
 from ..errors import CapacityError, StorageError
 
@@ -36,15 +37,21 @@ class SsdStore:
         self.map_size = map_size
         self.sync = sync
         self.corrupt = 0
+        self.commits = 0
+        """Write transactions this object committed (`ssd_index` tells its own writes from others')."""
         self._pid = -1
         self._env: lmdb.Environment | None = None
         self._open()
 
     def _open(self) -> None:
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
+        try:  # 0700 folder, 0600 files: blocks are readable by this user only
+            private_dir(self.path, tighten=True)
             self._env = lmdb.open(str(self.path), map_size=self.map_size, subdir=True, sync=self.sync,
-                                  metasync=self.sync, readahead=False, max_readers=512, lock=True)
+                                  metasync=self.sync, readahead=False, max_readers=512, lock=True, mode=0o600)
+            for name in ("data.mdb", "lock.mdb"):  # files an older version made 0644
+                f = self.path / name
+                if f.exists() and f.stat().st_uid == os.getuid() and f.stat().st_mode & 0o077:
+                    f.chmod(0o600)
         except (lmdb.Error, OSError) as e:  # OSError: the folder cannot be made (permissions, a file there)
             raise StorageError(f"cannot open the SSD tier at {self.path}: {e}") from e
         self._pid = os.getpid()
@@ -105,6 +112,7 @@ class SsdStore:
         try:
             with self.env.begin(write=True) as txn:
                 yield txn
+            self.commits += 1
         except lmdb.MapFullError as e:
             raise CapacityError(f"SSD tier at {self.path} is full (map_size {self.map_size} bytes)",
                                 limit=self.map_size) from e

@@ -1,17 +1,20 @@
 """The SSD tier: an LMDB store (`ssd.SsdStore`) and what the cache knows of it without reading it:
 each indexed block's size, expiry and eviction order, the bytes they add up to, and the outdated
-copies that still wait to be deleted.
+copies that still wait to be deleted. That index is saved beside LMDB at close and read back at open
+when it still matches (`ssd_index`), else rebuilt from the blocks' headers.
 
 It holds no lock of its own: the cache calls every method with its lock held, except the store's
 reads and batch writes, which the cache makes outside its lock on blocks it holds leased.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Mapping
 
 from ..blocks import BlockMeta
-from ..errors import CapacityError
+from ..errors import CapacityError, StorageError
 from ..policies import EVICTION_POLICY
+from . import ssd_index
 from .ssd import SsdStore
 
 __all__ = ["SsdTier"]
@@ -21,18 +24,28 @@ _FILL = 0.8
 
 
 class SsdTier:
-    """The blocks of `store`, indexed at open from their headers, evicted in the order `policy` says."""
+    """The blocks of `store`, indexed at open (from the index saved at the last clean close if it still
+    matches LMDB, else from their headers), evicted in the order `policy` says."""
 
     def __init__(self, store: SsdStore, policy: str) -> None:
         self.store = store
-        self._sizes: dict[bytes, int] = {}
-        self._expires: dict[bytes, float] = {}  # of the blocks that have a TTL
+        started = time.monotonic()
+        snap = ssd_index.load(store) or ssd_index.scan(store)
+        self.opened_from = snap.source
+        """Where the index came from at open: "index" (the saved file) or "scan" (every header)."""
+        self._sizes: dict[bytes, int] = snap.sizes
+        self._expires: dict[bytes, float] = snap.expires  # of the blocks that have a TTL
         self._order = EVICTION_POLICY[policy]()
-        self.nbytes = 0
+        self._order.extend(snap.sizes)
+        self.nbytes = sum(snap.sizes.values())
         """Payload bytes of the indexed blocks."""
-        self._stale: list[bytes] = []  # keys whose stored copy is outdated; `delete_stale` deletes them
-        for key, meta in store.scan():
-            self.add(key, meta)
+        self._stale: list[bytes] = snap.stale  # keys whose stored copy is outdated; `delete_stale` deletes them
+        # LMDB's transaction id before this object's first write: at close, the index is saved only if
+        # every write since was this object's own (another process's would make it wrong).
+        self._txnid_base = ssd_index.last_txnid(store) - store.commits
+        ssd_index.log.info("SSD tier at %s: %d blocks (%d bytes) indexed from its %s in %.2f s", store.path,
+                           len(self._sizes), self.nbytes, "saved index" if snap.source == "index" else "headers",
+                           time.monotonic() - started)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._sizes
@@ -47,6 +60,15 @@ class SsdTier:
     def capacity(self) -> float:
         """Bytes the blocks may fill before the least recently used go (see `trim`)."""
         return self.store.map_size * _FILL
+
+    @property
+    def timed(self) -> bool:
+        """Whether any indexed block has a TTL (if not, lookups need not check expiry)."""
+        return bool(self._expires)
+
+    def holds(self, keys: list[bytes]) -> list[bool]:
+        """Whether each key is indexed (expired or not), in one C-level pass."""
+        return list(map(self._sizes.__contains__, keys))
 
     def size_of(self, key: bytes) -> int | None:
         return self._sizes.get(key)
@@ -131,7 +153,17 @@ class SsdTier:
         self.store.clear()
 
     def close(self) -> None:
-        self.store.close()
+        """Save the index beside LMDB (if only this tier wrote since open) and close the store."""
+        store = self.store
+        try:
+            ours = ssd_index.last_txnid(store) == self._txnid_base + store.commits
+        except StorageError:  # closed already
+            return
+        if ours:  # sizes in eviction order: the order is saved as the dict's
+            sizes = self._sizes
+            ssd_index.save(store, ssd_index.Snapshot(dict(zip(self._order, map(sizes.__getitem__, self._order))),
+                                                     self._expires, self._stale))
+        store.close()
 
     def check(self, copies: Mapping[bytes, BlockMeta]) -> list[str]:
         """What is wrong with the index (empty when consistent): its byte count and order agree with

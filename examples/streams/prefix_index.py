@@ -44,7 +44,7 @@ class PrefixIndex:
                 if idle_s:
                     return
                 continue
-            if msg.is_json:
+            if msg.error is None and msg.is_json:  # forged or malformed messages arrive as 'invalid'
                 self.apply(msg.seq, msg.json())
             msg.ack()
 

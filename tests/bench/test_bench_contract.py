@@ -8,6 +8,7 @@ import pytest
 @pytest.mark.parametrize("suite,argv,ratio", [
     ("core", ["--working-set", "16MiB"], "dram_get_vs_memcpy"),
     ("transport", [], "tcp_get_vs_raw_socket"),
+    ("scale", ["--keys", "20000"], "reopen_vs_lmdb_key_scan"),
 ])
 def test_quick_json_contract(bench, suite: str, argv: list[str], ratio: str) -> None:
     ran = bench(suite, "--quick", "--json", *argv)
@@ -17,3 +18,8 @@ def test_quick_json_contract(bench, suite: str, argv: list[str], ratio: str) -> 
     if suite == "transport":
         m = ran.json["metrics"]
         assert 0 < m["tcp_get_64k_p50_us"] <= m["tcp_get_64k_p90_us"] <= m["tcp_get_64k_p999_us"]
+    if suite == "scale":
+        m = ran.json["metrics"]
+        assert m["reopen_s_per_million"] > 0 and m["ssd_keys"] == 20000 and not m["prefix_match_at_1m_measured"]
+        assert m["prefix_match_4096_us_at_10k"] > 0 and m["ssd_index_bytes_per_key"] > 0
+        assert ran.json["ratios"]["prefix_match_vs_dict_loop_at_100k"] > 0

@@ -96,7 +96,7 @@ def test_malformed_frames_close_only_that_connection(tmp_path):
 
 
 def test_same_node_ops_are_refused_over_tcp(tmp_path):
-    w = _worker(tmp_path).start()
+    w = _worker(tmp_path, no_auth=True).start()  # an authenticated peer's view (tests/security: without)
     try:
         import numpy as np
 
@@ -121,7 +121,7 @@ def _wait(cond, timeout: float = 5.0) -> bool:
 
 
 def test_a_peer_that_stalls_mid_request_is_dropped_and_its_leases_freed(tmp_path):
-    w = _worker(tmp_path, io_timeout_s=0.5).start()
+    w = _worker(tmp_path, io_timeout_s=0.5, no_auth=True).start()  # raw peers that need no token
     try:
         keys = [f"b{i}".encode() for i in range(24)]
         with PoolClient(mode="local", worker=w.address) as c:

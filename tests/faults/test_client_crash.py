@@ -29,7 +29,7 @@ CHILD = textwrap.dedent("""
         reply = t._roundtrip(P.Op.ALLOC, P.pack_batch([b"half", b"held"], sizes))
     for off in np.frombuffer(reply.meta, dtype="<i8").tolist():
         assert off >= 0
-        t.arena[off:off + (1 << 19)] = b"\\xee" * (1 << 19)
+        t.writable_arena[off:off + (1 << 19)] = b"\\xee" * (1 << 19)
     print("ready", flush=True)
     time.sleep(120)
 """)

@@ -2,22 +2,26 @@
 renewals do not pile up, and a frame is handled in time linear in its keys."""
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 
 from kvpool.core import protocol as P
 from kvpool.core.client import PoolClient
 from kvpool.core.pins import MAX_PENDING_PINS
+from kvpool.core.transport import TcpTransport
 
 from faulthelp import bounded, heap_bytes
 
 
-def _pin_frame(addr: tuple[str, int], keys: list[bytes], seconds: np.ndarray) -> None:
-    with socket.create_connection(addr, timeout=30) as s:
-        P.send_frame(s, P.Op.PIN, P.pack_batch(keys, seconds.astype("<f8")))
-        P.send_frame(s, P.Op.STATS)  # the worker handles a connection's frames in order
-        P.check_reply(P.recv_frame(s), P.Op.STATS)
+def _pin_frame(address: str, keys: list[bytes], seconds: np.ndarray) -> None:
+    """One hand-made PIN frame of any size, on an authenticated connection."""
+    t = TcpTransport(address, timeout_s=30)
+    try:
+        with t._session() as s:
+            P.send_frame(s, P.Op.PIN, P.pack_batch(keys, seconds.astype("<f8")))
+            P.send_frame(s, P.Op.STATS)  # the worker handles a connection's frames in order
+            P.check_reply(P.recv_frame(s), P.Op.STATS)
+    finally:
+        t.close()
 
 
 def _stats(c: PoolClient) -> dict[str, int]:
@@ -26,7 +30,7 @@ def _stats(c: PoolClient) -> dict[str, int]:
 
 def test_pins_on_absent_keys_are_bounded_and_a_put_keeps_its_pin(spawn) -> None:
     w = spawn()
-    addr = ("127.0.0.1", w.port)
+    addr = w.address
     with PoolClient(mode="local", worker=w.address) as c:
         rss0 = heap_bytes(w.proc.pid)
         for r in range(4):  # 4 x 50,000 distinct absent keys, a pin of an hour each
@@ -57,6 +61,6 @@ def test_a_frame_of_distinct_durations_is_linear(spawn) -> None:
     w = spawn()
     keys = [f"d{i}".encode() for i in range(20_000)]
     with bounded(10.0, "a PIN frame of 20,000 distinct durations"):  # quadratic took minutes
-        _pin_frame(("127.0.0.1", w.port), keys, np.linspace(1, 3000, len(keys)))
+        _pin_frame(w.address, keys, np.linspace(1, 3000, len(keys)))
     with PoolClient(mode="local", worker=w.address) as c:
         assert _stats(c)["pending_pins"] == len(keys)

@@ -4,6 +4,7 @@ ops) at a live worker that requires a token. The worker never crashes, never han
 its end, gives back every lease and reservation, and its heap stays bounded."""
 from __future__ import annotations
 
+import secrets
 import socket
 
 import numpy as np
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvpool.core import MAX_KEY_BYTES
 from kvpool.core import protocol as P
+from kvpool.core.auth import NONCE_BYTES, proof
 from kvpool.core.client import PoolClient
 
 from faulthelp import heap_bytes
@@ -98,17 +100,25 @@ def frame(draw: st.DrawFn) -> bytes:
     return whole[:draw(st.integers(0, len(whole)))] if "truncate" in broken else whole
 
 
-def _auth() -> bytes:
-    meta = P.pack_json({"token": TOKEN})
-    return P.header(P.Op.AUTH, 0, 1, meta, 0) + meta
+def _authenticate(s: socket.socket) -> None:
+    """HELLO and AUTH by hand (the challenge-response of kvpool.core.auth), as a client with the token."""
+    P.send_frame(s, P.Op.HELLO)
+    nonce_w = bytes.fromhex(P.unpack_json(P.recv_frame(s).meta)["nonce"])
+    nonce_c = secrets.token_bytes(NONCE_BYTES)
+    P.send_frame(s, P.Op.AUTH, P.pack_json({"nonce": nonce_c.hex(),
+                                             "proof": proof(TOKEN, nonce_w, nonce_c, "client").hex()}))
+    P.check_reply(P.recv_frame(s), P.Op.AUTH)
 
 
-def _exchange(address: str | tuple[str, int], payload: bytes) -> None:
-    """Send `payload`, close our side, read until the worker closes: it must within the bound."""
+def _exchange(address: str | tuple[str, int], payload: bytes, authed: bool = False) -> None:
+    """Send `payload` (after authenticating, if `authed`), close our side, read until the worker
+    closes: it must within the bound."""
     family = socket.AF_UNIX if isinstance(address, str) else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.settimeout(10)
         s.connect(address)
+        if authed:
+            _authenticate(s)
         try:
             s.sendall(payload)
             s.shutdown(socket.SHUT_WR)
@@ -135,7 +145,7 @@ def test_fuzzed_frames_never_crash_or_leak(spawn):
             held = stats().dram_bytes  # 0, unless an earlier example leaked (and failed)
             good.batch_put(COMMON, [b"x" * 1000] * len(COMMON))
             address = ("127.0.0.1", w.port) if transport == "tcp" else w.unix_path
-            _exchange(address, (_auth() if authed and transport == "tcp" else b"") + b"".join(frames))
+            _exchange(address, b"".join(frames), authed and transport == "tcp")
             assert w.proc.poll() is None, f"the worker died: {w.log_tail()}"
             # the worker closed the connection after giving back its leases and reservations
             good.clear()

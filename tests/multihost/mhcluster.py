@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvpool.core.nats_creds import Role, authorization, creds_path, ensure_creds
 from kvpool.core.nats_server import binary, cluster_config
 
 from netlab import Lab
@@ -26,9 +27,9 @@ AGENT = str(Path(__file__).with_name("agent.py"))
 class Agent:
     """One client process on a lab host (tests/multihost/agent.py), one JSON command at a time."""
 
-    def __init__(self, lab: Lab, host: str, name: str, **opts: Any) -> None:
+    def __init__(self, lab: Lab, host: str, name: str, env: dict[str, str] | None = None, **opts: Any) -> None:
         self.lab, self.host, self.name = lab, host, name
-        self.proc = lab.spawn(host, [sys.executable, AGENT, json.dumps(opts)], log=f"{name}.log",
+        self.proc = lab.spawn(host, [sys.executable, AGENT, json.dumps(opts)], log=f"{name}.log", env=env,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._lines: queue.Queue[str] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -74,6 +75,8 @@ class Cluster:
         self.nats: dict[str, subprocess.Popen[bytes]] = {}
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.agents: list[Agent] = []
+        self.creds_dir = workdir / "nats-creds"  # NATS users per role, as `kvpool up` makes them
+        self.authorization = authorization(ensure_creds(self.creds_dir))
         for h in NATS_HOSTS:
             self.start_nats(h)
         self._wait_for_jetstream()
@@ -83,7 +86,7 @@ class Cluster:
     def start_nats(self, host: str) -> None:
         conf = self.workdir / f"nats-{host}.conf"
         conf.write_text(cluster_config(host, self.lab.addr(host), [self.lab.addr(h) for h in NATS_HOSTS],
-                                       str(self.workdir / f"js-{host}")))
+                                       str(self.workdir / f"js-{host}"), authorization=self.authorization))
         self.nats[host] = self.lab.spawn(host, [binary(), "-c", str(conf)], log=f"nats-{host}.log")
 
     def _wait_for_jetstream(self, timeout: float = 30.0) -> None:
@@ -101,7 +104,8 @@ class Cluster:
     def start_worker(self, host: str, *, wildcard: bool = False) -> None:
         addr = self.lab.addr(host)
         bind = ["--host", "0.0.0.0", "--advertise-host", addr] if wildcard else ["--host", addr]
-        env = {"KVPOOL_STATE_DIR": str(self.workdir / f"state-{host}"), "KVPOOL_NATS_REPLICAS": "3"}
+        env = {"KVPOOL_STATE_DIR": str(self.workdir / f"state-{host}"), "KVPOOL_NATS_REPLICAS": "3",
+               **self.creds_env("worker")}
         log = f"worker-{host}.log"
         self.workers[host] = self.lab.spawn(
             host, [sys.executable, "-m", "kvpool.core.cli", "worker", *bind, "--port", "7461", "--token", TOKEN,
@@ -114,11 +118,16 @@ class Cluster:
             time.sleep(0.1)
 
     def agent(self, host: str, replication: int = 1) -> Agent:
-        a = Agent(self.lab, host, f"agent-{host}-r{replication}-{len(self.agents)}", mode="cluster",
+        a = Agent(self.lab, host, f"agent-{host}-r{replication}-{len(self.agents)}", self.creds_env("client"),
+                  mode="cluster",
                   nats_url=self.nats_url, token=TOKEN, replication=replication, timeout_s=CALL_TIMEOUT_S,
                   expect=len(WORKER_HOSTS))
         self.agents.append(a)
         return a
+
+    def creds_env(self, role: Role) -> dict[str, str]:
+        """The environment that hands a process the NATS credentials of `role`."""
+        return {"KVPOOL_NATS_CREDS": str(creds_path(role, self.creds_dir))}
 
     def close(self) -> None:
         for a in self.agents:

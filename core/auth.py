@@ -1,0 +1,175 @@
+"""Who may talk to a worker: the pool token (where it is kept, how it is found), the challenge-response
+both ends use to prove they hold it, Unix peer credentials, and the throttle on failed attempts.
+
+- The token: explicit (`--token`, `ClientConfig.token`) > `KVPOOL_TOKEN` > the token file, which a
+  worker creates at first start (`secrets.token_hex(32)`, 0600 in a 0700 folder): `KVPOOL_TOKEN_FILE`,
+  else `<state dir>/token`. Clients of the same user find it there. `KVPOOL_NO_AUTH=1` (a worker's
+  `--no-auth`) opts out on a single-user machine: loopback TCP then takes any local user's requests.
+- The token never crosses the wire. The worker's pre-auth HELLO reply carries a random nonce; the
+  client answers AUTH with its own nonce and HMAC-SHA256(token, nonce_w || nonce_c || "client"); the
+  worker answers with HMAC-SHA256(token, nonce_w || nonce_c || "worker"). A peer that cannot prove
+  the token learns nothing of it and is sent no data.
+- Unix sockets: the kernel's SO_PEERCRED says who is on the other end; both ends accept only their
+  own user (or root).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import socket
+import stat
+import struct
+import threading
+import time
+from pathlib import Path
+
+from .config import default_state_dir
+
+__all__ = ["NONCE_BYTES", "AuthThrottle", "find_token", "load_or_create_token", "no_auth_env", "peer_uid",
+           "private_dir", "proof", "same_user", "token_path"]
+
+log = logging.getLogger("kvpool.auth")
+
+NONCE_BYTES = 32
+_TRUE = ("1", "true", "yes", "on")
+
+
+def token_path() -> Path:
+    """Where the pool token is kept: `KVPOOL_TOKEN_FILE`, else `<state dir>/token`."""
+    env = os.environ.get("KVPOOL_TOKEN_FILE")
+    return Path(env) if env else default_state_dir() / "token"
+
+
+def no_auth_env() -> bool:
+    """`KVPOOL_NO_AUTH=1`: this user opted out of tokens (single-user machine)."""
+    return os.environ.get("KVPOOL_NO_AUTH", "").strip().lower() in _TRUE
+
+
+def private_dir(path: Path, tighten: bool = False) -> Path:
+    """`path` as a folder, made 0700 if it is missing (its parents as usual). `tighten`: an existing
+    folder of this user's is made 0700 too (the state folder, the SSD folder: kvpool's own), never a
+    shared one (sticky, like /tmp) or another user's."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if tighten:
+        st = path.stat()
+        if st.st_uid == os.getuid() and not st.st_mode & stat.S_ISVTX and stat.S_IMODE(st.st_mode) & 0o077:
+            path.chmod(stat.S_IMODE(st.st_mode) & 0o700)
+    return path
+
+
+def _read_token(path: Path) -> str | None:
+    """The token in `path` if this user owns it and no one else can read it; else None (logged)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        log.warning("cannot read the token file %s: %s", path, e)
+        return None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            log.warning("ignoring the token file %s: owned by uid %d with mode %o (need this user's, 0600)",
+                        path, st.st_uid, stat.S_IMODE(st.st_mode))
+            return None
+        text = os.read(fd, 4096).decode(errors="replace").strip()
+        return text or None
+    finally:
+        os.close(fd)
+
+
+def load_or_create_token(path: Path) -> str:
+    """The token in `path`, or a new one written there (0600, folder 0700) if there is none; two
+    workers starting at once agree on one (the second finds the first's)."""
+    found = _read_token(path)
+    if found:
+        return found
+    private_dir(path.parent, tighten=path.parent == default_state_dir())
+    token = secrets.token_hex(32)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, (token + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)  # fails if another worker made one meanwhile: use theirs
+        log.info("created the pool token at %s (0600)", path)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    found = _read_token(path)
+    if not found:
+        from .errors import ConfigError
+
+        raise ConfigError(f"the token file {path} exists but is not this user's 0600 file with a token in it")
+    return found
+
+
+def find_token() -> str | None:
+    """A client's token when none was given: `KVPOOL_TOKEN`, else the token file; None with
+    `KVPOOL_NO_AUTH=1` or when neither exists."""
+    if no_auth_env():
+        return None
+    return os.environ.get("KVPOOL_TOKEN") or _read_token(token_path())
+
+
+def proof(token: str, nonce_w: bytes, nonce_c: bytes, role: str) -> bytes:
+    """HMAC-SHA256(token, nonce_w || nonce_c || role): what `role` ("client", "worker") shows."""
+    key = token.encode("utf-8", "surrogatepass")
+    return hmac.new(key, nonce_w + nonce_c + role.encode(), hashlib.sha256).digest()
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", creds)[1])
+
+
+def same_user(uid: int) -> bool:
+    """This process's user, or root (which can reach everything of it anyway)."""
+    return uid in (os.getuid(), 0)
+
+
+class AuthThrottle:
+    """Failed authentications by source address: each failure is answered after a delay that doubles
+    with the address's recent failures (BASE_S .. MAX_S; forgotten FORGET_S after the last one), so a
+    guesser gets at most max_unauthenticated / MAX_S answers a second, while a client with the token,
+    whose first try succeeds, is never delayed. A change of an address's state is logged once."""
+
+    BASE_S = 0.05
+    MAX_S = 2.0
+    FORGET_S = 60.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._failures: dict[str, tuple[int, float]] = {}  # address -> (count, monotonic time of the last)
+
+    def failed(self, address: str, why: str) -> float:
+        """Count a failure from `address`; the seconds to wait before answering it."""
+        now = time.monotonic()
+        with self._lock:
+            self._forget(now)
+            count = self._failures.get(address, (0, now))[0] + 1
+            self._failures[address] = (count, now)
+        if count == 1:
+            log.warning("authentication failed from %s (%s); further failures from it are answered ever later "
+                        "(counted in kvpool_auth_failures_total; logged once)", address, why)
+        return float(min(self.MAX_S, self.BASE_S * 2 ** (count - 1)))
+
+    def succeeded(self, address: str) -> None:
+        with self._lock:
+            had = self._failures.pop(address, None)
+        if had:
+            log.info("%s authenticated after %d failed attempt(s)", address, had[0])
+
+    def _forget(self, now: float) -> None:
+        for addr, (count, last) in list(self._failures.items()):
+            if now - last > self.FORGET_S:
+                del self._failures[addr]
+                log.info("forgot %d failed authentication(s) from %s", count, addr)

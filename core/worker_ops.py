@@ -1,0 +1,347 @@
+"""What a worker answers: one handler per request of the wire protocol (`kvpool.core.protocol`).
+
+- HELLO/AUTH: before authentication HELLO says only what a client needs to authenticate (that a
+  token is required, and the worker's nonce); AUTH checks the client's proof, answers with the
+  worker's own proof and then the worker's description (`kvpool.core.auth`).
+- PUT/GET/EXISTS/PREFIX/REMOVE/CLEAR/STATS/PIN: the cache's operations, block bytes straight between
+  the socket and arena slots, every block's checksum checked on arrival.
+- The same-node slot protocol ALLOC/COMMIT/ABORT/LEASE/RELEASE: a client on this node writes into
+  slots it reserved and the worker verifies each block's checksum before it commits it.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import time
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from . import protocol as P
+from .auth import NONCE_BYTES, proof
+from .blocks import checksum
+from .errors import BlockTooLarge, CapacityError, ProtocolError
+from .tenants import Tenant, TenantUsage, outside
+from .worker_serving import Conn, ConnectionServing
+
+__all__ = ["RESERVE_SHARE", "RequestHandlers"]
+
+log = logging.getLogger("kvpool.worker")
+
+_SCRATCH = 1 << 20
+_CHUNK = 64 << 10
+
+RESERVE_SHARE = 8
+"""A same-node connection may hold at most 1/8 of the arena reserved and not yet committed."""
+
+
+class RequestHandlers(ConnectionServing):
+    """The request half of a `Worker`: `_handlers` maps each op to its method."""
+
+    max_reserve: int
+    tenants: dict[str, Tenant]
+    tenant_usage: TenantUsage
+
+    def info(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _init_handlers(self) -> None:
+        self._handlers = {
+            P.Op.HELLO: self._hello, P.Op.AUTH: self._auth, P.Op.PUT: self._put, P.Op.GET: self._get,
+            P.Op.EXISTS: self._exists, P.Op.PREFIX: self._prefix, P.Op.REMOVE: self._remove,
+            P.Op.CLEAR: self._clear, P.Op.STATS: self._stats, P.Op.ALLOC: self._alloc,
+            P.Op.COMMIT: self._commit, P.Op.ABORT: self._abort, P.Op.LEASE: self._lease,
+            P.Op.RELEASE: self._release, P.Op.PIN: self._pin,
+        }
+
+    # ----- authentication ---------------------------------------------------------------------
+
+    def _hello(self, conn: Conn, frame: P.Frame) -> None:
+        if conn.authed:
+            self._reply(conn, frame, P.pack_json(self.info()))
+        else:  # nothing about this worker before the peer proves it holds the token
+            self._reply(conn, frame, P.pack_json({"auth": True, "nonce": self._challenge(conn).hex()}))
+
+    def _auth(self, conn: Conn, frame: P.Frame) -> None:
+        if conn.authed:
+            raise ProtocolError("AUTH on an authenticated connection")
+        meta = P.unpack_json(frame.meta)
+        try:
+            nonce_c = bytes.fromhex(str(meta.get("nonce", "")))
+            shown = bytes.fromhex(str(meta.get("proof", "")))
+        except ValueError:
+            nonce_c, shown = b"", b""
+        token, tenant = "", None
+        if self.token and len(conn.nonce) == NONCE_BYTES and len(nonce_c) == NONCE_BYTES:
+            # The pool token, else each tenant's: the proof says which the client holds (every one is
+            # tried, so the time taken does not tell which matched).
+            for name, candidate in [(None, self.token), *((t.name, t.token) for t in self.tenants.values())]:
+                if hmac.compare_digest(shown, proof(candidate, conn.nonce, nonce_c, "client")) and not token:
+                    token, tenant = candidate, name
+        ok = bool(token)
+        if not ok:
+            why = "no HELLO before AUTH" if not conn.nonce else "a wrong or malformed proof"
+            self.metrics.auth_failures.labels("token").inc()
+            time.sleep(self.throttle.failed(conn.peer, why))
+            self._reply(conn, frame, P.pack_json({"error": "authentication failed"}), status=P.Status.AUTH_FAILED)
+            raise ProtocolError(f"authentication failed from {conn.peer}: {why}")
+        self.throttle.succeeded(conn.peer)
+        conn.authed = True
+        conn.tenant = self.tenants[tenant] if tenant is not None else None
+        conn.sock.settimeout(None)
+        mine = proof(token, conn.nonce, nonce_c, "worker").hex()
+        self._reply(conn, frame, P.pack_json({**self.info(), "proof": mine}))
+
+    # ----- tenants ----------------------------------------------------------------------------
+
+    def _in_namespace(self, conn: Conn, frame: P.Frame, keys: list[bytes], reply: bool = True) -> bool:
+        """True if `conn` may name every one of `keys` (any key without a tenant). Otherwise the request
+        is refused whole (FORBIDDEN: the client's NamespaceError), counted, and logged once per connection."""
+        t = conn.tenant
+        if t is None:
+            return True
+        bad = outside(t, keys)
+        if bad is None:
+            return True
+        self._refuse_namespace(conn, frame, bad, reply)
+        return False
+
+    def _refuse_namespace(self, conn: Conn, frame: P.Frame, key: bytes, reply: bool = True) -> None:
+        t = conn.tenant
+        assert t is not None
+        self.metrics.tenant_refusals.labels(t.name, "namespace").inc()
+        shown = key[:64].decode(errors="replace")
+        if not conn.refused_keys:
+            log.warning("tenant %r from %s named key %r outside its namespace %r: request refused (counted in "
+                        "kvpool_tenant_refusals_total; logged once per connection)", t.name, conn.peer, shown,
+                        t.prefix.decode())
+        conn.refused_keys += 1
+        if reply:
+            self._reply(conn, frame, P.pack_json({"error": f"key {shown!r} is outside this token's namespace "
+                                                            f"{t.prefix.decode()!r}", "key": shown}),
+                        status=P.Status.FORBIDDEN)
+
+    # ----- blocks over the socket -------------------------------------------------------------
+
+    def _put(self, conn: Conn, frame: P.Frame) -> None:
+        keys, (sizes, csums) = P.unpack_batch(frame.meta, "<i8", "<u8")
+        total = sum(sizes.tolist())  # Python ints: an int64 sum of huge sizes could wrap to data_len
+        if (sizes < 0).any() or total != frame.data_len:
+            raise ProtocolError(f"PUT sizes sum to {total}; the frame carries {frame.data_len} bytes")
+        tenant = conn.tenant
+        if tenant is not None and (bad := outside(tenant, keys)) is not None:
+            _drain(conn.sock, frame.data_len, bytearray(_SCRATCH))  # the request is read whole, then refused
+            self._refuse_namespace(conn, frame, bad)
+            return
+        status = np.zeros(len(keys), dtype="<i1")
+        arena = self.cache.arena
+        scratch: bytearray | None = None
+        usage = self.tenant_usage
+        for i, (key, size, csum) in enumerate(zip(keys, sizes.tolist(), csums.tolist())):
+            if tenant is not None and not usage.charge(tenant, key, size):
+                status[i] = P.ITEM_QUOTA
+                self._over_quota(conn, tenant, key, size)
+                scratch = scratch or bytearray(_SCRATCH)
+                _drain(conn.sock, size, scratch)
+                continue
+            try:
+                try:
+                    offset = self.cache.reserve(size)
+                except (BlockTooLarge, CapacityError) as e:
+                    status[i] = P.ITEM_TOO_LARGE if isinstance(e, BlockTooLarge) else P.ITEM_FULL
+                    scratch = scratch or bytearray(_SCRATCH)
+                    _drain(conn.sock, size, scratch)
+                    continue
+                try:
+                    ok = _recv_checked(conn.sock, arena.view(offset, size), csum)
+                except BaseException:
+                    self.cache.abort(offset)
+                    raise
+                if ok:
+                    usage.committing(key, size)  # the size reaches the tenant's tally through `stored`
+                    try:
+                        self.cache.commit(key, offset, size, csum)  # a pin sent before the block pins it
+                    finally:
+                        usage.committing(None)
+                else:
+                    self.cache.abort(offset)
+                    self.metrics.corrupt_blocks.inc()
+                    status[i] = P.ITEM_CORRUPT
+            finally:
+                if tenant is not None:
+                    usage.settle(tenant, size)
+        self.metrics.bytes.labels("in").inc(frame.data_len)
+        self._reply(conn, frame, status.tobytes())
+
+    def _over_quota(self, conn: Conn, tenant: Tenant, key: bytes, size: int) -> None:
+        self.metrics.tenant_refusals.labels(tenant.name, "quota").inc()
+        if not conn.over_quota:
+            conn.over_quota = True
+            log.warning("tenant %r from %s: a put of %d bytes under %r would pass its quota of %s bytes "
+                        "(%s used): refused (counted in kvpool_tenant_refusals_total; logged once per connection)",
+                        tenant.name, conn.peer, size, key[:64].decode(errors="replace"), tenant.quota_bytes,
+                        self.tenant_usage.usage(tenant)["used_bytes"])
+
+    def _get(self, conn: Conn, frame: P.Frame) -> None:
+        keys, _ = P.unpack_batch(frame.meta)
+        if not self._in_namespace(conn, frame, keys):
+            return
+        blocks = []
+        try:
+            for k in keys:
+                blocks.append(self.cache.acquire(k))
+            sizes = np.array([b.size if b else P.ITEM_MISS for b in blocks], dtype="<i8")
+            csums = np.array([b.checksum if b else 0 for b in blocks], dtype="<u8")
+            arena = self.cache.arena
+            data = [arena.view(b.offset, b.size) for b in blocks if b]
+            self._reply(conn, frame, sizes.tobytes() + csums.tobytes(), data)
+            self.metrics.bytes.labels("out").inc(sum(len(d) for d in data))
+            del data
+        finally:
+            for b in blocks:
+                if b:
+                    self.cache.release(b)
+
+    # ----- control ----------------------------------------------------------------------------
+
+    def _exists(self, conn: Conn, frame: P.Frame) -> None:
+        keys, _ = P.unpack_batch(frame.meta)
+        if not self._in_namespace(conn, frame, keys):
+            return
+        self._reply(conn, frame, np.array(self.cache.batch_exists(keys), dtype="<u1").tobytes())
+
+    def _prefix(self, conn: Conn, frame: P.Frame) -> None:
+        keys, _ = P.unpack_batch(frame.meta)
+        if not self._in_namespace(conn, frame, keys):
+            return
+        self._reply(conn, frame, P.pack_json({"n": self.cache.prefix_match(keys)}))
+
+    def _remove(self, conn: Conn, frame: P.Frame) -> None:
+        keys, _ = P.unpack_batch(frame.meta)
+        if not self._in_namespace(conn, frame, keys):
+            return
+        self._reply(conn, frame, np.array(self.cache.batch_remove(keys), dtype="<u1").tobytes())
+
+    def _clear(self, conn: Conn, frame: P.Frame) -> None:
+        prefix = P.unpack_batch(frame.meta)[0] if frame.meta else [None]
+        if len(prefix) != 1:
+            raise ProtocolError(f"CLEAR names {len(prefix)} prefixes; at most one")
+        tenant = conn.tenant
+        if tenant is not None:  # a tenant clears its own namespace, or a part of it
+            if prefix[0] is None:
+                prefix = [tenant.prefix]
+            elif not prefix[0].startswith(tenant.prefix):
+                self._refuse_namespace(conn, frame, prefix[0])
+                return
+        self.cache.clear(prefix[0])
+        self._reply(conn, frame)
+
+    def _stats(self, conn: Conn, frame: P.Frame) -> None:
+        extra = {"tenant": self.tenant_usage.usage(conn.tenant)} if conn.tenant is not None else {}
+        self._reply(conn, frame, P.pack_json({**self.info(), "stats": self.cache.stats().as_dict(), **extra}))
+
+    def _pin(self, conn: Conn, frame: P.Frame) -> None:
+        keys, (seconds,) = P.unpack_batch(frame.meta, "<f8")
+        if not self._in_namespace(conn, frame, keys, reply=False):  # PIN has no reply: refused, logged
+            return
+        groups: dict[float, list[bytes]] = {}
+        for k, s in zip(keys, seconds.tolist()):  # clients send one duration per frame: one call each
+            groups.setdefault(s, []).append(k)
+        for s, ks in groups.items():
+            self.cache.batch_pin(ks, s)
+
+    # ----- same-node slot protocol ------------------------------------------------------------
+
+    def _alloc(self, conn: Conn, frame: P.Frame) -> None:
+        keys, (sizes,) = P.unpack_batch(frame.meta, "<i8")
+        if not self._in_namespace(conn, frame, keys):  # same-node peers have no tenant today; kept in step
+            return
+        offsets = np.full(len(keys), P.ITEM_FULL, dtype="<i8")
+        budget = self.max_reserve - sum(conn.reserved.values())
+        for i, size in enumerate(sizes.tolist()):
+            if size > budget and size <= self.cache.max_block:
+                continue  # ITEM_FULL: this connection holds its share of the arena uncommitted
+            try:
+                offsets[i] = off = self.cache.reserve(size)
+                conn.reserved[off] = size
+                budget -= size
+            except BlockTooLarge:
+                offsets[i] = P.ITEM_TOO_LARGE
+            except CapacityError:
+                pass
+        self._reply(conn, frame, offsets.tobytes())
+
+    def _commit(self, conn: Conn, frame: P.Frame) -> None:
+        # A same-node writer copies into the arena itself and sends the checksum of what it wrote; the
+        # worker hashes the slot again before it commits, so a block whose bytes do not match what its
+        # writer claims is refused (ITEM_CORRUPT: the client's CorruptBlock), never served as a hit.
+        keys, (offsets, sizes, csums) = P.unpack_batch(frame.meta, "<i8", "<i8", "<u8")
+        status = np.zeros(len(keys), dtype="<i1")
+        arena = self.cache.arena
+        for i, (key, off, size, csum) in enumerate(zip(keys, offsets.tolist(), sizes.tolist(), csums.tolist())):
+            if conn.reserved.get(off) != size:
+                raise ProtocolError(f"COMMIT of offset {off} ({size} bytes) that this connection did not reserve")
+            del conn.reserved[off]
+            if checksum(arena.view(off, size)) != csum:
+                self.cache.abort(off)
+                self.metrics.corrupt_blocks.inc()
+                status[i] = P.ITEM_CORRUPT
+                continue
+            self.tenant_usage.committing(key, size)
+            try:
+                self.cache.commit(key, off, size, csum)
+            finally:
+                self.tenant_usage.committing(None)
+        self.metrics.bytes.labels("in").inc(int(sizes.sum()))
+        self._reply(conn, frame, status.tobytes())
+
+    def _abort(self, conn: Conn, frame: P.Frame) -> None:
+        for off in P.unpack_ids(frame.meta).tolist():
+            if conn.reserved.pop(off, None) is not None:
+                self.cache.abort(off)
+
+    def _lease(self, conn: Conn, frame: P.Frame) -> None:
+        keys, _ = P.unpack_batch(frame.meta)
+        if not self._in_namespace(conn, frame, keys):
+            return
+        n = len(keys)
+        ids = np.zeros(n, dtype="<i8")
+        offsets = np.full(n, P.ITEM_MISS, dtype="<i8")
+        sizes = np.full(n, P.ITEM_MISS, dtype="<i8")
+        csums = np.zeros(n, dtype="<u8")
+        for i, key in enumerate(keys):
+            b = self.cache.acquire(key)
+            if b is None:
+                continue
+            lid = conn.next_lease
+            conn.next_lease += 1
+            conn.leases[lid] = b
+            ids[i], offsets[i], sizes[i], csums[i] = lid, b.offset, b.size, b.checksum
+        self.metrics.bytes.labels("out").inc(int(sizes[sizes > 0].sum()))
+        self._reply(conn, frame, ids.tobytes() + offsets.tobytes() + sizes.tobytes() + csums.tobytes())
+
+    def _release(self, conn: Conn, frame: P.Frame) -> None:
+        for lid in P.unpack_ids(frame.meta).tolist():
+            b = conn.leases.pop(lid, None)
+            if b is not None:
+                self.cache.release(b)
+
+
+def _recv_checked(sock: socket.socket, view: memoryview, csum: int) -> bool:
+    """Receive into `view`, hashing each chunk while it is still in cache; True if `csum` matches."""
+    h = xxhash.xxh3_64()
+    for start in range(0, len(view), _CHUNK):
+        chunk = view[start:start + _CHUNK]
+        P.recv_exactly(sock, chunk)
+        h.update(chunk)
+    return h.intdigest() == csum
+
+
+def _drain(sock: socket.socket, n: int, scratch: bytearray) -> None:
+    view = memoryview(scratch)
+    while n:
+        k = min(n, len(view))
+        P.recv_exactly(sock, view[:k])
+        n -= k

@@ -1,0 +1,296 @@
+"""How a worker serves its connections: accept loops, one thread per connection, the deadlines its
+watchdog enforces, who is authenticated (Unix peers by SO_PEERCRED, TCP peers by challenge-response,
+see `kvpool.core.auth`), and the dispatch of each frame to its handler (`kvpool.core.worker_ops`).
+
+A malformed frame closes that connection only, with a logged reason; a connection that closes gives
+back its reservations and leases.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+from . import protocol as P
+from .auth import AuthThrottle, peer_uid, same_user
+from .cache import BlockRef, TieredCache
+from .config import WorkerConfig
+from .errors import KVPoolError, ProtocolError
+from .metrics import WorkerMetrics
+from .tenants import Tenant
+
+__all__ = ["Conn", "ConnectionServing", "shutdown"]
+
+log = logging.getLogger("kvpool.worker")
+
+_SOCK_BUF = 8 << 20  # room for the sender to run ahead while a received chunk is hashed
+
+_PREAUTH_META = 4096
+"""Metadata bytes a frame may carry before its connection authenticates (HELLO and AUTH need little)."""
+
+_SHM_OPS = frozenset({P.Op.ALLOC, P.Op.COMMIT, P.Op.ABORT, P.Op.LEASE, P.Op.RELEASE})
+
+
+class Conn:
+    """State of one client connection."""
+
+    def __init__(self, sock: socket.socket, transport: str, authed: bool, peer: str) -> None:
+        self.sock = sock
+        self.transport = transport
+        self.authed = authed
+        self.peer = peer  # the source address (TCP) or "uid <n>" (Unix): what failures are counted by
+        self.nonce = b""  # the worker's challenge, sent in the pre-auth HELLO reply
+        self.tenant: Tenant | None = None  # set by AUTH with a tenant's token: keys of its namespace only
+        self.refused_keys = 0  # requests refused for naming keys outside the tenant's namespace
+        self.over_quota = False  # a put was refused for the tenant's quota (logged once per connection)
+        self.since = time.monotonic()
+        self.request_since = 0.0  # monotonic time of the current request's first byte; 0 between requests
+        self.closing = ""  # why the watchdog shut the connection down
+        self.busy = False
+        self.reserved: dict[int, int] = {}  # offset -> size
+        self.leases: dict[int, BlockRef] = {}  # lease id -> block
+        self.next_lease = 1
+
+
+class ConnectionServing:
+    """The connection half of a `Worker`: it accepts, authenticates and serves; `Worker` binds the
+    listeners and sets the fields below before `_serve_in_background`."""
+
+    config: WorkerConfig
+    cache: TieredCache
+    metrics: WorkerMetrics
+    token: str | None
+    _tcp: socket.socket
+    _unix: socket.socket
+    _handlers: dict[int, Callable[[Conn, P.Frame], None]]
+
+    def _init_serving(self) -> None:
+        self._stopping = threading.Event()
+        self._conns: set[Conn] = set()
+        self._conns_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._accept_errors: dict[str, str] = {}  # transport -> the error last logged
+        self._refusing: set[str] = set()  # connection limits already logged as reached
+        self.throttle = AuthThrottle()
+
+    def _serve_in_background(self) -> None:
+        for lsock, transport in ((self._tcp, "tcp"), (self._unix, "shm")):
+            t = threading.Thread(target=self._accept_loop, args=(lsock, transport), daemon=True,
+                                 name=f"kvpool-accept-{transport}")
+            t.start()
+        threading.Thread(target=self._watchdog, daemon=True, name="kvpool-watchdog").start()
+
+    def _drain_connections(self, deadline: float) -> None:
+        """Shut idle connections, wait for busy ones to finish their request (until `deadline`)."""
+        while time.monotonic() < deadline:
+            with self._conns_lock:
+                idle = [c for c in self._conns if not c.busy]
+                busy = len(self._conns) - len(idle)
+            for c in idle:
+                shutdown(c.sock)
+            if not busy and not idle:
+                break
+            time.sleep(0.01)
+        for t in list(self._threads):
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def _accept_loop(self, lsock: socket.socket, transport: str) -> None:
+        """Accept until stop(). An accept error (EMFILE, ENFILE, ENOBUFS, ...) never ends the loop while
+        the worker is listed: it is counted, logged once per change, and retried after a back-off."""
+        backoff = 0.0
+        while not self._stopping.is_set():
+            try:
+                sock, addr = lsock.accept()
+            except OSError as e:
+                if self._stopping.is_set():
+                    return
+                backoff = min(1.0, backoff * 2 or 0.01)
+                self._accept_failed(transport, e)
+                self._stopping.wait(backoff)
+                continue
+            if backoff:
+                backoff = 0.0
+                log.info("accepting %s connections again", transport)
+                self._accept_errors.pop(transport, None)
+            if transport == "shm":
+                if not self._unix_peer_ok(sock):
+                    continue
+                authed, peer = True, "unix"
+            else:
+                authed, peer = not self.token, str(addr[0])
+            self._admit(sock, transport, authed, peer)
+
+    def _unix_peer_ok(self, sock: socket.socket) -> bool:
+        """A Unix-socket peer is served only if the kernel says it is this user (or root); the socket
+        file is 0600 too, so this holds even if its folder's permissions are loosened."""
+        try:
+            uid = peer_uid(sock)
+        except OSError as e:
+            uid = -1
+            log.warning("cannot read a Unix peer's credentials: %s", e)
+        if same_user(uid):
+            return True
+        self.metrics.auth_failures.labels("peer_uid").inc()
+        self.throttle.failed(f"uid {uid}", "a Unix-socket peer of another user")
+        sock.close()
+        return False
+
+    def _admit(self, sock: socket.socket, transport: str, authed: bool, peer: str) -> None:
+        with self._conns_lock:
+            full = len(self._conns) >= self.config.max_connections
+            waiting = [c for c in self._conns if not c.authed and not c.closing]
+        if full:
+            self._refused(transport, "max_connections")
+            sock.close()
+            return
+        if not authed and len(waiting) >= self.config.max_unauthenticated:
+            # The oldest stranger makes room: a client with the token authenticates within a round
+            # trip and so outlives any crowd of strangers, who only ever displace each other.
+            oldest = min(waiting, key=lambda c: c.since)
+            oldest.closing = "displaced by a newer unauthenticated connection (max_unauthenticated)"
+            self._refused(transport, "max_unauthenticated")
+            shutdown(oldest.sock)
+        if transport == "tcp":
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
+        io_timeout = struct.pack("ll", int(self.config.io_timeout_s), int(self.config.io_timeout_s % 1 * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, io_timeout)  # see _next_frame
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, io_timeout)
+        conn = Conn(sock, transport, authed, peer)
+        if not conn.authed:
+            sock.settimeout(self.config.auth_timeout_s)  # lifted by a good AUTH; the watchdog bounds the rest
+        t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name="kvpool-conn")
+        with self._conns_lock:
+            self._conns.add(conn)
+            self._threads.append(t)
+        t.start()
+
+    def _refused(self, transport: str, limit: str) -> None:
+        """Count (and log the first time) a connection closed because `limit` was reached."""
+        self.metrics.refused.labels(limit).inc()
+        if limit not in self._refusing:
+            self._refusing.add(limit)
+            log.warning("%s connections: %s (%d) reached; connections are closed (counted in "
+                        "kvpool_refused_connections_total; logged once)", transport, limit, getattr(self.config, limit))
+
+    def _watchdog(self) -> None:
+        """Enforce the deadlines that span system calls: a request must be received and answered within
+        io_timeout_s of its first byte, a TCP peer with a token to present must authenticate within
+        auth_timeout_s of connecting. A late connection is shut down, which wakes its thread out of
+        any blocked receive or send; that thread then frees what the connection held."""
+        cfg = self.config
+        every = max(0.05, min(cfg.io_timeout_s, cfg.auth_timeout_s) / 10)
+        while not self._stopping.wait(every):
+            now = time.monotonic()
+            with self._conns_lock:
+                conns = list(self._conns)
+            for c in conns:
+                if c.closing:
+                    continue
+                if not c.authed and now - c.since > cfg.auth_timeout_s:
+                    c.closing = f"not authenticated within auth_timeout_s ({cfg.auth_timeout_s} s)"
+                elif c.request_since and now - c.request_since > cfg.io_timeout_s:
+                    c.closing = f"a request not done within io_timeout_s ({cfg.io_timeout_s} s)"
+                else:
+                    continue
+                self.metrics.deadline_closes.labels("auth" if not c.authed else "io").inc()
+                shutdown(c.sock)
+
+    def _accept_failed(self, transport: str, err: OSError) -> None:
+        self.metrics.accept_errors.labels(transport).inc()
+        why = f"{type(err).__name__}: {err}"
+        if self._accept_errors.get(transport) != why:
+            self._accept_errors[transport] = why
+            log.warning("cannot accept %s connections (%s); retrying with back-off", transport, why)
+
+    def _serve(self, conn: Conn) -> None:
+        self.metrics.connections.labels(conn.transport).inc()
+        try:
+            while not self._stopping.is_set():
+                frame = self._next_frame(conn)  # sets conn.request_since at the request's first byte
+                conn.busy = True
+                t0 = time.perf_counter()
+                self._dispatch(conn, frame)
+                op = P.Op(frame.op).name.lower()
+                self.metrics.ops.labels(op).inc()
+                self.metrics.latency.labels(op).observe(time.perf_counter() - t0)
+                conn.busy = False
+                conn.request_since = 0.0
+        except ProtocolError as e:
+            self.metrics.protocol_errors.inc()
+            log.warning("closing %s connection: %s", conn.transport, e)
+        except KVPoolError as e:  # e.g. a full disk under REMOVE or CLEAR, or the cache closing under us
+            log.warning("closing %s connection: %s: %s", conn.transport, type(e).__name__, e)
+        except (ConnectionError, OSError):
+            if conn.closing:  # the watchdog's doing, not the client's
+                log.warning("closed a %s connection: %s", conn.transport, conn.closing)
+        finally:
+            conn.busy = False
+            self._cleanup(conn)
+            self.metrics.connections.labels(conn.transport).dec()
+
+    def _next_frame(self, conn: Conn) -> P.Frame:
+        """Wait for the next request for as long as the client idles; from its first byte on, every
+        receive and send of the exchange must progress within io_timeout_s (the socket's SO_RCVTIMEO
+        and SO_SNDTIMEO) or the connection is dropped, so a stalled peer cannot hold slots or leases."""
+        while True:
+            try:
+                if not conn.sock.recv(1, socket.MSG_PEEK):
+                    raise ConnectionError("closed by the client")
+                break
+            except BlockingIOError:  # SO_RCVTIMEO while idle: keep waiting, unless stopping
+                if self._stopping.is_set():
+                    raise ConnectionError("worker stopping") from None
+        conn.request_since = time.monotonic()
+        return P.recv_frame(conn.sock, P.MAX_META if conn.authed else _PREAUTH_META)
+
+    def _cleanup(self, conn: Conn) -> None:
+        """Give back what a departed client held: reservations (never committed) and leases."""
+        for offset in conn.reserved:
+            self.cache.abort(offset)
+        for block in conn.leases.values():
+            self.cache.release(block)
+        conn.reserved.clear()
+        conn.leases.clear()
+        shutdown(conn.sock)
+        conn.sock.close()
+        with self._conns_lock:
+            self._conns.discard(conn)
+            t = threading.current_thread()
+            if t in self._threads:
+                self._threads.remove(t)
+
+    def _dispatch(self, conn: Conn, frame: P.Frame) -> None:
+        handler = self._handlers.get(frame.op)
+        if handler is None:
+            raise ProtocolError(f"unknown op {frame.op}")
+        if not conn.authed and frame.op not in (P.Op.HELLO, P.Op.AUTH):
+            P.send_frame(conn.sock, frame.op, P.pack_json({"error": "authenticate first (AUTH with the pool token)"}),
+                         status=P.Status.AUTH_REQUIRED, req_id=frame.req_id)
+            raise ProtocolError(f"unauthenticated op {frame.op}")
+        if frame.data_len and frame.op != P.Op.PUT:
+            raise ProtocolError(f"op {frame.op} carries {frame.data_len} data bytes; only PUT carries data")
+        if conn.transport == "tcp" and frame.op in _SHM_OPS:
+            raise ProtocolError(f"op {frame.op} is for same-node clients over the Unix socket")
+        handler(conn, frame)
+
+    def _reply(self, conn: Conn, frame: P.Frame, meta: bytes = b"", data: list[memoryview] | None = None,
+               status: int = P.Status.OK) -> None:
+        P.send_frame(conn.sock, frame.op, meta, status=status, req_id=frame.req_id, data=data)
+
+    def _challenge(self, conn: Conn) -> bytes:
+        """A fresh nonce for this connection's AUTH (each HELLO replaces the last)."""
+        conn.nonce = secrets.token_bytes(32)
+        return conn.nonce
+
+
+def shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

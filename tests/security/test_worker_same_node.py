@@ -1,0 +1,135 @@
+"""Same-node integrity: the worker verifies each block a same-node writer commits (a wrong checksum is
+refused: CorruptBlock, counted), readers map the arena read-only, and a client maps only an arena of
+its own user's with mode 0600 and the size the worker announced."""
+from __future__ import annotations
+
+import _posixshmem
+import mmap
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from workerhelp import NOBODY, need_root
+
+from kvpool.core import protocol as P
+from kvpool.core.client import PoolClient
+from kvpool.core.config import CacheConfig, WorkerConfig
+from kvpool.core.errors import CorruptBlock, PoolUnavailable
+from kvpool.core.server import Worker
+from kvpool.core.tiers.dram import DramArena
+from kvpool.core.transport import ShmTransport
+
+SMALL = {"dram_bytes": 32 << 20, "dram_slab_size": 1 << 20, "prefault": False}
+
+
+@pytest.fixture
+def worker(tmp_path: Path) -> Iterator[Worker]:
+    w = Worker(WorkerConfig(port=0, unix_path=str(tmp_path / "w.sock")), CacheConfig(**SMALL)).start()  # type: ignore[arg-type]
+    yield w
+    w.stop()
+
+
+def test_a_same_node_commit_with_a_wrong_checksum_is_refused(worker: Worker) -> None:
+    t = ShmTransport(worker.unix_path)
+    try:
+        data = b"the real bytes" * 100
+        arena = t.writable_arena  # maps (and connects) outside the session below
+        sizes = np.array([len(data)], "<i8")
+        with t._session():
+            offsets = np.frombuffer(t._roundtrip(P.Op.ALLOC, P.pack_batch([b"forged"], sizes)).meta, dtype="<i8")
+            off = int(offsets[0])
+            arena[off:off + len(data)] = data
+            lie = np.array([12345], dtype="<u8")  # not the checksum of what is in the slot
+            reply = t._roundtrip(P.Op.COMMIT, P.pack_batch([b"forged"], offsets, sizes, lie))
+        assert np.frombuffer(reply.meta, dtype="<i1").tolist() == [P.ITEM_CORRUPT]
+        assert worker.metrics.corrupt_blocks._value.get() == 1
+        assert t.batch_exists([b"forged"]) == [False]
+        assert worker.cache.stats().dram_bytes == 0  # the slot went back
+        t.batch_put([b"honest"], [data])  # an honest writer on the same connection is served
+        assert t.batch_get_into([b"honest"], [bytearray(len(data))]) == [len(data)]
+    finally:
+        t.close()
+
+
+def test_a_block_changed_between_write_and_commit_is_refused(worker: Worker) -> None:
+    t = ShmTransport(worker.unix_path)
+    try:
+        data = bytes(range(256)) * 16
+        arena = t.writable_arena
+        with t._session():
+            sizes = np.array([len(data)], "<i8")
+            offsets = np.frombuffer(t._roundtrip(P.Op.ALLOC, P.pack_batch([b"k"], sizes)).meta, dtype="<i8")
+            off = int(offsets[0])
+            arena[off:off + len(data)] = data
+            from kvpool.core.blocks import checksum
+
+            csum = np.array([checksum(data)], dtype="<u8")
+            arena[off] ^= 0xFF  # another writer scribbles before the commit
+            reply = t._roundtrip(P.Op.COMMIT, P.pack_batch([b"k"], offsets, sizes, csum))
+        status = int(np.frombuffer(reply.meta, dtype="<i1")[0])
+        from kvpool.core.connection import raise_item
+
+        with pytest.raises(CorruptBlock):
+            raise_item(status, b"k", len(data), worker.cache.max_block)
+        with PoolClient(mode="local", worker=worker.unix_path) as c:
+            assert c.get("k") is None
+    finally:
+        t.close()
+
+
+def test_readers_map_the_arena_read_only(worker: Worker) -> None:
+    t = ShmTransport(worker.unix_path)
+    try:
+        with PoolClient(mode="local", worker=worker.unix_path) as c:
+            c.put("k", b"committed")
+        assert t.arena.readonly
+        with t.batch_lease([b"k"]) as views:
+            view = views[0]
+            assert view is not None and view.readonly and bytes(view) == b"committed"
+            with pytest.raises(TypeError):
+                view[0] = 0
+            with pytest.raises(TypeError):
+                t.arena[0] = 0
+        assert t._arena_rw is None  # a reader never asked for a writable mapping
+    finally:
+        t.close()
+
+
+def _shm(name: str, size: int, mode: int) -> None:
+    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=mode)
+    try:
+        os.ftruncate(fd, size)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("kind", ["mode", "size", "owner"])
+def test_a_client_maps_only_its_own_users_0600_arena_of_the_announced_size(kind: str) -> None:
+    if kind == "owner":
+        need_root()
+    name = f"kvpool-{os.getpid()}-{secrets.token_hex(4)}"
+    size = 4 * mmap.PAGESIZE
+    _shm(name, size if kind != "size" else size // 2, 0o644 if kind == "mode" else 0o600)
+    try:
+        if kind == "owner":
+            os.chown(f"/dev/shm/{name}", NOBODY, NOBODY)
+        with pytest.raises(PoolUnavailable, match="maps only its own user's 0600 arena"):
+            DramArena.attach(name, size)
+        with pytest.raises(PoolUnavailable):
+            DramArena.attach(name, size, writable=True)
+    finally:
+        os.unlink(f"/dev/shm/{name}")
+    _shm(name, size, 0o600)
+    try:
+        view = DramArena.attach(name, size)
+        assert view.readonly and view.nbytes == size
+        mapping = view.obj
+        view.release()
+        assert isinstance(mapping, mmap.mmap)
+        mapping.close()
+    finally:
+        os.unlink(f"/dev/shm/{name}")
