@@ -288,14 +288,18 @@ def _in_use() -> set[str]:
     return used
 
 
-def _sweep_shm(before: set[str]) -> None:
+def _sweep_shm(before: set[str], grace_s: float = 10.0) -> None:
     """Unlink what this instance's SGLang processes left in /dev/shm: names that appeared during
-    the run and that no live process uses."""
-    leaked = _shm_names() - before
-    if leaked:
+    the run and that no live process uses, waiting up to `grace_s` for processes still exiting to
+    let go of theirs (a loaded machine may take seconds to reap them)."""
+    deadline = time.monotonic() + grace_s
+    while leaked := _shm_names() - before:
         for name in leaked - _in_use():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"/dev/shm/{name}")
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.5)
 
 
 def _device(requested: str | None) -> str:

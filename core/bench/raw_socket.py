@@ -1,6 +1,6 @@
 """The raw-socket baseline: a process that receives or sends N bytes with plain sendall/recv_into.
 
-`server()` runs it as `python -m kvpool.core.bench.raw_socket PORT`. Each request is 9 bytes: op
+`server()` runs it as `python -m kvpool.core.bench.raw_socket PORT [HOST]`. Each request is 9 bytes: op
 (b"P" to receive N bytes then answer one byte, b"G" to send N bytes) and N as u64.
 """
 from __future__ import annotations
@@ -42,8 +42,8 @@ def server(timeout: float = 20.0) -> Iterator[int]:
         proc.wait()
 
 
-def serve(port: int) -> None:
-    srv = socket.create_server(("127.0.0.1", port))
+def serve(port: int, host: str = "127.0.0.1") -> None:
+    srv = socket.create_server((host, port))
     buf = np.ones(1 << 30, dtype=np.uint8)  # touched once: no page faults while timed
     view = buf.data
     while True:
@@ -83,4 +83,4 @@ def get(sock: socket.socket, views: list[memoryview]) -> None:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    serve(int(sys.argv[1]), *sys.argv[2:3])

@@ -61,8 +61,8 @@ def _pool(client: PoolClient, src: np.ndarray, dst: np.ndarray, tag: str, repeat
     return gbps(src.nbytes, t_put), gbps(src.nbytes, t_get)
 
 
-def _raw(port: int, src: np.ndarray, dst: np.ndarray, repeat: int) -> tuple[float, float]:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+def _raw(port: int, src: np.ndarray, dst: np.ndarray, repeat: int, host: str = "127.0.0.1") -> tuple[float, float]:
+    sock = socket.create_connection((host, port), timeout=30)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     with sock:
         sv = [src[i:i + _BATCH].data.cast("B") for i in range(0, len(src), _BATCH)]

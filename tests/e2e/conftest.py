@@ -123,7 +123,10 @@ class UpPool:
 
 
 @pytest.fixture
-def pool_up(tmp_path: Path) -> Iterator[UpPool]:
+def pool_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[UpPool]:
+    """The pool, and its state folder as this test's and its engines' (KVPOOL_STATE_DIR): there they
+    find the NATS credentials and the worker token `kvpool up` made, as its user's processes do."""
     pool = UpPool(tmp_path / "pool")
+    monkeypatch.setenv("KVPOOL_STATE_DIR", str(tmp_path / "pool"))
     yield pool
     pool.stop()
