@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from streamhelp import forge
 
-from kvpool.core import InvalidArgument, PoolClient, nats_connect
-from kvpool.core.nats_server import NatsServer
-from kvpool.core.procs import WorkerProcess
+from kvpool.core import InvalidArgument, nats_connect
 from kvpool.streams import (
     AsyncConsumer,
     Consumer,
@@ -28,45 +25,12 @@ from kvpool.streams import (
     Limits,
     MalformedMessage,
     Producer,
-    StreamConfig,
-    create_stream,
     dead_subject,
 )
 from kvpool.streams.cli import add_parser
 from kvpool.streams.envelope import End, Ref, kind_of
 
-log = logging.getLogger("test.forger")
-_names = itertools.count()
 GiB = 1 << 30
-
-
-@pytest.fixture
-def stream(nats: NatsServer) -> str:
-    name = f"forged{next(_names)}"
-    create_stream(nats.url, name, StreamConfig())
-    return name
-
-
-@pytest.fixture
-def pool(spawn: Callable[..., WorkerProcess], nats: NatsServer) -> Iterator[PoolClient]:
-    """A cluster client of one real worker (max block 16 MiB on a 64 MiB arena)."""
-    spawn(nats_url=nats.url)
-    with PoolClient(mode="cluster", nats_url=nats.url) as c:
-        assert c.wait_for_members(lambda m: len(m) == 1, 15)
-        yield c
-
-
-def forge(url: str, messages: list[tuple[str, bytes, dict[str, str]]]) -> None:
-    """Publish (subject, body, headers) straight to NATS, as anyone allowed on the subjects could."""
-    async def run() -> None:
-        nc = await nats_connect(url, 5, log)
-        try:
-            for subj, body, headers in messages:
-                await nc.publish(subj, body, headers=headers or None)
-            await nc.flush()
-        finally:
-            await nc.close()
-    asyncio.run(run())
 
 
 def _ref(keys: list[Any], sizes: list[Any], sums: list[Any] | None = None, **more: Any) -> bytes:
@@ -156,7 +120,7 @@ def test_unsettled_messages_go_to_the_dead_letter_subject_after_max_deliver(nats
     dead: list[Any] = []
 
     async def watch(ready: asyncio.Event, done: asyncio.Event) -> None:
-        nc = await nats_connect(nats.url, 5, log)
+        nc = await nats_connect(nats.url, 5, logging.getLogger("test.forger"))
         sub = await nc.subscribe(dead_subject(stream))
         await nc.flush()
         ready.set()

@@ -5,47 +5,27 @@ returning a short or mixed request. Real nats-server and `kvpool worker`; the fo
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import secrets
-from collections.abc import Callable, Iterator
 
 import pytest
-from test_streams_forged import forge
+from streamhelp import forge
 
 from kvpool.core import InvalidArgument, PoolClient
-from kvpool.core.nats_server import NatsServer
-from kvpool.core.procs import WorkerProcess
 from kvpool.streams import (
     Consumer,
     HandoffError,
     HandoffReceiver,
     HandoffTimeout,
     Producer,
-    StreamConfig,
-    create_stream,
 )
 from kvpool.streams.envelope import End, Ref, Seal
 from kvpool.streams.payload import put_blocks
 from kvpool.streams.sealing import Sealer
 
-_names = itertools.count()
 LAYERS, BLOCK = 4, 64 << 10
 
 
-@pytest.fixture
-def stream(nats: NatsServer) -> str:
-    name = f"handoff{next(_names)}"
-    create_stream(nats.url, name, StreamConfig())
-    return name
-
-
-@pytest.fixture
-def pool(spawn: Callable[..., WorkerProcess], nats: NatsServer) -> Iterator[PoolClient]:
-    spawn(nats_url=nats.url)
-    with PoolClient(mode="cluster", nats_url=nats.url) as c:
-        assert c.wait_for_members(lambda m: len(m) == 1, 15)
-        yield c
 
 
 def layer_bytes(request: str, layer: int) -> bytes:
