@@ -96,6 +96,12 @@ class RequestHandlers(ConnectionServing):
 
     # ----- tenants ----------------------------------------------------------------------------
 
+    def _named_keys(self, conn: Conn, frame: P.Frame) -> list[bytes] | None:
+        """The keys a request names, or None when `conn` may not name one of them (refused, as
+        `_in_namespace` says)."""
+        keys, _ = P.unpack_batch(frame.meta)
+        return keys if self._in_namespace(conn, frame, keys) else None
+
     def _in_namespace(self, conn: Conn, frame: P.Frame, keys: list[bytes], reply: bool = True) -> bool:
         """True if `conn` may name every one of `keys` (any key without a tenant). Otherwise the request
         is refused whole (FORBIDDEN: the client's NamespaceError), counted, and logged once per connection."""
@@ -185,8 +191,8 @@ class RequestHandlers(ConnectionServing):
                         self.tenant_usage.usage(tenant)["used_bytes"])
 
     def _get(self, conn: Conn, frame: P.Frame) -> None:
-        keys, _ = P.unpack_batch(frame.meta)
-        if not self._in_namespace(conn, frame, keys):
+        keys = self._named_keys(conn, frame)
+        if keys is None:
             return
         blocks = []
         try:
@@ -207,22 +213,22 @@ class RequestHandlers(ConnectionServing):
     # ----- control ----------------------------------------------------------------------------
 
     def _exists(self, conn: Conn, frame: P.Frame) -> None:
-        keys, _ = P.unpack_batch(frame.meta)
-        if not self._in_namespace(conn, frame, keys):
+        keys = self._named_keys(conn, frame)
+        if keys is None:
             return
-        self._reply(conn, frame, np.array(self.cache.batch_exists(keys), dtype="<u1").tobytes())
+        self._reply(conn, frame, _flags(self.cache.batch_exists(keys)))
 
     def _prefix(self, conn: Conn, frame: P.Frame) -> None:
-        keys, _ = P.unpack_batch(frame.meta)
-        if not self._in_namespace(conn, frame, keys):
+        keys = self._named_keys(conn, frame)
+        if keys is None:
             return
         self._reply(conn, frame, P.pack_json({"n": self.cache.prefix_match(keys)}))
 
     def _remove(self, conn: Conn, frame: P.Frame) -> None:
-        keys, _ = P.unpack_batch(frame.meta)
-        if not self._in_namespace(conn, frame, keys):
+        keys = self._named_keys(conn, frame)
+        if keys is None:
             return
-        self._reply(conn, frame, np.array(self.cache.batch_remove(keys), dtype="<u1").tobytes())
+        self._reply(conn, frame, _flags(self.cache.batch_remove(keys)))
 
     def _clear(self, conn: Conn, frame: P.Frame) -> None:
         prefix = P.unpack_batch(frame.meta)[0] if frame.meta else [None]
@@ -303,8 +309,8 @@ class RequestHandlers(ConnectionServing):
                 self.cache.abort(off)
 
     def _lease(self, conn: Conn, frame: P.Frame) -> None:
-        keys, _ = P.unpack_batch(frame.meta)
-        if not self._in_namespace(conn, frame, keys):
+        keys = self._named_keys(conn, frame)
+        if keys is None:
             return
         n = len(keys)
         ids = np.zeros(n, dtype="<i8")
@@ -345,3 +351,8 @@ def _drain(sock: socket.socket, n: int, scratch: bytearray) -> None:
         k = min(n, len(view))
         P.recv_exactly(sock, view[:k])
         n -= k
+
+
+def _flags(values: list[bool]) -> bytes:
+    """A reply of one byte per key (EXISTS, REMOVE)."""
+    return np.array(values, dtype="<u1").tobytes()
