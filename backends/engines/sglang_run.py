@@ -42,6 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvpool.backends.engines.scratch import private_tmp
 from kvpool.backends.mooncake_shim import shim_path
 from kvpool.core import BenchError
 
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     eargs = engine_args(args.store, pool, args.model, device, args.max_total_tokens, args.file_dir)
     t0 = time.monotonic()
     shm_before = _shm_names()
-    with _stdout_to_stderr() as out:
+    with _stdout_to_stderr() as out, private_tmp(env):
         try:
             inst: _Offline | _Server = _Server(eargs, env) if args.server else _Offline(eargs)
             try:

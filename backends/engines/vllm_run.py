@@ -33,6 +33,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvpool.backends.engines.scratch import private_tmp
+
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
               "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
 """Defaults for the engine's environment (an existing value wins): 1 GiB of KV cache, no hub."""
@@ -207,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = json.loads(args.prompts.read_text())
     kvt = kv_transfer(args.store, json.loads(args.pool), args.file_dir)
     t0 = time.perf_counter()
-    results = (run_server if args.server else run_offline)(args, prompts, kvt)
+    with private_tmp():
+        results = (run_server if args.server else run_offline)(args, prompts, kvt)
     import vllm
 
     print(json.dumps({"engine": "vllm", "version": vllm.__version__, "mode": "server" if args.server else "offline",

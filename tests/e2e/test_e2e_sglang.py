@@ -64,7 +64,14 @@ class Sglang:
         return cmd + ["--pause-before", str(pause_before)] if pause_before is not None else cmd
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, TAG_ENV: self.tag}
+        return {**os.environ, TAG_ENV: self.tag, "TMPDIR": str(self.scratch)}
+
+    @property
+    def scratch(self) -> Path:
+        """The engines' TMPDIR: each driver must leave it as empty as it found it."""
+        path = self.work / "engine-tmp"
+        path.mkdir(exist_ok=True)
+        return path
 
     def run(self, store: str, pool: dict[str, Any], *, server: bool = False) -> list[dict[str, Any]]:
         """One instance serving the prompt once: its results."""
@@ -91,6 +98,7 @@ def sglang(engine_python: Callable[[str], Path], tiny_model: Callable[..., Path]
     eng = Sglang(engine_python("sglang"), tiny_model("sglang"), tmp_path, uuid.uuid4().hex)
     yield eng
     assert not _leftover_processes(eng.tag), "engine processes outlived their driver"
+    assert not list(eng.scratch.iterdir()), f"engines left files in their TMPDIR: {list(eng.scratch.iterdir())}"
     leaked = {n for n in _shm() - shm_before if not _owner_alive(n)}
     assert not leaked, f"left in /dev/shm: {sorted(leaked)}"
 
@@ -195,7 +203,7 @@ def page_hashes(sglang: Sglang, pages: int) -> list[str]:
     """SGLang's own storage keys of the prompt's first `pages` pages (its chained page hash)."""
     code = ("import json, sys; from sglang.srt.mem_cache.utils import get_hash_str; "
             f"t = json.load(sys.stdin); print(json.dumps(get_hash_str(t, None, page_size={PAGE})))")
-    env = {**sglang.env(), "PYTHONPATH": str(STUBS), "SGLANG_USE_CPU_ENGINE": "1"}
+    env = {**os.environ, TAG_ENV: sglang.tag, "PYTHONPATH": str(STUBS), "SGLANG_USE_CPU_ENGINE": "1"}
     out = subprocess.run([str(sglang.python), "-c", code], input=json.dumps(PROMPT[:pages * PAGE]), text=True,
                          capture_output=True, env=env, timeout=PROCESS_TIMEOUT_S, check=True)
     hashes: list[str] = json.loads(out.stdout.strip().splitlines()[-1])

@@ -90,6 +90,8 @@ def drive(python: Path, model: Path, prompts: list[list[int]], tmp: Path, nats_u
     prompts_file.write_text(json.dumps(prompts))
     err_path = tmp / f"{name}.stderr"
     tag = uuid.uuid4().hex
+    scratch = tmp / f"{name}.tmp"  # the engine's TMPDIR: the driver must leave it empty
+    scratch.mkdir()
     cmd = [str(python), "-m", "kvpool.backends.engines.vllm_run", "--model", str(model), "--prompts",
            str(prompts_file), "--max-tokens", str(MAX_TOKENS), "--block-size", str(BLOCK), "--request-timeout",
            str(REQUEST_TIMEOUT_S), "--pool", json.dumps({"nats_url": nats_url, "timeout_s": POOL_TIMEOUT_S}),
@@ -97,7 +99,8 @@ def drive(python: Path, model: Path, prompts: list[list[int]], tmp: Path, nats_u
     out_lines: list[str] = []
     with open(err_path, "w") as err:
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                env={**os.environ, "KVPOOL_E2E_TAG": tag}, start_new_session=True)
+                                env={**os.environ, "KVPOOL_E2E_TAG": tag, "TMPDIR": str(scratch)},
+                                start_new_session=True)
         try:
             assert proc.stdout is not None and proc.stdin is not None
             for line in proc.stdout:
@@ -122,6 +125,7 @@ def drive(python: Path, model: Path, prompts: list[list[int]], tmp: Path, nats_u
     while _tagged(tag) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _tagged(tag), f"engine processes left behind: {_tagged(tag)}"
+    assert not list(scratch.iterdir()), f"the engine left files in its TMPDIR: {list(scratch.iterdir())}"
     left = _orphans(shm_allowed)
     assert not left, f"kvpool shared-memory objects left by the engine: {sorted(left)}"
     report = json.loads(out_lines[-1])
