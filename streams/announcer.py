@@ -58,9 +58,11 @@ class Announcer:
         self._queued += 1
 
     def flush(self) -> None:
-        """Wait until JetStream stored (or refused) every queued announcement; raise the first refusal."""
-        self._link.call(self._drained(), f"acknowledgements of stream {self.stream!r}")
-        self._queued = 0
+        """Wait until JetStream stored (or refused) every queued announcement; raise the first refusal.
+        With nothing queued since the last flush, nothing is waited for (no trip to the loop)."""
+        if self._queued:
+            self._link.call(self._drained(), f"acknowledgements of stream {self.stream!r}")
+            self._queued = 0
         self._raise_refused()
 
     async def _write(self) -> None:

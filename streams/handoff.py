@@ -2,14 +2,19 @@
 
 The prefill side (`Producer.publish_kv` per layer, then `Producer.end_request`) puts each layer's blocks
 in the pool and publishes a `kv` message on `kvpool.stream.<stream>.req.<request_id>`. `iter_layers`
-reads that subject from its start through a push consumer (the server streams each layer's message as
-it is stored: no pull round trip per layer), fetches each layer's bytes, and ends at the `end` message.
+takes each message live, the moment the NATS server routes it (`live.Feed`: a core NATS subscription on
+the subject; no JetStream consumer and no round trip per layer), and reads the stream's stored copy of
+the subject where the live path may have missed one: at start, on a gap in the request's chain, after
+`RECOVER_S` without news, and before giving up. It fetches each layer's bytes from the pool (on the
+producer's node, one copy out of the pool's shared memory) and ends at the `end` message.
 
 Anyone who can publish to the stream can publish on that subject, so each message is checked before it
 counts: its kind, body and limits (`envelope`), its signature where a stream secret is set, and its place
 in the request's producer chain (`sealing`); a message failing these is dropped, counted and logged. The
-request's own messages are checked for consistency: a layer twice, or an `end` whose layer count
-disagrees with the layers that arrived, is a HandoffError, never a short or mixed request.
+chain also orders the request: a message ahead of its place waits for the ones before it, and one seen
+twice (live and read back) counts once. The request's own messages are checked for consistency: a layer
+twice, or an `end` whose layer count disagrees with the layers that arrived, is a HandoffError, never a
+short or mixed request.
 """
 from __future__ import annotations
 
@@ -18,8 +23,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from nats.js import api
-
 from kvpool.core import Key, PoolClient
 
 from . import envelope as env
@@ -27,25 +30,77 @@ from ._link import Link
 from .admin import check_token, subject
 from .consumer import Checks
 from .errors import ForgedMessage, HandoffError, HandoffTimeout, MalformedMessage, StreamError
+from .live import Feed, Raw
 from .payload import fetch_many
 from .sealing import ChainCheck, verify
 
 log = logging.getLogger("kvpool.streams")
 
-_IDLE_S = 60.0
-"""An abandoned handoff consumer (its receiver died) is dropped by the server after this many seconds."""
+RECOVER_S = 0.1
+"""Seconds without a message after which a receiver reads the stream back, in case the live path lost
+one (a slow subscriber, a reconnect); also how soon a lost message is found when none follows it.
+Each read-back that finds nothing doubles the wait, up to `RECOVER_MAX_S` (so that many receivers
+waiting on a slow prefill do not poll JetStream), and progress resets it."""
+RECOVER_MAX_S = 2.0
+_AHEAD = 1024
+"""Messages ahead of their place in the chain a receiver holds while it waits for the ones before."""
+_END_STORED_S = 1.0
+"""How long a receiver that got a request's end live waits for the stream to have stored it, so that
+the purge takes it too."""
 
 Into = Callable[[int, int], Any]
 """into(layer, nbytes) -> a writable buffer of at least `nbytes` for that layer's blocks, back to back."""
+Item = env.Ref | env.End
 
 
-async def _arrived(sub: Any, timeout: float) -> list[Any]:
-    """The next message and every one already queued behind it: one trip to the loop, and one pool
-    request for their blocks, per burst."""
-    msgs = [await sub.next_msg(timeout)]
-    while sub.pending_msgs:
-        msgs.append(await sub.next_msg(None))
-    return msgs
+class _Request:
+    """One request's messages put back in their producer chain's order, whichever way each came."""
+
+    def __init__(self, request: str, reject: Callable[[Raw, StreamError], None]) -> None:
+        self.chain = ChainCheck(request)
+        self._reject = reject
+        self._ahead: dict[int, list[tuple[Item, Raw]]] = {}
+        self._bodies: dict[int, bytes] = {}  # body of each accepted message, by its index in the chain
+        self.gap = False
+
+    def take(self, item: Item, raw: Raw) -> list[tuple[Item, Raw]]:
+        """The messages now in order (accepted by the chain): `item` and any that waited for it."""
+        seal, chain = item.seal, self.chain
+        if seal is not None and chain.nonce is not None and seal.nonce == chain.nonce and seal.n < chain.n:
+            if self._bodies.get(seal.n) != raw.data:  # the same message read twice counts once
+                self._reject(raw, ForgedMessage("it repeats a place in the request's chain (forged or replayed)"))
+            return []
+        if seal is not None and seal.n > chain.n and (chain.nonce is None or seal.nonce == chain.nonce):
+            if sum(map(len, self._ahead.values())) >= _AHEAD:
+                self._reject(raw, ForgedMessage(f"more than {_AHEAD} messages wait ahead of their place"))
+            else:
+                self._ahead.setdefault(seal.n, []).append((item, raw))
+                self.gap = True
+            return []
+        out = self._judge([(item, raw)])
+        while out and not isinstance(out[-1][0], env.End) and chain.n in self._ahead:
+            out += self._judge(self._ahead.pop(chain.n))
+        self.gap = bool(self._ahead)
+        return out
+
+    def _judge(self, candidates: list[tuple[Item, Raw]]) -> list[tuple[Item, Raw]]:
+        """The one of `candidates` (messages claiming the chain's next place) that the chain accepts."""
+        out: list[tuple[Item, Raw]] = []
+        n = self.chain.n
+        for item, raw in candidates:
+            if not out and self.chain.accept(item.seal, last=isinstance(item, env.End)):
+                self._bodies[n] = raw.data
+                out.append((item, raw))
+            elif not out or self._bodies.get(n) != raw.data:
+                self._reject(raw, ForgedMessage("it is outside the request's producer chain (forged or replayed)"))
+        return out
+
+    def drop_waiting(self) -> None:
+        """The request ended: what still waits ahead of its place never had one."""
+        for waiting in self._ahead.values():
+            for _, raw in waiting:
+                self._reject(raw, ForgedMessage("it is outside the request's producer chain (after its end)"))
+        self._ahead.clear()
 
 
 class HandoffReceiver:
@@ -53,13 +108,15 @@ class HandoffReceiver:
 
     `secret`: the stream secret (default $KVPOOL_STREAM_SECRET); when set, messages without a good
     signature are dropped. `limits`: what one layer may name (blocks, bytes), checked before `into` is
-    called or anything is allocated. `counts["rejected"]`: messages dropped so far."""
+    called or anything is allocated. `counts`: messages `rejected` (dropped) and `recovered` (taken from
+    the stream's stored copy rather than live: published before the receiver subscribed, or lost on
+    the live path) so far."""
 
     def __init__(self, stream: str, nats_url: str, pool: PoolClient, *, timeout_s: float = 5.0,
                  secret: str | bytes | None = None, limits: env.Limits | None = None) -> None:
         self.stream, self.pool = check_token(stream, "stream name"), pool
         self._checks = Checks(self.stream, pool, limits, 0, secret)
-        self.counts = {"rejected": 0}
+        self.counts = {"rejected": 0, "recovered": 0}
         self._link = Link(nats_url, timeout_s)
 
     def iter_layers(self, request_id: str, timeout: float = 10.0,
@@ -74,60 +131,89 @@ class HandoffReceiver:
         one reader: once the end arrives, the request's messages are purged from the stream, which also
         ends the producer's pins on their blocks."""
         filt = subject(self.stream, "req", check_token(request_id, "request id"))
-        cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL,
-                                 inactive_threshold=_IDLE_S)
-        link = self._link
-        sub = link.call(link.js.subscribe(filt, stream=self.stream, config=cfg),
-                        f"subscribe to request {request_id!r} of stream {self.stream!r}")
-        chain, seen, rejected = ChainCheck(request_id), set[int](), [0]
+        feed = Feed(self._link, self.stream, filt)
+        rejected = [0]
+        req = _Request(request_id, lambda raw, err: self._reject(request_id, raw, err, rejected))
+        seen: set[int] = set()
         try:
             last = time.monotonic()
+            burst, recover = feed.stored(), False  # what was published before we subscribed
+            quiet = RECOVER_S
             while True:
-                try:
-                    burst = link.call(_arrived(sub, timeout), f"receive request {request_id!r}", timeout=timeout)
-                except TimeoutError:
-                    raise HandoffTimeout(f"request {request_id!r} on stream {self.stream!r}: no layer or end "
-                                         f"within {timeout} s after {len(seen)} layer(s) ({time.monotonic() - last:.1f}"
-                                         " s idle); is the prefill side alive?") from None
-                last = time.monotonic()
+                if not burst and (recover or feed.reconnected()):
+                    burst, recover = feed.stored(), False
+                    if not burst:
+                        quiet = min(2 * quiet, RECOVER_MAX_S)
+                elif not burst:
+                    idle = time.monotonic() - last
+                    if idle >= timeout:
+                        burst = feed.stored()  # a last look: the live path may have lost the rest
+                        if not burst:
+                            raise HandoffTimeout(
+                                f"request {request_id!r} on stream {self.stream!r}: no layer or end within "
+                                f"{timeout} s after {len(seen)} layer(s) ({idle:.1f} s idle); is the prefill "
+                                "side alive?")
+                    else:
+                        burst = feed.live(min(quiet, timeout - idle))
+                        recover = not burst  # quiet for a while: read the stream back
+                if not burst:
+                    continue
+                live = burst[0].seq is None
                 refs: list[env.Ref] = []
-                end: env.End | None = None
+                end: tuple[env.End, Raw] | None = None
                 for raw in burst:
-                    item = self._admit(raw, request_id, chain, rejected)
-                    if isinstance(item, env.End):
-                        end = item
+                    item = self._admit(raw, request_id, rejected)
+                    for it, came in req.take(item, raw) if item is not None else ():
+                        self.counts["recovered"] += came.seq is not None
+                        if isinstance(it, env.End):
+                            end = it, came
+                            break
+                        if it.layer in seen:
+                            raise HandoffError(f"request {request_id!r}: its producer sent layer {it.layer} twice")
+                        seen.add(it.layer)
+                        refs.append(it)
+                    if end is not None:
                         break
-                    if item is not None:
-                        if item.layer in seen:
-                            raise HandoffError(f"request {request_id!r}: its producer sent layer {item.layer} twice")
-                        seen.add(item.layer)
-                        refs.append(item)
+                burst = []
+                if refs or end is not None:
+                    last, quiet = time.monotonic(), RECOVER_S
+                recover = req.gap and live  # a live message ahead of its place: one was lost, read back
                 got = fetch_many(self.pool, refs, [into(r.layer, r.total) if into is not None else None for r in refs],
                                  [f"layer {r.layer} of request {request_id!r}" for r in refs]) if refs else []
                 for ref, (_, blocks) in zip(refs, got):
                     yield ref.layer, ref.keys, blocks
                 if end is not None:
-                    link.call(link.js.purge_stream(self.stream, subject=filt), f"purge request {request_id!r}")
-                    if end.layers != len(seen):
-                        raise HandoffError(f"request {request_id!r}: its end says {end.layers} layer(s); "
-                                           f"{len(seen)} arrived", size=len(seen), limit=end.layers)
+                    req.drop_waiting()
+                    self._purge(feed, filt, end[1], request_id)
+                    if end[0].layers != len(seen):
+                        raise HandoffError(f"request {request_id!r}: its end says {end[0].layers} layer(s); "
+                                           f"{len(seen)} arrived", size=len(seen), limit=end[0].layers)
                     return
         finally:
-            try:
-                link.call(sub.unsubscribe(), "unsubscribe")
-            except (ConnectionError, TimeoutError):
-                pass  # the server is gone: it drops the consumer after _IDLE_S
+            feed.close()
 
-    def _admit(self, raw: Any, request_id: str, chain: ChainCheck, rejected: list[int]) -> env.Ref | env.End | None:
-        """The layer or end in `raw` if it is the request producer's next message; None (dropped,
-        counted, logged) if it is malformed, unsigned where a secret is set, or outside the chain."""
-        headers = dict(raw.headers or {})
-        item: env.Ref | env.End
+    def _purge(self, feed: Feed, filt: str, end: Raw, request_id: str) -> None:
+        """Drop the request's messages from the stream. An end that came live may not be stored yet:
+        wait (briefly) until it is, so that the purge takes it too."""
+        if end.seq is None:
+            deadline = time.monotonic() + _END_STORED_S
+            while True:
+                last = feed.last_stored()
+                if (last is not None and last.data == end.data) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.001)
+        link = self._link
+        link.call(link.js.purge_stream(self.stream, subject=filt), f"purge request {request_id!r}")
+
+    def _admit(self, raw: Raw, request_id: str, rejected: list[int]) -> Item | None:
+        """The layer or end in `raw` if it is well formed, signed where a secret is set, and of this
+        request; None (dropped, counted, logged) if not. Its place in the chain is `_Request`'s call."""
         try:
-            kind = env.kind_of(headers)
+            kind = env.kind_of(raw.headers)
             key = self._checks.key
-            if key is not None and (why := verify(key, raw.subject, headers, raw.data)):
+            if key is not None and (why := verify(key, raw.subject, raw.headers, raw.data)):
                 raise ForgedMessage(f"{why} (a stream secret is set)")
+            item: Item
             if kind == env.KV:
                 item = env.Ref.decode(raw.data, self._checks.current_limits())
             elif kind == env.END:
@@ -136,20 +222,19 @@ class HandoffReceiver:
                 raise MalformedMessage(f"a {kind!r} message on a handoff subject")
             if item.request != request_id:
                 raise MalformedMessage(f"it names request {item.request!r}")
-            if not chain.accept(item.seal, last=kind == env.END):
-                raise ForgedMessage("it is outside the request's producer chain (forged or replayed)")
+            if item.seal is None:
+                raise ForgedMessage("it carries no producer seal")
         except (MalformedMessage, ForgedMessage) as e:
             self._reject(request_id, raw, e, rejected)
             return None
         return item
 
-    def _reject(self, request_id: str, raw: Any, err: StreamError, rejected: list[int]) -> None:
+    def _reject(self, request_id: str, raw: Raw, err: StreamError, rejected: list[int]) -> None:
         rejected[0] += 1
         self.counts["rejected"] += 1
-        seq = getattr(getattr(raw, "metadata", None), "sequence", None)
         (log.warning if rejected[0] == 1 else log.debug)(
             "stream %r, request %r: dropped message %s (%d dropped in this request): %s", self.stream, request_id,
-            getattr(seq, "stream", "?"), rejected[0], err)
+            "(live)" if raw.seq is None else raw.seq, rejected[0], err)
 
     def close(self) -> None:
         self._link.close()

@@ -1,0 +1,116 @@
+"""A handoff request's messages as they are published: live from core NATS, recovered from JetStream.
+
+A producer publishes each message once, on its stream's subject. The NATS server routes it to the
+stream, which stores it, and in the same step to every plain (core NATS) subscriber of that subject.
+`Feed` takes that live copy: no JetStream consumer sits on the hot path (no store-then-deliver step, no
+pull round trip, no consumer state on the server). Core NATS delivery is at most once (a subscriber too
+slow for its pending limits, or a reconnect, loses messages), so the stream is the record: `stored()`
+reads what the stream holds on the subject, from where the last read stopped, and the receiver calls it
+at start (messages published before it subscribed), on a gap in the request's chain, when nothing has
+arrived for a while, and before giving up. A message may so arrive twice; the receiver counts it once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import queue
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+
+from ._link import Link
+
+_RECOVER_BATCH = 4096
+"""Stored messages one `stored()` reads at most (the rest on the next call)."""
+_NO_MESSAGE = 10037
+"""JetStream's error code for "no message found" (a missing stream is another 404: 10059)."""
+
+
+async def _get(link: Link, stream: str, **kw: Any) -> Any:
+    """`js.get_msg`, None where the stream holds no such message (a missing stream still raises)."""
+    try:
+        return await link.js.get_msg(stream, **kw)
+    except nats.js.errors.NotFoundError as e:
+        if getattr(e, "err_code", None) == _NO_MESSAGE:
+            return None
+        raise
+
+
+@dataclasses.dataclass(frozen=True)
+class Raw:
+    """One message as delivered: live (`seq` None) or read back from the stream (`seq` its sequence)."""
+
+    subject: str
+    headers: dict[str, str]
+    data: bytes
+    seq: int | None = None
+
+
+class Feed:
+    """The live subscription to `subj` (one subject of `stream`) and the stream's record of it."""
+
+    def __init__(self, link: Link, stream: str, subj: str) -> None:
+        self._link, self.stream, self.subject = link, stream, subj
+        self._queue: queue.SimpleQueue[Raw] = queue.SimpleQueue()
+        self._next_seq = 1
+        self._reconnects = self._reconnects_now()
+        self._sub = link.call(self._subscribe(), f"subscribe to {subj!r}")
+
+    async def _subscribe(self) -> Any:
+        sub = await self._link.nc.subscribe(self.subject, cb=self._on_live)
+        await self._link.nc.flush()  # the server has the subscription: every later publish reaches it live
+        return sub
+
+    async def _on_live(self, msg: Any) -> None:
+        self._queue.put(Raw(msg.subject, dict(msg.headers or {}), bytes(msg.data)))
+
+    def live(self, timeout: float) -> list[Raw]:
+        """The next live message and every one already queued behind it; [] if none within `timeout` s."""
+        try:
+            out = [self._queue.get(timeout=max(timeout, 0.0))]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                out.append(self._queue.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _reconnects_now(self) -> int:
+        return int(self._link.nc.stats.get("reconnects", 0))
+
+    def reconnected(self) -> bool:
+        """Whether the connection was re-established since the last call (or since subscribing): what
+        was published while it was down never came live."""
+        now = self._reconnects_now()
+        changed, self._reconnects = now != self._reconnects, now
+        return changed
+
+    def stored(self) -> list[Raw]:
+        """What the stream stored on the subject since the last call (in stream order)."""
+        return self._link.call(self._read_stored(), f"read {self.subject!r} back from stream {self.stream!r}")
+
+    async def _read_stored(self) -> list[Raw]:
+        out: list[Raw] = []
+        while len(out) < _RECOVER_BATCH:
+            m = await _get(self._link, self.stream, seq=self._next_seq, subject=self.subject, next=True)
+            if m is None or m.seq is None:
+                break
+            self._next_seq = int(m.seq) + 1
+            out.append(Raw(str(m.subject or self.subject), dict(m.headers or {}), bytes(m.data or b""), int(m.seq)))
+        return out
+
+    def last_stored(self) -> Raw | None:
+        """The last message the stream holds on the subject, or None."""
+        async def last() -> Raw | None:
+            m = await _get(self._link, self.stream, subject=self.subject)
+            if m is None:
+                return None
+            return Raw(str(m.subject or self.subject), dict(m.headers or {}), bytes(m.data or b""), m.seq)
+        return self._link.call(last(), f"read the last message on {self.subject!r}")
+
+    def close(self) -> None:
+        try:
+            self._link.call(self._sub.unsubscribe(), "unsubscribe")
+        except (ConnectionError, TimeoutError, nats.errors.Error):
+            pass  # the server is gone, or the connection: the subscription went with it

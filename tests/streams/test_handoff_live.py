@@ -1,0 +1,237 @@
+"""The handoff's notification path: each message taken live from core NATS the moment it is published,
+the stream's stored copy read back where the live path lost one. Real nats-server and `kvpool worker`."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpool.core import PoolClient, nats_connect
+from kvpool.streams import HandoffReceiver, Producer, live, stream_info
+
+LAYERS, BLOCK = 6, 64 << 10
+
+
+def _block(request: str, layer: int) -> np.ndarray:
+    return np.random.default_rng([sum(request.encode()), layer]).integers(0, 256, BLOCK, dtype=np.uint8)
+
+
+@pytest.fixture
+def pool(nats, worker) -> Iterator[PoolClient]:
+    with PoolClient(mode="cluster", nats_url=nats.url) as c:
+        assert c.wait_for_members(lambda m: len(m) == 1, 15)
+        yield c
+
+
+def forge_end(url: str, subject: str, request: str) -> None:
+    """Publish an unsigned `end` claiming `request` has one layer, as anyone allowed on the subject could."""
+    async def run() -> None:
+        nc = await nats_connect(url, 5, logging.getLogger("test.forger"))
+        try:
+            await nc.publish(subject, json.dumps({"request": request, "layers": 1}).encode(),
+                             headers={"Kvpool-Kind": "end"})
+            await nc.flush()
+        finally:
+            await nc.close()
+    asyncio.run(run())
+
+
+def _layer_of(msg: Any) -> int | None:
+    """The layer a live kv message announces; None for an end."""
+    return json.loads(msg.data)["layer"] if (msg.headers or {}).get("Kvpool-Kind") == "kv" else None
+
+
+def _live_filter(monkeypatch: pytest.MonkeyPatch, keep: Callable[[Any], bool]) -> list[Any]:
+    """Make every receiver's live path lose the messages `keep` refuses; returns those lost."""
+    lost: list[Any] = []
+    real = live.Feed._on_live
+
+    async def on_live(self: live.Feed, msg: Any) -> None:
+        if keep(msg):
+            await real(self, msg)
+        else:
+            lost.append(msg)
+    monkeypatch.setattr(live.Feed, "_on_live", on_live)
+    return lost
+
+
+def _handoff(nats_url: str, stream: str, pool: PoolClient, request: str, *, secret: str | None = None,
+             gate: threading.Event | None = None, stored: threading.Event | None = None) -> threading.Thread:
+    """A producer thread publishing LAYERS layers of `request` and its end; with `gate`, it publishes
+    layer 0, sets `stored` once the stream has it, and waits (at most 20 s) for the gate before the rest."""
+    def run() -> None:
+        with Producer(stream, nats_url, pool=pool, secret=secret) as p:
+            for layer in range(LAYERS):
+                p.publish_kv(request, layer, [f"{request}/L{layer}"], [_block(request, layer)])
+                if layer == 0 and gate is not None:
+                    p.flush()
+                    if stored is not None:
+                        stored.set()
+                    gate.wait(20)
+            p.end_request(request, LAYERS)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _receive(rx: HandoffReceiver, request: str, on_layer: Callable[[int], None] = lambda layer: None) -> list[int]:
+    got = []
+    for layer, keys, bufs in rx.iter_layers(request, timeout=20):
+        assert keys == [f"{request}/L{layer}"]
+        assert bytes(bufs[0]) == _block(request, layer).tobytes()
+        got.append(layer)
+        on_layer(layer)
+    return got
+
+
+def test_layer_0_is_usable_before_the_producer_publishes_layer_1(nats, make_stream, pool):
+    s, gate = make_stream(), threading.Event()
+    with HandoffReceiver(s, nats.url, pool) as rx:
+        producer = _handoff(nats.url, s, pool, "first", gate=gate)
+        got = _receive(rx, "first", lambda layer: gate.set() if layer == 0 else None)
+    producer.join(20)
+    assert got == list(range(LAYERS))
+    assert rx.counts == {"rejected": 0, "recovered": 0}   # all of it live
+
+
+@pytest.mark.parametrize("lose", [[2], [0], [3, 4], [None]], ids=["layer-2", "layer-0", "layers-3-4", "end"])
+def test_a_lost_live_notification_is_read_back_from_the_stream_in_order(nats, make_stream, pool, monkeypatch, lose):
+    s = make_stream()
+    lost = _live_filter(monkeypatch, lambda msg: _layer_of(msg) not in lose)
+    with HandoffReceiver(s, nats.url, pool) as rx:
+        producer = _handoff(nats.url, s, pool, "lossy")
+        got = _receive(rx, "lossy")
+    producer.join(20)
+    assert [_layer_of(m) for m in lost] == lose
+    assert got == list(range(LAYERS))
+    assert rx.counts["rejected"] == 0 and rx.counts["recovered"] >= len(lose)
+    assert stream_info(nats.url, s)["messages"] == 0   # the request's messages, its end too, purged: acked
+
+
+def test_live_messages_out_of_order_are_yielded_in_the_producers_order(nats, make_stream, pool, monkeypatch):
+    s, held = make_stream(), []
+    real = live.Feed._on_live
+
+    async def reorder(self: live.Feed, msg: Any) -> None:
+        if _layer_of(msg) == 1:  # layer 1 held back until layer 3 went through
+            held.append(msg)
+            return
+        await real(self, msg)
+        if _layer_of(msg) == 3:
+            await real(self, held.pop())
+    monkeypatch.setattr(live.Feed, "_on_live", reorder)
+    with HandoffReceiver(s, nats.url, pool) as rx:
+        producer = _handoff(nats.url, s, pool, "shuffled")
+        got = _receive(rx, "shuffled")
+    producer.join(20)
+    assert got == list(range(LAYERS))
+    assert rx.counts["rejected"] == 0
+
+
+def test_a_late_receiver_takes_the_stored_messages_then_the_live_ones_each_once(nats, make_stream, pool):
+    s, gate, stored = make_stream(), threading.Event(), threading.Event()
+    producer = _handoff(nats.url, s, pool, "late", gate=gate, stored=stored)
+    assert stored.wait(20)
+    with HandoffReceiver(s, nats.url, pool) as rx:
+        got = _receive(rx, "late", lambda layer: gate.set() if layer == 0 else None)
+    producer.join(20)
+    assert got == list(range(LAYERS))
+    assert rx.counts["rejected"] == 0 and rx.counts["recovered"] >= 1   # layer 0 was stored before we came
+
+
+def test_a_forged_live_end_is_dropped_with_a_secret(nats, make_stream, pool, monkeypatch):
+    """The receiver is waiting (the live path) when a forger who cannot sign publishes an `end`."""
+    monkeypatch.setenv("KVPOOL_STREAM_SECRET", "live-secret")
+    s, gate = make_stream(), threading.Event()
+    with HandoffReceiver(s, nats.url, pool) as rx:
+        producer = _handoff(nats.url, s, pool, "signed", gate=gate)
+
+        def after(layer: int) -> None:
+            if layer == 0:
+                forge_end(nats.url, f"kvpool.stream.{s}.req.signed", "signed")
+                gate.set()
+        got = _receive(rx, "signed", after)
+    producer.join(20)
+    assert got == list(range(LAYERS))
+    assert rx.counts["rejected"] >= 1
+
+
+def test_what_was_published_while_the_receiver_reconnected_is_read_back(nats, make_stream, pool):
+    """NATS restarts mid-request (the stream is on disk): the receiver's connection comes back on its
+    own, and the layers published before its subscription did are read back from the stream."""
+    from kvpool.core.nats_server import NatsServer
+    from kvpool.streams import StreamUnavailable
+
+    s, restarted, servers = make_stream(), threading.Event(), []
+
+    def produce() -> None:
+        with Producer(s, nats.url, pool=pool, timeout_s=2) as p:
+            p.publish_kv("restart", 0, ["restart/L0"], [_block("restart", 0)])
+            p.flush()
+            assert restarted.wait(30)
+            deadline = time.monotonic() + 20
+            for layer in range(1, LAYERS):
+                while True:
+                    try:
+                        p.publish_kv("restart", layer, [f"restart/L{layer}"], [_block("restart", layer)])
+                        p.flush()
+                        break
+                    except StreamUnavailable:  # the producer's own connection is still coming back
+                        assert time.monotonic() < deadline
+                        time.sleep(0.1)
+            p.end_request("restart", LAYERS)
+
+    def restart(layer: int) -> None:
+        if layer == 0:
+            nats.stop()
+            servers.append(NatsServer(nats.store_dir, port=nats.port).start())
+            assert pool.wait_for_members(lambda m: len(m) == 1, 20)
+            restarted.set()
+
+    with HandoffReceiver(s, nats.url, pool, timeout_s=2) as rx:
+        producer = threading.Thread(target=produce, daemon=True)
+        producer.start()
+        try:
+            got = _receive(rx, "restart", restart)
+        finally:
+            restarted.set()
+            producer.join(30)
+            for server in servers:
+                server.stop()
+    assert got == list(range(LAYERS))
+    assert rx.counts["rejected"] == 0
+
+
+def test_a_receiver_on_a_missing_stream_fails_at_once(nats, pool):
+    from kvpool.streams import StreamNotFound
+
+    with HandoffReceiver("nosuchstream", nats.url, pool) as rx, pytest.raises(StreamNotFound):
+        next(iter(rx.iter_layers("r", timeout=5)))
+
+
+def test_copies_of_one_message_waiting_ahead_of_their_place_count_once(nats, make_stream, pool, monkeypatch):
+    """Layer 1 lost live, layer 2 delivered live twice (as a read-back would): once the stream gives
+    layer 1 back, layer 2 is taken once and its copy is not counted as forged."""
+    s = make_stream()
+    real = live.Feed._on_live
+
+    async def twice(self: live.Feed, msg: Any) -> None:
+        if _layer_of(msg) == 1:
+            return
+        await real(self, msg)
+        if _layer_of(msg) == 2:
+            await real(self, msg)
+    monkeypatch.setattr(live.Feed, "_on_live", twice)
+    with HandoffReceiver(s, nats.url, pool) as rx:
+        producer = _handoff(nats.url, s, pool, "twice")
+        got = _receive(rx, "twice")
+    producer.join(20)
+    assert got == list(range(LAYERS))
+    assert rx.counts["rejected"] == 0 and rx.counts["recovered"] >= 1
