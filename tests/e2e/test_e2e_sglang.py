@@ -15,12 +15,15 @@ After each test's processes stop, no process of theirs is left and no kvpool obj
 """
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -64,14 +67,12 @@ class Sglang:
         return cmd + ["--pause-before", str(pause_before)] if pause_before is not None else cmd
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, TAG_ENV: self.tag, "TMPDIR": str(self.scratch)}
+        return {**os.environ, TAG_ENV: self.tag, "TMPDIR": str(self.scratch),
+                "TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")}
 
-    @property
-    def scratch(self) -> Path:
-        """The engines' TMPDIR: each driver must leave it as empty as it found it."""
-        path = self.work / "engine-tmp"
-        path.mkdir(exist_ok=True)
-        return path
+    scratch: Path
+    """the engines' TMPDIR, which each driver must leave as empty as it found it (short: the engines put
+    IPC sockets in it, and a socket path has at most 107 bytes)"""
 
     def run(self, store: str, pool: dict[str, Any], *, server: bool = False) -> list[dict[str, Any]]:
         """One instance serving the prompt once: its results."""
@@ -95,10 +96,13 @@ def report(returncode: int, stdout: str, log: Path) -> list[dict[str, Any]]:
 @pytest.fixture
 def sglang(engine_python: Callable[[str], Path], tiny_model: Callable[..., Path], tmp_path: Path) -> Iterator[Sglang]:
     shm_before = _shm()
-    eng = Sglang(engine_python("sglang"), tiny_model("sglang"), tmp_path, uuid.uuid4().hex)
+    eng = Sglang(engine_python("sglang"), tiny_model("sglang"), tmp_path, uuid.uuid4().hex,
+                 Path(tempfile.mkdtemp(prefix="kve-")))
     yield eng
     assert not _leftover_processes(eng.tag), "engine processes outlived their driver"
-    assert not list(eng.scratch.iterdir()), f"engines left files in their TMPDIR: {list(eng.scratch.iterdir())}"
+    left_tmp = list(eng.scratch.iterdir())
+    shutil.rmtree(eng.scratch)
+    assert not left_tmp, f"engines left files in their TMPDIR: {left_tmp}"
     leaked = {n for n in _shm() - shm_before if not _owner_alive(n)}
     assert not leaked, f"left in /dev/shm: {sorted(leaked)}"
 

@@ -10,12 +10,15 @@ was killed under it. After each process: no kvpool shared-memory object and no p
 """
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -80,6 +83,10 @@ class Run:
         return m.group(1)
 
 
+INDUCTOR_CACHE = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+"""torch's compile cache, where it is by default: kept across runs, outside the engine's TMPDIR"""
+
+
 def drive(python: Path, model: Path, prompts: list[list[int]], tmp: Path, nats_url: str, *,
           server: bool = False, extra: tuple[str, ...] = (), on_pause: Callable[[int], None] | None = None,
           shm_allowed: set[str] = frozenset()) -> Run:  # type: ignore[assignment]
@@ -90,8 +97,8 @@ def drive(python: Path, model: Path, prompts: list[list[int]], tmp: Path, nats_u
     prompts_file.write_text(json.dumps(prompts))
     err_path = tmp / f"{name}.stderr"
     tag = uuid.uuid4().hex
-    scratch = tmp / f"{name}.tmp"  # the engine's TMPDIR: the driver must leave it empty
-    scratch.mkdir()
+    scratch = Path(tempfile.mkdtemp(prefix="kve-"))  # the engine's TMPDIR, which the driver must leave empty
+    # (short: the engines put IPC sockets in it, and a socket path has at most 107 bytes)
     cmd = [str(python), "-m", "kvpool.backends.engines.vllm_run", "--model", str(model), "--prompts",
            str(prompts_file), "--max-tokens", str(MAX_TOKENS), "--block-size", str(BLOCK), "--request-timeout",
            str(REQUEST_TIMEOUT_S), "--pool", json.dumps({"nats_url": nats_url, "timeout_s": POOL_TIMEOUT_S}),
@@ -99,7 +106,8 @@ def drive(python: Path, model: Path, prompts: list[list[int]], tmp: Path, nats_u
     out_lines: list[str] = []
     with open(err_path, "w") as err:
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                env={**os.environ, "KVPOOL_E2E_TAG": tag, "TMPDIR": str(scratch)},
+                                env={**os.environ, "KVPOOL_E2E_TAG": tag, "TMPDIR": str(scratch),
+                                     "TORCHINDUCTOR_CACHE_DIR": INDUCTOR_CACHE},
                                 start_new_session=True)
         try:
             assert proc.stdout is not None and proc.stdin is not None
@@ -125,7 +133,9 @@ def drive(python: Path, model: Path, prompts: list[list[int]], tmp: Path, nats_u
     while _tagged(tag) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _tagged(tag), f"engine processes left behind: {_tagged(tag)}"
-    assert not list(scratch.iterdir()), f"the engine left files in its TMPDIR: {list(scratch.iterdir())}"
+    left_tmp = list(scratch.iterdir())
+    shutil.rmtree(scratch)
+    assert not left_tmp, f"the engine left files in its TMPDIR: {left_tmp}"
     left = _orphans(shm_allowed)
     assert not left, f"kvpool shared-memory objects left by the engine: {sorted(left)}"
     report = json.loads(out_lines[-1])
