@@ -99,7 +99,7 @@ async def nats_connect(url: str, timeout_s: float, log: logging.Logger, *, role:
     servers = [u.strip() for u in url.split(",") if u.strip()]  # a NATS cluster: any of its servers
     if creds is None and not any("@" in u for u in servers):
         creds = find_creds(role)
-    auth: dict[str, Any] = {"user": creds.user, "password": creds.password} if creds is not None else {}
+    auth: dict[str, Any] = dict(creds.connect_options()) if creds is not None else {}
     if tls is None and os.environ.get("KVPOOL_NATS_TLS_CA"):
         tls = ssl.create_default_context(cafile=os.environ["KVPOOL_NATS_TLS_CA"])
     if tls is not None:

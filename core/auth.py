@@ -29,7 +29,7 @@ from pathlib import Path
 from .config import default_state_dir
 
 __all__ = ["NONCE_BYTES", "AuthThrottle", "find_token", "load_or_create_token", "no_auth_env", "peer_uid",
-           "private_dir", "proof", "same_user", "token_path"]
+           "private_dir", "proof", "same_user", "token_path", "unix_socket_usable"]
 
 log = logging.getLogger("kvpool.auth")
 
@@ -134,6 +134,17 @@ def peer_uid(sock: socket.socket) -> int:
 def same_user(uid: int) -> bool:
     """This process's user, or root (which can reach everything of it anyway)."""
     return uid in (os.getuid(), 0)
+
+
+def unix_socket_usable(path: str) -> bool:
+    """Whether this process may use the worker's Unix socket at `path` (and so its arena): a socket of
+    this user's (or root's) that we may connect to. Another user's process on the worker's node (a
+    tenant given its own Unix user) may not: it reaches the worker over TCP instead, with its token."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISSOCK(st.st_mode) and same_user(st.st_uid) and os.access(path, os.W_OK)
 
 
 class AuthThrottle:

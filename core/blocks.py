@@ -1,7 +1,9 @@
 """Block header and checksum: the one serialization of a block, shared by the SSD tier and the wire.
 
-A stored block is `HEADER || bytes`. The header carries the payload size, its XXH3-64 checksum and an
-optional expiry; `decode` refuses anything whose magic, size or checksum disagree.
+A stored block is `HEADER || bytes`. The header carries the payload size, its XXH3-64 checksum, an
+optional expiry and the block's version (`kvpool.core.versions`; headers of version 1, before blocks
+had versions, are refused: a miss, never bytes of unknown age); `decode` refuses anything whose
+magic, size or checksum disagree.
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ __all__ = ["MAGIC", "HEADER_SIZE", "VERSION", "BlockMeta", "CorruptBlock", "chec
            "encode_header"]  # CorruptBlock: re-exported, the tiers catch it here
 
 MAGIC = b"KVB1"
-_HEADER = struct.Struct("<4sHHQQd")  # magic, version, flags, size, checksum, expires (unix s; 0 = never)
+# magic, version, flags, size, checksum, expires (unix s; 0 = never), the block's version
+_HEADER = struct.Struct("<4sHHQQdQ")
 HEADER_SIZE = _HEADER.size
-VERSION = 1
+VERSION = 2
 
 
 def checksum(data: memoryview | bytes) -> int:
@@ -31,19 +34,21 @@ class BlockMeta:
     size: int
     checksum: int
     expires: float = 0.0
+    version: int = 0
+    """The block's version (`kvpool.core.versions`); 0: none."""
 
 
 def encode_header(meta: BlockMeta) -> bytes:
-    return _HEADER.pack(MAGIC, VERSION, 0, meta.size, meta.checksum, meta.expires)
+    return _HEADER.pack(MAGIC, VERSION, 0, meta.size, meta.checksum, meta.expires, meta.version)
 
 
 def decode_header(raw: memoryview | bytes) -> BlockMeta:
     if len(raw) < HEADER_SIZE:
         raise CorruptBlock(f"value of {len(raw)} bytes is shorter than the {HEADER_SIZE}-byte header")
-    magic, version, _flags, size, csum, expires = _HEADER.unpack_from(raw)
+    magic, version, _flags, size, csum, expires, block_version = _HEADER.unpack_from(raw)
     if magic != MAGIC or version != VERSION:
         raise CorruptBlock(f"bad magic {magic!r} or version {version}")
-    return BlockMeta(size, csum, expires)
+    return BlockMeta(size, csum, expires, block_version)
 
 
 def decode(value: memoryview) -> tuple[BlockMeta, memoryview]:

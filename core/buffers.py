@@ -5,13 +5,18 @@ here, in one place, so tiers and transports only ever see host bytes.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from .errors import BufferSizeError
 
-__all__ = ["readable", "Destination"]
+__all__ = ["readable", "Destination", "finish_all"]
+
+
+_FLAT_TYPES = frozenset({np.ndarray, bytearray, memoryview, bytes})
+"""Types whose flat uint8 buffers are used as they are (`memoryview(buf)` says whether one is)."""
 
 
 def _torch_host_bytes(t: Any) -> np.ndarray:
@@ -26,6 +31,10 @@ def _torch_host_bytes(t: Any) -> np.ndarray:
 
 def readable(buf: Any) -> memoryview:
     """A flat read-only byte view of `buf` (bytes-like, numpy array or torch tensor)."""
+    if type(buf) in _FLAT_TYPES:  # the common case first, cheaply: a flat byte buffer as it is
+        mv = memoryview(buf)
+        if mv.format == "B" and mv.ndim == 1 and mv.c_contiguous:
+            return mv
     if type(buf).__module__.startswith("torch"):
         return _torch_host_bytes(buf).data.cast("B")
     if isinstance(buf, np.ndarray):
@@ -49,6 +58,11 @@ class Destination:
     def __init__(self, buf: Any) -> None:
         self.tensor: Any = None
         self._staged = False
+        if type(buf) in _FLAT_TYPES:  # the common case first, cheaply: a flat writable byte buffer
+            mv = memoryview(buf)
+            if mv.format == "B" and mv.ndim == 1 and mv.c_contiguous and not mv.readonly:
+                self.view = mv
+                return
         if type(buf).__module__.startswith("torch"):
             import torch
 
@@ -83,3 +97,10 @@ class Destination:
 
             host = torch.frombuffer(self.view[:nbytes], dtype=torch.uint8)
             self.tensor[:nbytes].copy_(host)
+
+
+def finish_all(dests: Sequence[Destination], sizes: Sequence[int]) -> None:
+    """`finish` each destination with the size written into it (-1: nothing; a no-op but for staged tensors)."""
+    for size, dest in zip(sizes, dests):
+        if dest._staged:
+            dest.finish(size)

@@ -6,12 +6,15 @@ blocks to SSD in batched transactions until the low watermark. An SSD hit promot
 DRAM. Readers hold a lease, so a block being read is never evicted or overwritten under them; a
 replaced or removed block's slot is freed when its last lease ends. Pins keep blocks in DRAM for a
 while (`pins`). The tiers live in `tiers/`, held together by `tier_stack` and moved by `tier_moves`.
+Every block has a version (`kvpool.core.versions`, stamped here unless the writer stamped it): the
+cache keeps the newest, ignores puts older than it, and removals leave tombstones.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from itertools import repeat
 from typing import Any, cast
 
 from .blocks import checksum
@@ -28,6 +31,7 @@ from .tiers.device import DeviceTier
 from .tiers.dram import DramArena
 from .tiers.dram_tier import BlockRef, DramBlock
 from .tiers.ssd_tier import SsdTier
+from .versions import CLOCK, CLOCK_SKEW_MS, COUNTER_BITS, Change
 
 __all__ = ["TieredCache", "BlockRef"]
 
@@ -83,10 +87,13 @@ class TieredCache:
         self.batch_put([key], [data], pin_s=pin_s, ttl_s=ttl_s)
 
     def batch_put(self, keys: Sequence[Key], buffers: Sequence[Any], *, pin_s: float = 0.0,
-                  ttl_s: float | None = None) -> None:
-        """Store each buffer under its key. All inputs are validated before anything is written."""
-        if len(keys) != len(buffers):
-            raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
+                  ttl_s: float | None = None, versions: Sequence[int] | None = None) -> None:
+        """Store each buffer under its key. All inputs are validated before anything is written.
+        `versions` (`kvpool.core.versions`; default: stamped now) order writes: a block older than
+        the one held, or than the key's removal, is not stored (and is no error)."""
+        if len(keys) != len(buffers) or (versions is not None and len(versions) != len(keys)):
+            raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers"
+                                  + (f" and {len(versions)} versions" if versions is not None else ""))
         raw_keys = keys_bytes(keys)
         views = [readable(b) for b in buffers]
         max_block = self.max_block
@@ -96,14 +103,17 @@ class TieredCache:
                                     key=k, size=v.nbytes, limit=max_block)
         expires = time.time() + ttl_s if ttl_s else 0.0
         device = self._stack.device
-        for k, v, src in zip(raw_keys, views, buffers):
-            block = self._write(k, v, checksum(v), expires, pin_s)
-            if device is not None and device.holds_tensor(src):
+        stamps = versions if versions is not None else CLOCK.batch(len(raw_keys))
+        for k, v, src, version in zip(raw_keys, views, buffers, stamps):
+            block = self._write(k, v, checksum(v), expires, pin_s, version)
+            if block is not None and device is not None and device.holds_tensor(src):
                 self._moves.copy_to_device(k, src, block)
         self._stack.counters.puts += len(raw_keys)
 
-    def _write(self, key: bytes, data: memoryview, csum: int, expires: float, pin_s: float) -> DramBlock:
-        """Copy `data` into a fresh slot and commit it under `key` (replacing any old block)."""
+    def _write(self, key: bytes, data: memoryview, csum: int, expires: float, pin_s: float,
+               version: int) -> DramBlock | None:
+        """Copy `data` into a fresh slot and commit it under `key` (replacing any old block); None if
+        the cache holds a newer version of `key` (nothing stored)."""
         n = data.nbytes
         offset = self._reserve(n)
         try:
@@ -111,20 +121,68 @@ class TieredCache:
         except BaseException:
             self.abort(offset)
             raise
-        block = DramBlock(key, offset, n, csum, expires)
-        self._commit(block, pin_s)
-        return block
+        block = DramBlock(key, offset, n, csum, expires, version=version)
+        return block if self._commit(block, pin_s) else None
 
     def _reserve(self, n: int) -> int:
         with self._lock:
             self._stack.check_open()
             return self._moves.alloc(n)
 
-    def _commit(self, block: DramBlock, pin_s: float) -> None:
+    def _commit(self, block: DramBlock, pin_s: float) -> bool:
+        """Commit `block` unless the cache knows a version of its key as new or newer (a block or a
+        removal: then its slot is freed and False returned). Version 0 is stamped now."""
         with self._lock:
-            self._stack.commit(block)
-            if pin_s > 0:
+            stored = self._admit(block)
+            if stored and pin_s > 0:
                 self._dram.pins.pin((block.key,), pin_s)
+        return stored
+
+    def _admit(self, block: DramBlock) -> bool:
+        """`_commit` of `block` without a pin. Lock held."""
+        if block.version <= 0:
+            block.version = CLOCK.now()
+        else:
+            CLOCK.observe(block.version)
+        if not self._enter(block):
+            return False
+        self._stack.changes.record((block.key,), (block.version,), False)
+        return True
+
+    def _admit_many(self, blocks: list[DramBlock]) -> list[bool]:
+        """`_admit` of each block in turn, the clock and the change log told once for the batch. Lock held."""
+        versions = [b.version for b in blocks]
+        if min(versions, default=1) > 0:  # the clock only moves: observing the newest is observing each
+            if versions:
+                CLOCK.observe(max(versions))
+        else:
+            for b in blocks:  # the clock's moves in the blocks' order (entering blocks does not move it)
+                if b.version <= 0:
+                    b.version = CLOCK.now()
+                else:
+                    CLOCK.observe(b.version)
+        stored: list[bool] = []
+        try:
+            enter = self._enter
+            for b in blocks:
+                stored.append(enter(b))
+        finally:
+            if any(stored):
+                kept = [b for b, ok in zip(blocks, stored) if ok]
+                self._stack.changes.record([b.key for b in kept], [b.version for b in kept], False)
+        return stored
+
+    def _enter(self, block: DramBlock) -> bool:
+        """Commit `block` (stamped) unless the cache knows a version of its key as new or newer: then
+        free its slot and return False. Lock held."""
+        stack = self._stack
+        key = block.key
+        if block.version <= stack.newest(key):
+            self._dram.unreserve(block.offset)
+            return False
+        stack.tombstones.discard(key)
+        stack.commit(block)
+        return True
 
     # ----- reading ----------------------------------------------------------------------------------
 
@@ -241,11 +299,95 @@ class TieredCache:
         """Remove the block from every tier; True if it was present."""
         return self.batch_remove([key])[0]
 
-    def batch_remove(self, keys: Sequence[Key]) -> list[bool]:
+    def batch_remove(self, keys: Sequence[Key], versions: Sequence[int] | None = None) -> list[bool]:
+        """`remove` of each key, as of `versions` (default: stamped now): a key whose block is newer
+        than its removal keeps it (False). Each removal leaves a tombstone (`versions.Tombstones`), so
+        a put older than it that arrives later does not bring the key back."""
         raw_keys = keys_bytes(keys)
+        stamps = list(versions) if versions is not None else CLOCK.batch(len(raw_keys))
+        if len(stamps) != len(raw_keys):
+            raise InvalidArgument(f"{len(raw_keys)} keys but {len(stamps)} versions")
         with self._lock:
-            self._stack.check_open()
-            return self._stack.remove(raw_keys)
+            stack = self._stack
+            stack.check_open()
+            doomed: dict[bytes, int] = {}
+            for k, v in zip(raw_keys, stamps):
+                CLOCK.observe(v)
+                if v > stack.version_of(k):  # else a newer block: the removal changes nothing
+                    stack.tombstones.add(k, v)
+                    doomed[k] = max(v, doomed.get(k, 0))
+            stack.changes.record(doomed, doomed.values(), True)
+            found = dict(zip(doomed, stack.remove(list(doomed))))
+        out = []
+        for k in raw_keys:  # a key named twice was removed by its first mention
+            out.append(found.pop(k, False))
+        return out
+
+    # ----- versions ---------------------------------------------------------------------------
+
+    def batch_versions(self, keys: Sequence[bytes]) -> tuple[list[bool], list[int]]:
+        """Whether each key's block is present (as `batch_exists`) and the newest version known of it:
+        its block's if present, else its removal's (0 if neither). While fenced (`fence`), only what
+        it accepted since."""
+        now = time.time()
+        with self._lock:
+            stack = self._stack
+            stack.check_open()
+            held = stack.presence(list(keys), now)
+            floor = stack.readable_from
+            return held, [stack.version_of(k) if h else _at_least(stack.tombstones.version(k), floor)
+                          for k, h in zip(keys, held)]
+
+    def removed_versions(self, keys: Sequence[bytes]) -> list[int]:
+        """The version of each key's tombstone (its last removal, while kept); 0 if none."""
+        with self._lock:
+            floor = self._stack.readable_from
+            version = self._stack.tombstones.version
+            return [_at_least(version(k), floor) for k in keys]
+
+    def fence(self, on: bool) -> None:
+        """While fenced, reads and lookups are misses (a worker that may hold blocks it has not yet
+        learnt are outdated), but for blocks stamped after the fence began (later than any clock
+        `CLOCK_SKEW_MS` behind this one): those are newer than anything it can have missed. Writes go on."""
+        floor = ((int(time.time() * 1000) + CLOCK_SKEW_MS) << COUNTER_BITS) if on else 0
+        with self._lock:
+            self._stack.fence(floor)
+
+    def fence_after(self, seconds: float) -> None:
+        """Reads become misses `seconds` from now unless this is called again first (a watchdog: a
+        worker calls it at each heartbeat, so a process that was paused longer wakes up fenced)."""
+        with self._lock:
+            self._stack.fence_at = time.monotonic() + seconds
+
+    def changes_since(self, since_ms: int, from_seq: int = 0, limit: int = 1 << 15) -> tuple[list[Change], int, int]:
+        """The changes accepted at or after `since_ms` (unix ms; `versions.ChangeLog.since`), the
+        sequence number to ask from next (-1: none left), and the time since which the log is complete."""
+        with self._lock:
+            changes = self._stack.changes
+            out, nxt = changes.since(since_ms, from_seq, limit)
+            return out, nxt, changes.covered_since_ms
+
+    def apply_changes(self, changes: Sequence[tuple[bytes, int, bool]]) -> int:
+        """Catch up on (key, version, removed) changes a peer accepted while this cache was away: a
+        block older than one of them is dropped (a miss: this cache lacks the newer bytes) and the
+        change is remembered as a tombstone, so no older put brings it back. Returns blocks dropped."""
+        with self._lock:
+            stack = self._stack
+            stack.check_open()
+            doomed: list[bytes] = []
+            for k, v, removed in changes:
+                CLOCK.observe(v)
+                if stack.version_of(k) >= v:
+                    continue
+                stack.tombstones.add(k, v if removed else v - 1)  # v itself is still welcome
+                doomed.append(k)
+            return sum(stack.remove(doomed)) if doomed else 0
+
+    def covered_since(self, since_ms: int) -> None:
+        """The change log holds everything accepted since `since_ms` (unix ms): this cache accepted
+        nothing between then and now (its last sign of life before this start)."""
+        with self._lock:
+            self._stack.changes.covered_since_ms = since_ms
 
     def clear(self, prefix: Key | None = None) -> None:
         """Remove every block from every tier, or (with `prefix`) every block whose key starts with it
@@ -283,13 +425,41 @@ class TieredCache:
         return self._reserve(nbytes)
 
     def commit(self, key: Key, offset: int, nbytes: int, csum: int, *, pin_s: float = 0.0,
-               ttl_s: float | None = None) -> None:
+               ttl_s: float | None = None, version: int = 0) -> bool:
         """Publish the `nbytes` written at `offset` (from `reserve`) under `key` with checksum `csum`.
-        A live pin on `key` (`pin`) pins it; `pin_s`, `ttl_s` as for `put`."""
+        A live pin on `key` (`pin`) pins it; `pin_s`, `ttl_s` as for `put`. `version` (0: stamped
+        now): if the cache holds a newer version of `key` (or of its removal), the slot is freed
+        instead and False returned."""
         expires = time.time() + ttl_s if ttl_s else 0.0
-        self._commit(DramBlock(key_bytes(key), offset, nbytes, csum, expires), pin_s)
+        stored = self._commit(DramBlock(key_bytes(key), offset, nbytes, csum, expires, version=version), pin_s)
         with self._lock:
             self._stack.counters.puts += 1
+        return stored
+
+    def reserve_many(self, sizes: Sequence[int]) -> list[int | None]:
+        """`reserve` of each size under one lock (a same-node writer's batch): each slot's offset, None
+        for each that found no room. Raises BlockTooLarge, reserving nothing, if a size is out of range."""
+        if sizes and (max(sizes) > self.max_block or min(sizes) < 0):
+            bad = max(sizes) if max(sizes) > self.max_block else min(sizes)
+            raise BlockTooLarge(f"block of {bad} bytes; the DRAM tier's max block is {self.max_block}",
+                                size=bad, limit=self.max_block)
+        with self._lock:
+            self._stack.check_open()
+            return self._moves.alloc_many(sizes)
+
+    def commit_many(self, keys: Sequence[bytes], offsets: Sequence[int], sizes: Sequence[int],
+                    csums: Sequence[int], versions: Sequence[int] | None = None) -> list[bool]:
+        """`commit` of each block (canonical keys; no pin of its own, no TTL) under one lock: a same-node
+        writer's batch. A live pin on a key pins its block, as for `commit`. `versions` as for `commit`
+        (default: stamped now); False for each block not stored (its key holds a newer version)."""
+        blocks = list(map(DramBlock, keys, offsets, sizes, csums, repeat(0.0)))
+        if versions is not None:
+            for b, v in zip(blocks, versions):
+                b.version = v
+        with self._lock:
+            stored = self._admit_many(blocks)
+            self._stack.counters.puts += len(blocks)
+        return stored
 
     def abort(self, offset: int) -> None:
         """Free a reserved slot that will not be committed."""
@@ -301,10 +471,22 @@ class TieredCache:
         it in `arena`. Hold it briefly and `release` it; None on a miss."""
         return self._moves.acquire(key_bytes(key))
 
+    def acquire_many(self, keys: Sequence[bytes]) -> list[BlockRef | None]:
+        """`acquire` of each of `keys` (canonical bytes), the DRAM hits under one lock (a same-node
+        reader's batch); `release_many` them."""
+        return list(self._moves.acquire_many(keys))
+
     def release(self, ref: BlockRef) -> None:
         """End a lease from `acquire` (or one this cache took for a read)."""
         with self._lock:
             self._dram.release(cast(DramBlock, ref))  # every BlockRef this cache hands out is its DramBlock
+
+    def release_many(self, refs: Iterable[BlockRef]) -> None:
+        """`release` of each lease, under one lock."""
+        with self._lock:
+            release = self._dram.release
+            for ref in cast("Iterable[DramBlock]", refs):  # every BlockRef this cache hands out is its DramBlock
+                release(ref)
 
     # ----- listeners, reports, lifecycle ------------------------------------------------------------
 
@@ -361,3 +543,8 @@ class TieredCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _at_least(version: int, floor: float) -> int:
+    """`version`, or 0 if it is below `floor` (what a fenced cache cannot vouch for)."""
+    return version if version >= floor else 0

@@ -13,7 +13,7 @@ from typing import Any
 
 from .registry import add_command
 
-__all__ = ["COMMANDS", "cmd_worker", "cmd_up", "cmd_status", "build_parser", "main"]
+__all__ = ["COMMANDS", "EXIT_ERROR", "cmd_worker", "cmd_up", "cmd_status", "build_parser", "main"]
 
 COMMANDS: dict[str, str] = {
     "bench": "kvpool.core.bench",
@@ -35,12 +35,16 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
                                    "the default is the token file made at first start, <state dir>/token)")
     p.add_argument("--no-auth", action="store_true", default=None,
                    help="loopback only: no token (any local user may use the pool); or KVPOOL_NO_AUTH=1")
+    p.add_argument("--tls-cert", help="serve TCP over TLS with this certificate (PEM; with --tls-key; or "
+                                      "KVPOOL_TLS_CERT): clients then need KVPOOL_TLS_CA, the CA to verify it against")
+    p.add_argument("--tls-key", help="the TLS certificate's private key (PEM; or KVPOOL_TLS_KEY)")
     p.add_argument("--tenants", dest="tenants_file", metavar="FILE",
                    help="tenant tokens, each bound to the key namespace '<tenant>/' with a quota: a 0600 JSON/TOML "
                         "file {name: {token, quota_bytes}} (or KVPOOL_TENANTS_FILE)")
     p.add_argument("--nats-url", help="register in the cluster at this NATS server")
-    p.add_argument("--nats-creds", help="file with the NATS user and password to register with (or KVPOOL_NATS_CREDS; "
-                                        "default: the worker credentials of `kvpool up` in <state dir>/nats)")
+    p.add_argument("--nats-creds", help="file with the NATS nkey seed or password to register with (or "
+                                        "KVPOOL_NATS_CREDS; default: the worker credentials of `kvpool up` in "
+                                        "<state dir>/nats)")
     p.add_argument("--worker-id", help="this worker's id in the cluster (default: kept with its SSD tier or state)")
     p.add_argument("--advertise-host", help="the address other machines reach this worker at (default --host; "
                                             "required with a wildcard --host in a cluster)")
@@ -63,8 +67,9 @@ def _build_worker(args: argparse.Namespace) -> Any:
         return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
     wcfg = load(WorkerConfig, file=args.config, section="worker",
-                **pick(["host", "port", "token", "no_auth", "tenants_file", "nats_url", "nats_creds", "metrics_port",
-                         "worker_id", "advertise_host", "node_id", "events", "events_zmq"]))
+                **pick(["host", "port", "token", "no_auth", "tls_cert", "tls_key", "tenants_file", "nats_url",
+                        "nats_creds", "metrics_port", "worker_id", "advertise_host", "node_id", "events",
+                        "events_zmq"]))
     ccfg = load(CacheConfig, file=args.config, section="cache", **pick(["dram_bytes", "ssd_path", "ssd_map_size"]))
     return Worker(wcfg, ccfg)
 
@@ -105,7 +110,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         auth, secured = None, "anyone who reaches it may join and write membership (--nats-no-auth)"
     else:
         auth = authorization(ensure_creds(where))
-        secured = f"users and passwords in {where} (0600)"
+        secured = f"a user per role (nkeys, or passwords in files of older versions) in {where} (0600)"
         args.nats_creds = str(creds_path("worker", where))
     tls = (args.nats_tls_cert, args.nats_tls_key) if args.nats_tls_cert else None
     if tls:  # our own worker trusts the certificate (itself the CA, when self-signed) unless told a CA
@@ -118,13 +123,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     except BaseException:
         nats.stop()
         raise
+    tls_note = ("\n  worker TLS:       clients verify it with KVPOOL_TLS_CA=<the CA that signed "
+                f"{worker.config.tls_cert}>" if worker.config.tls_cert else "")
     print(f"""kvpool is up: NATS {nats.url}, worker {worker.worker_id} at {worker.address}
 
   NATS access:      {secured}
                     processes of this user find them there; elsewhere, hand over only the role needed:
                     KVPOOL_NATS_CREDS={creds_path("client", where)}  (clients: read membership, use streams)
                     {creds_path("worker", where)} (workers), {creds_path("admin", where)} (create streams)
-  Python clients:   KVPOOL_NATS_URL={nats.url}   (cluster mode)
+  Python clients:   KVPOOL_NATS_URL={nats.url}   (cluster mode){tls_note}
   same-node only:   KVPOOL_MODE=local KVPOOL_WORKER={worker.unix_path}
   SGLang:           --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
                     '{{"backend_name":"kvpool","module_path":"kvpool.backends.sglang","class_name":"KVPoolHiCacheStorage","interface_v1":1,"nats_url":"{nats.url}"}}'
@@ -147,7 +154,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.nats_creds:
         os.environ["KVPOOL_NATS_CREDS"] = args.nats_creds  # read by every NATS connection this command makes
 
-    with PoolClient(mode="cluster", nats_url=args.nats_url, token=args.token) as client:
+    with PoolClient(mode="cluster", nats_url=args.nats_url, token=args.token, tls_ca=args.tls_ca) as client:
         if args.watch:
             from .status_watch import watch
 
@@ -191,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="members, capacities, fill and hit rates of the cluster")
     s.add_argument("--nats-url", default="nats://127.0.0.1:4222")
     s.add_argument("--token", default=None)
-    s.add_argument("--nats-creds", help="NATS user/password file (or KVPOOL_NATS_CREDS; default: in the state dir)")
+    s.add_argument("--tls-ca", help="CA file to verify TLS workers against (or KVPOOL_TLS_CA)")
+    s.add_argument("--nats-creds", help="NATS credentials file: nkey seed or user/password (or KVPOOL_NATS_CREDS; "
+                                        "default: in the state dir)")
     s.add_argument("--json", action="store_true")
     s.add_argument("--watch", action="store_true", help="live rates per worker, redrawn every --interval seconds")
     s.add_argument("--interval", type=float, default=2.0, help="seconds between redraws with --watch (2)")
@@ -202,11 +211,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_ERROR = 2
+"""The exit status of a command that failed with a KVPoolError: 2, as argparse's usage errors and the
+commands that report their own (`kvpool bench`, `kvpool events`)."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a KVPoolError (a refused token, an unreachable pool, a bad option value) is one
+    line on stderr, `kvpool <command>: <ErrorType>: <message>`, and EXIT_ERROR; with -v its traceback
+    is logged too. Anything else is a bug and keeps its traceback."""
+    from .errors import KVPoolError
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KVPoolError as e:
+        logging.getLogger("kvpool.cli").debug("kvpool %s failed", args.command, exc_info=True)
+        print(f"kvpool {args.command}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from .cluster_backend import ClusterBackend
 from .config import CacheConfig, default_state_dir, load
 from .embedded_backend import EmbeddedBackend
 from .errors import ConfigError, InvalidArgument
-from .keys import Key, key_bytes
+from .keys import Key, key_bytes, keys_bytes
 from .pool_backend import MembersPredicate, PoolBackend
 from .records import PoolStats, WorkerInfo
 from .transport import connect
@@ -50,6 +50,10 @@ class ClientConfig:
     It never crosses the wire (challenge-response), and a client holding one treats a worker that cannot
     prove it holds the same as absent. Same-node (Unix socket) workers need none: the kernel vouches
     for the peer's user."""
+    tls_ca: str | None = None
+    """CA file (PEM) to verify TCP workers' TLS certificates against (`KVPOOL_TLS_CA`): set, every TCP
+    connection is TLS and a worker that does not serve it, or whose certificate does not verify for the
+    address dialled, is treated as absent; unset, TCP is clear text. See `kvpool.core.tls`."""
     replication: int = 1
     """cluster mode: copies written per block (top-R workers by rendezvous score)."""
     timeout_s: float = 5.0
@@ -73,14 +77,14 @@ def _embedded(cfg: ClientConfig, cache: CacheConfig | None, cache_options: Mappi
 
 
 def _local(cfg: ClientConfig, cache: CacheConfig | None, cache_options: Mapping[str, Any]) -> PoolBackend:
-    return connect(cfg.worker or str(default_state_dir() / "worker-7461.sock"), cfg.token, cfg.timeout_s)
+    return connect(cfg.worker or str(default_state_dir() / "worker-7461.sock"), cfg.token, cfg.timeout_s, cfg.tls_ca)
 
 
 def _cluster(cfg: ClientConfig, cache: CacheConfig | None, cache_options: Mapping[str, Any]) -> PoolBackend:
     if not cfg.nats_url:
         raise ConfigError("cluster mode needs nats_url (KVPOOL_NATS_URL)")
     return ClusterBackend(cfg.nats_url, token=cfg.token, replication=cfg.replication, timeout_s=cfg.timeout_s,
-                          node_id=cfg.node_id)
+                          node_id=cfg.node_id, tls_ca=cfg.tls_ca)
 
 
 BACKENDS: dict[str, Callable[[ClientConfig, CacheConfig | None, Mapping[str, Any]], PoolBackend]] = {
@@ -105,7 +109,7 @@ def _keys(keys: Sequence[Key]) -> list[bytes]:
     if isinstance(keys, (str, bytes)):
         raise InvalidArgument(f"a batch call takes a list of keys, not one key ({keys[:24]!r}); pass [key] "
                               "or use the single-key call")
-    return [key_bytes(k) for k in keys]
+    return keys_bytes(keys)
 
 
 def _pairs(keys: Sequence[Key], buffers: Sequence[Any]) -> list[bytes]:

@@ -105,12 +105,15 @@ class Membership:
     # ----- worker side ------------------------------------------------------------------------
 
     def register(self, worker_id: str, info: Callable[[], dict[str, Any]], heartbeat_s: float,
-                 on_rejoin: Callable[[float], None] | None = None) -> None:
+                 on_rejoin: Callable[[float], None] | None = None,
+                 on_beat: Callable[[], None] | None = None) -> None:
         """Publish `info()` under `worker_id` now and every `heartbeat_s` until `close()`.
 
         `on_rejoin(gap_s)` runs once per outage (in the NATS thread) as soon as no heartbeat got through
         for so long that the entry may have expired: clients then place this worker's keys elsewhere, so
-        what it holds may become older than what they write meanwhile."""
+        what it holds may become older than what they write meanwhile. A process paused (SIGSTOP) for
+        that long counts as an outage too. `on_beat()` runs (in the NATS thread) after each heartbeat
+        that got through."""
         last_ok = time.monotonic()
         told = last_ok  # the gap on_rejoin was last called for, by its start
 
@@ -124,6 +127,8 @@ class Membership:
                         on_rejoin(gap)
                     await self._kv.put(worker_id, json.dumps({**info(), "ts": time.time()}).encode())
                     last_ok = time.monotonic()
+                    if on_beat is not None:
+                        on_beat()
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:  # NATS restarting: keep beating; recreate the bucket if lost
@@ -143,7 +148,40 @@ class Membership:
                                 f"workers need the worker credentials): {denied}") from e
             raise nats_error(e, f"cannot register {worker_id!r} at {self.url}") from e
         self._registered = worker_id
+        if on_beat is not None:
+            on_beat()
         self._io.spawn(beat())
+
+    def peers(self, timeout_s: float = 5.0) -> dict[str, WorkerInfo]:
+        """The members registered now, read from the bucket once (a worker, which does not watch it).
+        Raises PoolUnavailable if NATS does not answer within `timeout_s`."""
+        async def read() -> dict[str, WorkerInfo]:
+            from nats.js.errors import NoKeysError
+
+            if self._kv is None:
+                await self._reopen_bucket()
+            if self._kv is None:
+                return {}
+            try:
+                names = await self._kv.keys()
+            except NoKeysError:
+                return {}
+            out: dict[str, WorkerInfo] = {}
+            now = time.time()
+            for name in names:
+                try:
+                    entry = await self._kv.get(name)
+                    fields = json.loads(entry.value)
+                    if now - float(fields.get("ts", now)) <= self.ttl_s:
+                        out[name] = WorkerInfo.from_dict(fields, name)
+                except (ValueError, TypeError, AttributeError) as e:
+                    log.warning("ignoring member entry %r: %s", name, e)
+            return out
+
+        try:
+            return self._io.run(read(), timeout=timeout_s)
+        except Exception as e:
+            raise nats_error(e, f"cannot list the members at {self.url}") from e
 
     # ----- client side ------------------------------------------------------------------------
 

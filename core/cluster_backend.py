@@ -1,28 +1,126 @@
 """`ClusterBackend`: the pool as every live worker of a cluster, as a PoolBackend.
 
-Keys are placed by rendezvous hashing over the members with `replication` copies: a put goes
-to every owner, a read asks the primary and then each replica in turn for what is still missing,
-sharing the call's `timeout_s` out between them. A dead worker is a miss (or a replica's hit), never
+Keys are placed by rendezvous hashing over the members with `replication` copies. Every put and
+remove carries one version (`kvpool.core.versions`) to every owner, and each owner keeps the newest.
+A read asks all owners at once and takes the newest among those that answer within the call's
+`timeout_s` (a removal newer than every block is a miss), then repairs the owners that answered with
+something older (`Repairs`, in the background). A dead worker is a miss (or a replica's hit), never
 an exception or a hang.
 """
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
+from .buffers import readable
 from .cluster import Membership, rank
 from .config import default_node_id
-from .errors import PoolUnavailable
+from .errors import KVPoolError, PoolUnavailable
 from .fanout import FanOut, Transport
 from .pool_backend import MembersPredicate, leases_by_copy
 from .records import PoolStats, WorkerInfo, WorkerStats
+from .versions import CLOCK
 
-__all__ = ["Groups", "ClusterBackend"]
+__all__ = ["Groups", "Repair", "Repairs", "ClusterBackend"]
+
+log = logging.getLogger("kvpool.client")
 
 Groups = dict[str, list[int]]
 """Key indices by the worker asked about them."""
+
+
+def _newest(heard: dict[str, tuple[bool, int]]) -> tuple[int, bool]:
+    """The newest (version, is a block) among owners' answers (holds a block, version); a removal
+    wins a tie; (0, False) when none knows the key."""
+    best = (0, False)
+    for block, v in heard.values():
+        if v > best[0] or (v == best[0] and v and not block):
+            best = (v, block)
+    return best
+
+
+@dataclass
+class Repair:
+    """Owners of `key` found holding something older than `version`: the block of `size` bytes read
+    into `buffer`, or (`buffer` None) the key's removal."""
+
+    key: bytes
+    owners: list[str]
+    version: int
+    buffer: Any
+    size: int
+
+
+class Repairs:
+    """Read repair: writes the newest block (or removal) read to the owners that answered with an older
+    one, in one background thread, each batch under its own `timeout_s`. Bytes are copied before the
+    read returns (the caller owns its buffers); at most `max_pending` keys wait, beyond which repairs
+    are skipped (the next read of the key repairs it)."""
+
+    def __init__(self, fanout: FanOut, timeout_s: float, max_pending: int = 4096) -> None:
+        self.fanout = fanout
+        self.timeout_s = timeout_s
+        self.max_pending = max_pending
+        self.done = 0
+        """Keys repaired (an owner answered the repair)."""
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-repair")
+
+    def submit(self, live: dict[str, WorkerInfo], repairs: list[Repair]) -> None:
+        if not repairs:
+            return
+        jobs: list[tuple[Repair, bytes | None]] = []
+        for r in repairs:
+            jobs.append((r, None if r.buffer is None else bytes(readable(r.buffer)[:r.size])))
+        with self._lock:
+            if self._pending + len(jobs) > self.max_pending:
+                return
+            self._pending += len(jobs)
+        try:
+            self._pool.submit(self._run, live, jobs)
+        except RuntimeError:  # closed meanwhile
+            with self._lock:
+                self._pending -= len(jobs)
+
+    def _run(self, live: dict[str, WorkerInfo], jobs: list[tuple[Repair, bytes | None]]) -> None:
+        try:
+            puts: Groups = {}
+            removes: Groups = {}
+            for j, (r, data) in enumerate(jobs):
+                for w in r.owners:
+                    (removes if data is None else puts).setdefault(w, []).append(j)
+
+            def put(t: Transport, idx: list[int]) -> None:
+                t.batch_put([jobs[j][0].key for j in idx], [jobs[j][1] for j in idx], 0.0,
+                            [jobs[j][0].version for j in idx])
+
+            def remove(t: Transport, idx: list[int]) -> list[bool]:
+                return t.batch_remove([jobs[j][0].key for j in idx], [jobs[j][0].version for j in idx])
+
+            deadline = time.monotonic() + self.timeout_s
+            done = sum(len(idx) for _, idx, _ in self.fanout.each(live, puts, put, deadline))
+            done += sum(len(idx) for _, idx, _ in self.fanout.each(live, removes, remove, deadline))
+            with self._lock:
+                self.done += done
+        except KVPoolError as e:  # a repair that fails is retried by the next read of its key
+            log.debug("read repair of %d keys failed: %s", len(jobs), e)
+        finally:
+            with self._lock:
+                self._pending -= len(jobs)
+
+    def wait(self) -> None:
+        """Until the repairs submitted so far are done (tests, shutdown)."""
+        self._pool.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class ClusterBackend:
@@ -30,13 +128,14 @@ class ClusterBackend:
     (workers with the same one are reached through shared memory; default as a worker's)."""
 
     def __init__(self, nats_url: str, *, token: str | None = None, replication: int = 1, timeout_s: float = 5.0,
-                 node_id: str | None = None) -> None:
+                 node_id: str | None = None, tls_ca: str | None = None) -> None:
         self.nats_url = nats_url
         self.replication = replication
         self.timeout_s = timeout_s
         self.membership = Membership(nats_url, connect_timeout_s=timeout_s)
         self.membership.watch()
-        self.fanout = FanOut(node_id or default_node_id(), token, timeout_s)
+        self.fanout = FanOut(node_id or default_node_id(), token, timeout_s, tls_ca)
+        self.repairs = Repairs(self.fanout, timeout_s)
 
     # ----- placement --------------------------------------------------------------------------
 
@@ -47,28 +146,12 @@ class ClusterBackend:
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout_s
 
-    def _attempts(self) -> Iterator[tuple[int, float]]:
-        """(replica rank, its deadline) for a read: the call's `timeout_s` is shared out, so an owner
-        that hangs leaves its replicas time to answer within the same bound."""
-        start, n = time.monotonic(), self.replication
-        for attempt in range(n):
-            yield attempt, start + self.timeout_s * (attempt + 1) / n
-
     @staticmethod
     def _replica_groups(owners: list[list[str]]) -> Groups:
         groups: Groups = {}
         for i, ow in enumerate(owners):
             for w in ow:
                 groups.setdefault(w, []).append(i)
-        return groups
-
-    @staticmethod
-    def _read_groups(owners: list[list[str]], attempt: int, pending: list[bool]) -> Groups:
-        """Keys still pending, grouped by their `attempt`-th owner (primary first, then replicas)."""
-        groups: Groups = {}
-        for i, ow in enumerate(owners):
-            if pending[i] and attempt < len(ow):
-                groups.setdefault(ow[attempt], []).append(i)
         return groups
 
     def _live(self) -> dict[str, WorkerInfo]:
@@ -86,9 +169,10 @@ class ClusterBackend:
         if not live:
             raise PoolUnavailable(f"no live workers in the cluster at {self.nats_url}")
         stored = [0] * len(keys)
+        versions = CLOCK.batch(len(keys))  # one version per block, the same on every replica
 
         def put(t: Transport, idx: list[int]) -> None:
-            t.batch_put([keys[i] for i in idx], [buffers[i] for i in idx], pin_s)
+            t.batch_put([keys[i] for i in idx], [buffers[i] for i in idx], pin_s, [versions[i] for i in idx])
 
         for _, idx, _ in self.fanout.each(live, self._replica_groups(self._owners(keys, live)), put, self._deadline()):
             for i in idx:
@@ -97,34 +181,95 @@ class ClusterBackend:
             raise PoolUnavailable(f"{stored.count(0)} of {len(keys)} blocks reached no live worker")
 
     def batch_get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[int]:
+        """The newest version of each block among its live owners, or a miss (-1) where the newest thing
+        they know of the key is its removal. With one copy, the owner is simply asked; with more,
+        `_read_newest`."""
         live = self._live()
-        out = [-1] * len(keys)
         owners = self._owners(keys, live)
+        if self.replication <= 1:
+            out = [-1] * len(keys)
 
-        def get(t: Transport, idx: list[int]) -> list[int]:
-            return t.batch_get_into([keys[i] for i in idx], [buffers[i] for i in idx])
+            def get(t: Transport, idx: list[int]) -> list[int]:
+                return t.batch_get_into([keys[i] for i in idx], [buffers[i] for i in idx])
 
-        for attempt, deadline in self._attempts():
-            groups = self._read_groups(owners, attempt, [n < 0 for n in out])
-            for _, idx, sizes in self.fanout.each(live, groups, get, deadline):
+            for _, idx, sizes in self.fanout.each(live, self._replica_groups(owners), get, self._deadline()):
                 for i, n in zip(idx, sizes):
                     out[i] = n
+            return out
+        return self._read_newest(keys, buffers, live, owners)
+
+    def _read_newest(self, keys: Sequence[bytes], buffers: Sequence[Any], live: dict[str, WorkerInfo],
+                     owners: list[list[str]]) -> list[int]:
+        """Two rounds under the call's one deadline. First, in parallel, each key's primary reads it into
+        the caller's buffer and its other owners say which version they hold (EXISTS): one round trip
+        when they agree. Then the keys whose newest version is a block held by another owner are read
+        from it (the primary missed, was stale or did not answer). A removal as new as or newer than
+        every block is a miss. Owners that answered with something older are repaired in the background
+        (`Repairs`)."""
+        n = len(keys)
+        start = time.monotonic()
+        out = [-1] * n
+        got = [0] * n  # the version of what lies in buffers[i] (where out[i] >= 0)
+        heard: list[dict[str, tuple[bool, int]]] = [{} for _ in range(n)]  # owner -> (holds a block, version)
+
+        def first(t: Transport, idx: list[int]) -> tuple[list[int], list[int], list[bool], list[int]]:
+            reads = [i for i in idx if i >= 0]  # this worker is their primary
+            asks = [~i for i in idx if i < 0]
+            sizes, versions = t.batch_get_versions_into([keys[i] for i in reads], [buffers[i] for i in reads])
+            flags, known = t.batch_versions([keys[i] for i in asks]) if asks else ([], [])
+            return sizes, versions, flags, known
+
+        groups: Groups = {}
+        for i, ow in enumerate(owners):
+            for rank_, w in enumerate(ow):
+                groups.setdefault(w, []).append(i if rank_ == 0 else ~i)
+        for w, idx, (sizes, versions, flags, known) in self.fanout.each(live, groups, first,
+                                                                        start + self.timeout_s / 2):
+            reads = [i for i in idx if i >= 0]
+            asks = [~i for i in idx if i < 0]
+            for i, size, v in zip(reads, sizes, versions):
+                out[i], got[i] = size, v
+                heard[i][w] = (size >= 0, v)
+            for i, f, v in zip(asks, flags, known):
+                heard[i][w] = (f, v)
+        newest = [_newest(h) for h in heard]
+        fetch: Groups = {}
+        for i in range(n):
+            version, block = newest[i]
+            if out[i] >= 0 and got[i] >= version:
+                continue
+            out[i] = -1
+            holder = next((w for w, (b, v) in heard[i].items() if b and v == version), None) if block else None
+            if holder is not None:
+                fetch.setdefault(holder, []).append(i)
+
+        def get(t: Transport, idx: list[int]) -> tuple[list[int], list[int]]:
+            return t.batch_get_versions_into([keys[i] for i in idx], [buffers[i] for i in idx])
+
+        for _, idx, (sizes, versions) in self.fanout.each(live, fetch, get, start + self.timeout_s):
+            for i, size, v in zip(idx, sizes, versions):
+                if size >= 0 and v >= newest[i][0]:
+                    out[i], got[i] = size, v
+        stale = [Repair(keys[i], [w for w, (b, v) in heard[i].items() if (b, v) != (newest[i][1], newest[i][0])],
+                        got[i] if out[i] >= 0 else newest[i][0], buffers[i] if out[i] >= 0 else None, out[i])
+                 for i in range(n) if newest[i][0] and (out[i] >= 0 or not newest[i][1])]
+        self.repairs.submit(live, [r for r in stale if r.owners])
         return out
 
     def batch_exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the newest thing the key's live owners know of it is a block (not its removal)."""
         live = self._live()
-        out = [False] * len(keys)
         owners = self._owners(keys, live)
+        heard: list[dict[str, tuple[bool, int]]] = [{} for _ in keys]
 
-        def ask(t: Transport, idx: list[int]) -> list[bool]:
-            return t.batch_exists([keys[i] for i in idx])
+        def ask(t: Transport, idx: list[int]) -> tuple[list[bool], list[int]]:
+            return t.batch_versions([keys[i] for i in idx])
 
-        for attempt, deadline in self._attempts():
-            groups = self._read_groups(owners, attempt, [not f for f in out])
-            for _, idx, flags in self.fanout.each(live, groups, ask, deadline):
-                for i, f in zip(idx, flags):
-                    out[i] = f
-        return out
+        for w, idx, (flags, versions) in self.fanout.each(live, self._replica_groups(owners), ask,
+                                                          self._deadline()):
+            for i, f, v in zip(idx, flags, versions):
+                heard[i][w] = (f, v)
+        return [_newest(h)[1] for h in heard]
 
     def prefix_match(self, keys: Sequence[bytes]) -> int:
         flags = self.batch_exists(keys)
@@ -143,9 +288,10 @@ class ClusterBackend:
     def batch_remove(self, keys: Sequence[bytes]) -> list[bool]:
         live = self._live()
         out = [False] * len(keys)
+        versions = CLOCK.batch(len(keys))  # the removal's version, the same on every replica
 
         def rm(t: Transport, idx: list[int]) -> list[bool]:
-            return t.batch_remove([keys[i] for i in idx])
+            return t.batch_remove([keys[i] for i in idx], [versions[i] for i in idx])
 
         for _, idx, flags in self.fanout.each(live, self._replica_groups(self._owners(keys, live)), rm,
                                               self._deadline()):
@@ -176,5 +322,6 @@ class ClusterBackend:
         return self.membership.wait_for(predicate, timeout_s)
 
     def close(self) -> None:
+        self.repairs.close()
         self.fanout.close()
         self.membership.close()

@@ -181,6 +181,13 @@ class WorkerConfig:
     """`--no-auth` / `KVPOOL_NO_AUTH=1`, loopback binds only: TCP clients need no token, so every
     local user can read, write and clear the pool. For single-user machines. Unix-socket clients are
     still checked (same user or root, by SO_PEERCRED)."""
+    tls_cert: str | None = None
+    """TLS on the TCP port (`--tls-cert`, `KVPOOL_TLS_CERT`): the worker's certificate (PEM, with any
+    intermediates), which clients verify against the CA they are given (`KVPOOL_TLS_CA`); with
+    `tls_key`. Block data and the handshake then cross the network encrypted; the token's
+    challenge-response runs inside. Unset: clear text. See `kvpool.core.tls`."""
+    tls_key: str | None = None
+    """The certificate's private key (PEM; `--tls-key`, `KVPOOL_TLS_KEY`)."""
     tenants_file: str | None = None
     """Tenant tokens, each scoped to the key namespace `<name>/` with a quota in bytes (`--tenants`,
     `KVPOOL_TENANTS_FILE`): a 0600 JSON or TOML file `{"<name>": {"token": ..., "quota_bytes": ...}}`;
@@ -210,7 +217,7 @@ class WorkerConfig:
     nats_url: str | None = None
     """Register in the cluster at this NATS server; standalone when unset."""
     nats_creds: str | None = None
-    """File with the NATS user and password to register with (`KVPOOL_NATS_CREDS`); default the
+    """File with the NATS nkey seed (or user and password) to register with (`KVPOOL_NATS_CREDS`); default the
     worker credentials `kvpool up` keeps in `<state dir>/nats/worker.json`, if any (see
     `kvpool.core.nats_creds`)."""
     heartbeat_s: float = 2.0
@@ -233,6 +240,11 @@ class WorkerConfig:
     """ZMQ block hashes as 32 `bytes` or 64-bit `int` (Dynamo)."""
     events_block_tokens: int = 16
     """The engine's tokens per block, as ZMQ events report it."""
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError(f"TLS needs both a certificate and its key (tls_cert={self.tls_cert!r}, "
+                              f"tls_key={self.tls_key!r})")
 
     def nats_credentials(self) -> NatsCreds | None:
         """The credentials in the `nats_creds` file; None when unset (then `nats_connect` uses the URL's,

@@ -1,5 +1,6 @@
-"""One connection to one worker: connect and authenticate, type its failures, and the control calls
-that are the same over TCP and shared memory (exists, prefix, remove, clear, pin, stats).
+"""One connection to one worker: connect (over TLS when given a CA, `kvpool.core.tls`) and
+authenticate, type its failures, and the control calls that are the same over TCP and shared memory
+(exists, prefix, remove, clear, pin, stats).
 
 `kvpool.core.transport` builds the two transports on it; they add how block bytes move.
 """
@@ -9,6 +10,7 @@ import hmac
 import logging
 import secrets
 import socket
+import ssl
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -31,6 +33,8 @@ from .errors import (
 )
 from .pool_backend import MembersPredicate
 from .records import PoolStats, WorkerInfo, WorkerStats
+from .tls import ca_file, client_context, server_name
+from .versions import CLOCK, Change
 
 __all__ = ["DEFAULT_MAX_BLOCK", "Connection", "raise_item", "send_pin"]
 
@@ -43,11 +47,16 @@ DEFAULT_MAX_BLOCK = 16 << 20
 class Connection:
     """A socket to one worker, one request at a time, reconnecting after a failure."""
 
-    def __init__(self, address: str, token: str | None = None, timeout_s: float = 5.0) -> None:
+    def __init__(self, address: str, token: str | None = None, timeout_s: float = 5.0,
+                 tls_ca: str | None = None) -> None:
         self.address = address
         self.token = token
         """The pool token; None: found when connecting (`kvpool.core.auth.find_token`)."""
         self.timeout_s = timeout_s
+        self.tls_ca = None if self.unix else ca_file(tls_ca)
+        """TCP: the CA file the worker's certificate must verify against (`tls_ca`, else `KVPOOL_TLS_CA`);
+        None: clear text. Unix sockets never use TLS."""
+        self._tls = client_context(self.tls_ca) if self.tls_ca else None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self.info = WorkerInfo(worker_id="")
@@ -73,6 +82,8 @@ class Connection:
                 host, _, port = self.address.rpartition(":")
                 sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self._tls is not None:
+                    sock = self._start_tls(sock, host, self._tls)
         except OSError as e:
             raise PoolUnavailable(f"cannot connect to worker {self.address}: {e}") from e
         self._sock = sock
@@ -82,6 +93,20 @@ class Connection:
             self.close()
             raise
         return sock
+
+    def _start_tls(self, sock: socket.socket, host: str, context: ssl.SSLContext) -> ssl.SSLSocket:
+        """The TLS handshake (within `timeout_s`): a worker whose certificate does not verify against
+        our CA for the address dialled, or that does not speak TLS, is treated as absent (sent nothing)."""
+        try:
+            return context.wrap_socket(sock, server_hostname=server_name(host))
+        except ssl.SSLCertVerificationError as e:
+            raise PoolUnavailable(f"worker {self.address}: its TLS certificate does not verify against the CA "
+                                  f"{self.tls_ca} ({e.verify_message}): treated as absent, sent nothing") from e
+        except (ssl.SSLError, ConnectionError) as e:
+            raise PoolUnavailable(f"worker {self.address}: no TLS handshake ({e}); a client with a CA "
+                                  "(KVPOOL_TLS_CA) talks only to workers serving TLS (--tls-cert)") from e
+        finally:
+            sock.close()  # wrap_socket took its file descriptor (or failed): this closes nothing in use
 
     def _handshake(self, sock: socket.socket) -> dict[str, Any]:
         """Make sure of the worker before sending it anything but HELLO; its description.
@@ -95,7 +120,13 @@ class Connection:
             if not same_user(uid):
                 raise PoolUnavailable(f"worker socket {self.address} is served by uid {uid}, not this user: "
                                       "treated as absent")
-        hello = P.unpack_json(self._roundtrip(P.Op.HELLO).meta)
+        try:
+            hello = P.unpack_json(self._roundtrip(P.Op.HELLO).meta)
+        except (ProtocolError, ConnectionError) as e:
+            if self.unix or self._tls is not None:
+                raise
+            raise PoolUnavailable(f"worker {self.address} did not answer HELLO ({e}); if it serves TLS "
+                                  "(--tls-cert), give this client its CA (KVPOOL_TLS_CA, tls_ca)") from e
         token = self.token if self.token is not None else find_token()
         if "nonce" not in hello:
             if token and not self.unix and not no_auth_env():
@@ -171,17 +202,46 @@ class Connection:
         return self.hello().max_block or DEFAULT_MAX_BLOCK
 
     def batch_exists(self, keys: Sequence[bytes]) -> list[bool]:
-        return self._flags(P.Op.EXISTS, keys)
+        return self.batch_versions(keys)[0]
 
-    def batch_remove(self, keys: Sequence[bytes]) -> list[bool]:
-        return self._flags(P.Op.REMOVE, keys)
+    def batch_versions(self, keys: Sequence[bytes]) -> tuple[list[bool], list[int]]:
+        """Whether each block is present, and the newest version the worker knows of its key: its
+        block's, else its removal's (0: neither)."""
+        flags: list[bool] = []
+        versions: list[int] = []
+        for f in P.frames(len(keys)):
+            n = f.stop - f.start
+            meta = self.call(P.Op.EXISTS, P.pack_batch(list(keys[f]))).meta
+            if len(meta) != 9 * n:
+                raise PoolUnavailable(f"worker {self.address}: EXISTS reply of {len(meta)} bytes for {n} keys")
+            flags += np.frombuffer(meta, dtype="<u1", count=n).astype(bool).tolist()
+            versions += np.frombuffer(meta, dtype="<u8", count=n, offset=n).tolist()
+        if versions:
+            CLOCK.observe(max(versions))
+        return flags, versions
 
-    def _flags(self, op: int, keys: Sequence[bytes]) -> list[bool]:
+    def batch_remove(self, keys: Sequence[bytes], versions: Sequence[int] | None = None) -> list[bool]:
+        """Remove blocks as of `versions` (default: stamped now): True where one was removed."""
+        stamps = np.asarray(versions if versions is not None else CLOCK.batch(len(keys)), dtype="<u8")
         out: list[bool] = []
         for f in P.frames(len(keys)):
-            reply = self.call(op, P.pack_batch(list(keys[f])))
+            reply = self.call(P.Op.REMOVE, P.pack_batch(list(keys[f]), stamps[f]))
             out += np.frombuffer(reply.meta, dtype="<u1").astype(bool).tolist()
         return out
+
+    def changes(self, since_ms: int, from_seq: int = 0) -> tuple[list[Change], int, int]:
+        """The changes the worker accepted since `since_ms` (unix ms), from `from_seq` on: (changes,
+        the sequence number to ask from next or -1, the time since which its log is complete)."""
+        meta = self.call(P.Op.CHANGES, P.pack_json({"since_ms": since_ms, "from_seq": from_seq})).meta
+        if len(meta) < 16:
+            raise PoolUnavailable(f"worker {self.address}: CHANGES reply of {len(meta)} bytes")
+        covered = int(np.frombuffer(meta, dtype="<u8", count=1)[0])
+        nxt = int(np.frombuffer(meta, dtype="<i8", count=1, offset=8)[0])
+        try:
+            keys, (versions, removed) = P.unpack_batch(meta[16:], "<u8", "<u1")
+        except ProtocolError as e:
+            raise PoolUnavailable(f"worker {self.address}: {e}") from e
+        return [Change(k, v, bool(r), 0) for k, v, r in zip(keys, versions.tolist(), removed.tolist())], nxt, covered
 
     def prefix_match(self, keys: Sequence[bytes]) -> int:
         total = 0

@@ -7,13 +7,13 @@ in the ranking: its keys are not written elsewhere meanwhile.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
+from .auth import unix_socket_usable
 from .errors import PoolTimeout, PoolUnavailable
 from .records import WorkerInfo
 from .transport import ShmTransport, TcpTransport, connect
@@ -33,10 +33,11 @@ class FanOut:
     """One transport per worker (shared memory to workers on `node_id`, TCP to the rest), the suspect
     list, and parallel calls. Thread-safe: one client serves many threads."""
 
-    def __init__(self, node_id: str, token: str | None, timeout_s: float) -> None:
+    def __init__(self, node_id: str, token: str | None, timeout_s: float, tls_ca: str | None = None) -> None:
         self.node_id = node_id
         self.token = token
         self.timeout_s = timeout_s
+        self.tls_ca = tls_ca  # TCP workers over TLS, verified against this CA file (else KVPOOL_TLS_CA's)
         self._transports: dict[str, tuple[tuple[Any, ...], Transport]] = {}
         self._suspect: dict[str, float] = {}
         self._lock = threading.Lock()  # guards the two dicts
@@ -65,8 +66,9 @@ class FanOut:
                 stale, known = known[1], None
                 del self._transports[worker_id]
             if known is None:
-                same_node = info.node_id == self.node_id and os.path.exists(info.unix)
-                known = (info.incarnation, connect(info.unix if same_node else info.tcp, self.token, self.timeout_s))
+                same_node = info.node_id == self.node_id and unix_socket_usable(info.unix)
+                known = (info.incarnation,
+                         connect(info.unix if same_node else info.tcp, self.token, self.timeout_s, self.tls_ca))
                 self._transports[worker_id] = known
         if stale is not None:
             stale.close()

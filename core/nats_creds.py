@@ -1,13 +1,18 @@
 """NATS users per role, and where processes find theirs: what `kvpool up` secures its nats-server with.
 
 Roles: `worker` writes membership and block events; `client` reads membership and events and uses
-existing streams; `admin` may do anything (create and delete streams). Each role's user and password
-are a JSON file `{"user": ..., "password": ...}`, 0600, in `<state dir>/nats/` (0700); a process finds
-its role's file there, or uses the one file named by `KVPOOL_NATS_CREDS` (hand a machine only the
-role it needs). A URL with credentials in it (`nats://user:pass@host`) is used as it is.
+existing streams; `admin` may do anything (create and delete streams). Each role's credentials are a
+JSON file, 0600, in `<state dir>/nats/` (0700): an nkey, `{"user": <label>, "nkey_seed": "SU..."}`
+(what `kvpool up` makes: the client signs the server's nonce, no secret crosses the wire and the
+server's config holds only public keys), or a user and password, `{"user": ..., "password": ...}`
+(files of older versions, and `ensure_creds(nkeys=False)`). A process finds its role's file there,
+or uses the one file named by `KVPOOL_NATS_CREDS` (hand a machine only the role it needs). A URL with
+credentials in it (`nats://user:pass@host`) is used as it is.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import json
 import os
@@ -19,7 +24,8 @@ from .config import default_state_dir
 from .errors import ConfigError
 
 __all__ = ["Role", "ROLES", "MEMBERS_BUCKET", "EVENTS_SUBJECTS", "STREAM_SUBJECTS", "DEAD_LETTER_SUBJECTS",
-    "PERMISSIONS", "NatsCreds", "creds_dir", "creds_path", "load_creds", "find_creds", "ensure_creds", "authorization"]
+    "PERMISSIONS", "NatsCreds", "creds_dir", "creds_path", "load_creds", "find_creds", "ensure_creds", "authorization",
+    "new_user_seed"]
 
 Role = Literal["worker", "client", "admin"]
 ROLES: tuple[Role, ...] = ("worker", "client", "admin")
@@ -52,11 +58,37 @@ PERMISSIONS: dict[Role, dict[str, dict[str, list[str]]]] = {
 
 @dataclasses.dataclass(frozen=True)
 class NatsCreds:
-    """A NATS user and password; `path` is the file they came from (for messages), if any."""
+    """A NATS user with a password, or an nkey (`seed`; `user` is then only a label for messages);
+    `path` is the file they came from (for messages), if any."""
 
     user: str
-    password: str = dataclasses.field(repr=False)
+    password: str | None = dataclasses.field(default=None, repr=False)
     path: str | None = None
+    seed: str | None = dataclasses.field(default=None, repr=False)
+    """An nkey user seed (`SU...`, base32): signs the server's nonce at connect; its public key
+    (`public_key`) is what the server's config lists."""
+
+    @property
+    def public_key(self) -> str:
+        """The nkey's public key (`U...`); ConfigError for a password user or a malformed seed."""
+        if self.seed is None:
+            raise ConfigError(f"NATS user {self.user!r} ({self.path or 'given'}) has a password, not an nkey")
+        import nkeys
+
+        try:
+            kp = nkeys.from_seed(bytearray(self.seed.encode()))
+        except (nkeys.NkeysError, ValueError, binascii.Error) as e:
+            raise ConfigError(f"NATS credentials {self.path or self.user!r}: not an nkey seed ({e})") from e
+        try:
+            return str(kp.public_key.decode())
+        finally:
+            kp.wipe()
+
+    def connect_options(self) -> dict[str, str]:
+        """nats-py `connect` keywords that authenticate as this user."""
+        if self.seed is not None:
+            return {"nkeys_seed_str": self.seed}
+        return {"user": self.user, "password": self.password or ""}
 
 
 def creds_dir(state_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -70,13 +102,18 @@ def creds_path(role: Role, folder: str | os.PathLike[str] | None = None) -> Path
 
 
 def load_creds(path: str | os.PathLike[str]) -> NatsCreds:
-    """The user and password in a credentials file; ConfigError naming the file if it is not one."""
+    """The nkey seed, or user and password, in a credentials file; ConfigError naming the file if it is
+    not one."""
     try:
         data: Any = json.loads(Path(path).read_text())
+        if "nkey_seed" in data:
+            creds = NatsCreds(str(data.get("user", "nkey")), None, str(path), seed=str(data["nkey_seed"]))
+            creds.public_key  # noqa: B018 - a malformed seed is the file's error, said now, not at connect
+            return creds
         return NatsCreds(str(data["user"]), str(data["password"]), str(path))
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"NATS credentials file {path}: {type(e).__name__}: {e} "
-                          '(expected JSON {"user": ..., "password": ...})') from e
+                          '(expected JSON {"user": ..., "nkey_seed": ...} or {"user": ..., "password": ...})') from e
 
 
 def find_creds(role: Role, path: str | os.PathLike[str] | None = None) -> NatsCreds | None:
@@ -87,7 +124,7 @@ def find_creds(role: Role, path: str | os.PathLike[str] | None = None) -> NatsCr
     if explicit:
         return load_creds(explicit)
     found = creds_path(role)
-    return load_creds(found) if found.exists() else None
+    return load_creds(found) if os.path.exists(found) else None  # False too where we may not look (another user's)
 
 
 def _private_dir(folder: Path) -> None:
@@ -95,27 +132,52 @@ def _private_dir(folder: Path) -> None:
     os.chmod(folder, 0o700)
 
 
-def ensure_creds(folder: str | os.PathLike[str] | None = None) -> dict[Role, NatsCreds]:
-    """Every role's credentials in `folder` (default `creds_dir()`), made now (random passwords,
-    files 0600, folder 0700) where missing; existing ones are kept, so clients keep working."""
+_PREFIX_SEED = 18 << 3  # nkeys' version bytes: base32 "S..." (a seed) of a "U..." (a user)
+_PREFIX_USER = 20 << 3
+
+
+def _crc16(data: bytes) -> int:
+    """CRC-16/XMODEM, the checksum nkeys appends to every encoded key."""
+    crc = 0
+    for byte in data:
+        crc ^= byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021 if crc & 0x8000 else crc << 1) & 0xFFFF
+    return crc
+
+
+def new_user_seed() -> str:
+    """A new nkey user seed (`SU...`): 32 random bytes, encoded as nkeys encodes them."""
+    raw = bytes([_PREFIX_SEED | (_PREFIX_USER >> 5), (_PREFIX_USER & 31) << 3]) + secrets.token_bytes(32)
+    return base64.b32encode(raw + _crc16(raw).to_bytes(2, "little")).decode().rstrip("=")
+
+
+def ensure_creds(folder: str | os.PathLike[str] | None = None, *, nkeys: bool = True) -> dict[Role, NatsCreds]:
+    """Every role's credentials in `folder` (default `creds_dir()`), made now where missing (files
+    0600, folder 0700): an nkey seed each, or with `nkeys=False` a random password. Existing files
+    are kept, whichever kind, so clients keep working."""
     where = creds_dir(folder)
     _private_dir(where)
     out: dict[Role, NatsCreds] = {}
     for role in ROLES:
         path = creds_path(role, where)
         if not path.exists():
+            secret = {"nkey_seed": new_user_seed()} if nkeys else {"password": secrets.token_urlsafe(32)}
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
-                json.dump({"user": f"kvpool-{role}", "password": secrets.token_urlsafe(32)}, f)
+                json.dump({"user": f"kvpool-{role}", **secret}, f)
         os.chmod(path, 0o600)
         out[role] = load_creds(path)
     return out
 
 
 def authorization(creds: dict[Role, NatsCreds]) -> str:
-    """A nats-server `authorization` block: one user per role with that role's `PERMISSIONS`."""
+    """A nats-server `authorization` block: one user per role with that role's `PERMISSIONS`; an
+    nkey user is listed by its public key only."""
     users = []
     for role, c in creds.items():
         perms = json.dumps(PERMISSIONS[role])
-        users.append(f"    {{user: {json.dumps(c.user)}, password: {json.dumps(c.password)}, permissions: {perms}}}")
+        who = (f"nkey: {json.dumps(c.public_key)}" if c.seed is not None else
+               f"user: {json.dumps(c.user)}, password: {json.dumps(c.password)}")
+        users.append(f"    {{{who}, permissions: {perms}}}")
     return "authorization {\n  users: [\n" + "\n".join(users) + "\n  ]\n}\n"

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -27,35 +29,44 @@ from .errors import PoolUnavailable, ProtocolError
 from .keys import MAX_KEY_BYTES
 
 __all__ = ["MAGIC", "VERSION", "HEADER", "MAX_META", "MAX_DATA", "MAX_BATCH", "Op", "Status", "ITEM_QUOTA", "Frame",
-    "header", "recv_exactly", "recv_frame", "send_frame", "pack_json", "unpack_json", "frames", "pack_batch",
-    "unpack_batch", "unpack_ids", "check_reply"]
+    "header", "recv_exactly", "recv_checksum", "recv_into_all", "recv_frame", "send_frame", "pack_json", "unpack_json",
+    "frames", "pack_batch", "unpack_batch", "unpack_ids", "check_reply"]
 
 MAGIC = b"KVPW"
-VERSION = 2
-"""2: HELLO/AUTH are a challenge-response in both directions (the token never crosses the wire)."""
+VERSION = 3
+"""2: HELLO/AUTH are a challenge-response in both directions (the token never crosses the wire).
+3: blocks carry versions (`kvpool.core.versions`): PUT, COMMIT and REMOVE send a versions column;
+GET, LEASE and EXISTS return one; CHANGES lists a worker's recent changes for a returning peer."""
 HEADER = struct.Struct("<4sBBHIIQII")
 MAX_META = 16 << 20
 MAX_DATA = 8 << 30
 MAX_BATCH = 1 << 16
 _META_STEP = 1 << 20
+_IOV_MAX = 512
+"""Buffers per scatter-gather system call (Linux allows 1024)."""
+_HASH_CHUNK = 256 << 10
+"""`recv_checksum` hashes a large block this many bytes at a time, as each part lands."""
 
 
 class Op(IntEnum):
     HELLO = 1     # -> json: before auth {"auth": true, "nonce"} only; after (or unneeded) the worker's description
     AUTH = 2      # json {"nonce", "proof"} (client's) -> json: the worker's description and {"proof"} (worker's)
-    PUT = 3       # keys + sizes, checksums; data -> statuses
-    GET = 4       # keys -> sizes, checksums; data
-    EXISTS = 5    # keys -> flags
+    PUT = 3       # keys + sizes, checksums, versions; data -> statuses (an older version than held: OK, not stored)
+    GET = 4       # keys -> sizes, checksums, versions (a miss: its tombstone's, or 0); data
+    EXISTS = 5    # keys -> flags, versions (as GET's)
     PREFIX = 6    # keys -> status-free json {"n"}
-    REMOVE = 7    # keys -> flags
+    REMOVE = 7    # keys + versions -> flags (removed); each leaves a tombstone
     CLEAR = 8     # -> status
     STATS = 9     # -> json
     ALLOC = 10    # same node: keys + sizes -> offsets (-1: no room)
-    COMMIT = 11   # same node: keys + offsets + sizes + checksums -> statuses (ITEM_CORRUPT: bytes do not match)
+    COMMIT = 11   # same node: keys + offsets + sizes + checksums + versions -> statuses (ITEM_CORRUPT: bytes do
+    #               not match; an older version than held: OK, not stored)
     ABORT = 12    # same node: raw offsets -> (no reply)
-    LEASE = 13    # same node: keys -> lease ids, offsets, sizes, checksums
+    LEASE = 13    # same node: keys -> lease ids, offsets, sizes, checksums, versions
     RELEASE = 14  # same node: raw lease ids -> (no reply)
     PIN = 15      # keys + seconds f8 (<= 0: unpin) -> (no reply); a put that follows it commits pinned
+    CHANGES = 16  # json {"since_ms", "from_seq"} -> covered_since_ms u64, next_seq i64 (-1: done), then keys +
+    #               versions u8, removed u1: the changes the worker accepted since then (`kvpool.core.catch_up`)
 
 
 class Status(IntEnum):
@@ -92,11 +103,48 @@ def recv_exactly(sock: socket.socket, view: memoryview) -> None:
     """Fill `view` from `sock`; a closed connection raises ConnectionError."""
     got = 0
     n = len(view)
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL  # blocking: one system call for all
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        k = sock.recv_into(view[got:], n - got, flags)
         if k == 0:
             raise ConnectionError(f"connection closed after {got} of {n} bytes")
         got += k
+
+
+def recv_checksum(sock: socket.socket, view: memoryview) -> int:
+    """Fill `view` from `sock` and return the XXH3-64 of what landed (`kvpool.core.blocks.checksum`),
+    hashed chunk by chunk as it arrives, while each chunk is still in cache."""
+    if len(view) <= _HASH_CHUNK:
+        recv_exactly(sock, view)
+        return xxhash.xxh3_64_intdigest(view)
+    h = xxhash.xxh3_64()
+    for start in range(0, len(view), _HASH_CHUNK):
+        chunk = view[start:start + _HASH_CHUNK]
+        recv_exactly(sock, chunk)
+        h.update(chunk)
+    return h.intdigest()
+
+
+def recv_into_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill each of `views` in turn from `sock`: a scatter receive fills many per system call (over
+    TLS, which has none, one after another). A closed connection raises ConnectionError."""
+    if isinstance(sock, ssl.SSLSocket) or len(views) == 1:
+        for v in views:
+            recv_exactly(sock, v)
+        return
+    pending = [v for v in views if len(v)]
+    i = 0
+    while i < len(pending):
+        k = sock.recvmsg_into(pending[i:i + _IOV_MAX])[0]
+        if k == 0:
+            raise ConnectionError(f"connection closed with {sum(map(len, pending[i:]))} bytes to come")
+        while k:
+            n = len(pending[i])
+            if k < n:
+                pending[i] = pending[i][k:]
+                break
+            k -= n
+            i += 1
 
 
 def recv_frame(sock: socket.socket, max_meta: int = MAX_META) -> Frame:
@@ -135,6 +183,11 @@ def send_frame(sock: socket.socket, op: int, meta: bytes = b"", *, status: int =
                data: list[memoryview] | None = None) -> None:
     """Send header, metadata and data buffers with as few system calls as the kernel allows."""
     data = data or []
+    if isinstance(sock, ssl.SSLSocket):  # TLS (kvpool.core.tls) has no scatter-gather send
+        sock.sendall(header(op, status, req_id, meta, sum(len(d) for d in data)) + meta)
+        for d in data:
+            sock.sendall(d)
+        return
     bufs: list[Any] = [header(op, status, req_id, meta, sum(len(d) for d in data)), meta, *data]
     while bufs:
         sent = sock.sendmsg(bufs[:512])
@@ -165,8 +218,8 @@ def unpack_json(meta: bytes) -> dict[str, Any]:
     return obj
 
 
-_ITEM_META = 2 + MAX_KEY_BYTES + 8 * 4
-"""The most metadata one batch item takes: key length, key, and up to four 8-byte columns."""
+_ITEM_META = 2 + MAX_KEY_BYTES + 8 * 5
+"""The most metadata one batch item takes: key length, key, and up to five 8-byte columns."""
 _SAFE_BATCH = min(MAX_BATCH, (MAX_META - 4) // _ITEM_META)
 
 
@@ -191,7 +244,7 @@ def frames(n: int, sizes: Sequence[int] | None = None, max_bytes: int = MAX_DATA
 
 def pack_batch(keys: list[bytes], *columns: np.ndarray) -> bytes:
     """Keys (count, u16 lengths, bytes) followed by each column's raw little-endian bytes."""
-    lens = np.fromiter((len(k) for k in keys), dtype="<u2", count=len(keys))
+    lens = np.fromiter(map(len, keys), dtype="<u2", count=len(keys))
     parts = [struct.pack("<I", len(keys)), lens.tobytes(), b"".join(keys)]
     parts.extend(np.ascontiguousarray(c).tobytes() for c in columns)
     return b"".join(parts)
@@ -206,13 +259,14 @@ def unpack_batch(meta: bytes, *dtypes: str) -> tuple[list[bytes], list[np.ndarra
         pos = 4
         lens = np.frombuffer(meta, dtype="<u2", count=n, offset=pos)
         pos += 2 * n
-        keys = []
-        for ln in lens.tolist():
-            if not 0 < ln <= MAX_KEY_BYTES:
-                raise ProtocolError(f"key of {ln} bytes in batch; keys are 1 to {MAX_KEY_BYTES} bytes", size=ln,
-                                    limit=MAX_KEY_BYTES)
-            keys.append(meta[pos:pos + ln])
-            pos += ln
+        sizes = lens.tolist()
+        if sizes and (min(sizes) == 0 or max(sizes) > MAX_KEY_BYTES):
+            ln = next(ln for ln in sizes if not 0 < ln <= MAX_KEY_BYTES)
+            raise ProtocolError(f"key of {ln} bytes in batch; keys are 1 to {MAX_KEY_BYTES} bytes", size=ln,
+                                limit=MAX_KEY_BYTES)
+        ends = list(accumulate(sizes, initial=pos))  # each key's start, then the end of the last
+        keys = [meta[a:b] for a, b in zip(ends, ends[1:])]
+        pos = ends[-1]
         cols = []
         for dt in dtypes:
             col = np.frombuffer(meta, dtype=dt, count=n, offset=pos)
@@ -220,7 +274,7 @@ def unpack_batch(meta: bytes, *dtypes: str) -> tuple[list[bytes], list[np.ndarra
             cols.append(col)
     except (struct.error, ValueError) as e:
         raise ProtocolError(f"truncated batch metadata ({len(meta)} bytes): {e}") from e
-    if pos != len(meta) or any(len(k) != ln for k, ln in zip(keys, lens.tolist())):
+    if pos != len(meta):  # (keys cut short by the end of `meta` leave pos past it)
         raise ProtocolError(f"batch metadata is {len(meta)} bytes; its fields account for {pos}")
     return keys, cols
 

@@ -13,12 +13,14 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from .auth import load_or_create_token, private_dir, token_path
 from .cache import TieredCache
+from .catch_up import AliveStamp, catch_up
 from .config import CacheConfig, WorkerConfig, default_node_id, default_state_dir
 from .errors import ConfigError, ListenError
 from .metrics import WorkerMetrics
@@ -147,6 +149,8 @@ class Worker(RequestHandlers):
             raise
         try:
             self.worker_id = cfg.worker_id or stored_worker_id(_id_file(cache_cfg, self.port))
+            self._alive = AliveStamp(_id_file(cache_cfg, self.port).with_suffix(".alive"))
+            self._catching_up = threading.Lock()
             self.cache = TieredCache(cache_cfg, share_arena=True)
         except BaseException:
             self._close_listeners()
@@ -191,8 +195,10 @@ class Worker(RequestHandlers):
                 self.membership = Membership(self.config.nats_url, self.config.member_ttl_s,
                                              replicas=self.config.nats_replicas, role="worker",
                                              creds=self.config.nats_credentials())
+                self._catch_up_at_start()
                 self.membership.register(self.worker_id, self.info, self.config.heartbeat_s,
-                                         on_rejoin=self._left_cluster)
+                                         on_rejoin=self._left_cluster, on_beat=self._beat)
+                threading.Thread(target=self._keep_alive_stamp, name="kvpool-alive", daemon=True).start()
             if self.config.events or self.config.events_zmq:
                 from .worker_events import WorkerEvents
 
@@ -218,19 +224,87 @@ class Worker(RequestHandlers):
             self.membership.close()
         self._close_listeners()
         self._drain_connections(time.monotonic() + timeout)
+        if self.membership is not None:
+            self._alive.touch()  # its last sign of life: it accepts nothing after the drain
         self.cache.flush()
         self.cache.close()
         if self.events is not None:
             self.events.close()  # after the flush: its last tier moves are published too
         log.info("worker %s stopped", self.worker_id)
 
+    # ----- catching up after an absence (`kvpool.core.catch_up`) -------------------------------
+
+    def _catch_up_at_start(self) -> None:
+        """A start on the state of an earlier run: drop what peers changed since that run's last sign of
+        life (everything, if that cannot be told) before serving."""
+        cfg = self.config
+        last = self._alive.read()
+        # this run's change log starts now; the last run accepted nothing after its last stamp plus a tick
+        self.cache.covered_since(last + int((2 * cfg.heartbeat_s + 1) * 1000) if last is not None else 0)
+        held = self.cache.stats()
+        if held.dram_blocks + held.ssd_blocks == 0:
+            return
+        if last is None:
+            log.warning("worker %s: %d blocks from a run that left no alive stamp; dropping them (their age "
+                        "cannot be told)", self.worker_id, held.ssd_blocks)
+            self.cache.clear()
+            return
+        self._catch_up(last, self.membership.peers())
+
+    def _catch_up(self, since_ms: int, members: dict[str, Any]) -> None:
+        peers = {w: info for w, info in members.items() if w != self.worker_id}
+        if not peers:
+            log.info("worker %s: no live peer to catch up from; keeping its blocks", self.worker_id)
+            return
+        if not catch_up(self.cache, peers, since_ms, token=self.token, node_id=self.node_id):
+            log.warning("worker %s: could not learn every change made while it was away; dropping its blocks "
+                        "(misses, never outdated bytes)", self.worker_id)
+            self.cache.clear()
+
+    def _beat(self) -> None:
+        """A heartbeat got through: reads stay open for one member TTL (less a beat) from now."""
+        self.cache.fence_after(self.config.member_ttl_s - self.config.heartbeat_s)
+
+    def _keep_alive_stamp(self) -> None:
+        """The alive stamp, every heartbeat (and at stop): not NATS's, so a worker cut off from NATS that
+        still accepts writes keeps stamping."""
+        self._alive.touch()
+        while not self._stopping.wait(self.config.heartbeat_s):
+            self._alive.touch()
+
     def _left_cluster(self, gap_s: float) -> None:
-        """Heartbeats lapsed past the member TTL: clients dropped this worker and write its keys to
-        others, so its blocks may turn stale. It drops them (misses cost a recompute; a stale hit would
-        cost a wrong answer) and comes back empty."""
-        log.warning("worker %s: no heartbeat got through for %.1f s (member TTL %.1f s): dropping its blocks, "
-                    "which clients may overwrite elsewhere meanwhile", self.worker_id, gap_s, self.config.member_ttl_s)
-        self.cache.clear()
+        """Heartbeats lapsed past the member TTL (NATS out of reach, or this process paused): clients may
+        have dropped this worker and written its keys to others, so its blocks may be outdated. Its
+        reads are misses until it has caught up from its peers (in a thread: this is the NATS one)."""
+        log.warning("worker %s: no heartbeat got through for %.1f s (member TTL %.1f s): reads are misses until "
+                    "it has caught up from its peers", self.worker_id, gap_s, self.config.member_ttl_s)
+        self.cache.fence(True)
+        since_ms = int((time.time() - gap_s) * 1000)
+        threading.Thread(target=self._rejoin, args=(since_ms,), name="kvpool-catch-up", daemon=True).start()
+
+    def _rejoin(self, since_ms: int) -> None:
+        """Catch up once the member list can be read (NATS may still be out of reach); after a minute
+        (or three TTLs) without it, drop every block instead."""
+        from .errors import KVPoolError
+
+        with self._catching_up:
+            give_up = time.monotonic() + max(60.0, 3 * self.config.member_ttl_s)
+            while not self._stopping.is_set():
+                try:
+                    members = self.membership.peers()
+                except KVPoolError as e:
+                    if time.monotonic() < give_up:
+                        self._stopping.wait(1.0)
+                        continue
+                    log.warning("worker %s: members unreadable (%s); dropping its blocks", self.worker_id, e)
+                    self.cache.clear()
+                    break
+                try:
+                    self._catch_up(since_ms, members)
+                except KVPoolError as e:  # closed under it (stopping)
+                    log.debug("catch-up ended: %s", e)
+                break
+            self.cache.fence(False)
 
     def _close_listeners(self) -> None:
         self._tcp.close()

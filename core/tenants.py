@@ -158,7 +158,11 @@ class TenantUsage(CacheListener):
 
     def committing(self, key: bytes | None, size: int = 0) -> None:
         """The block this thread is about to commit (None after): its size for `stored`."""
-        self._local.block = (key, size) if key is not None else None
+        self._local.block = {key: size} if key is not None else None
+
+    def committing_many(self, sizes: dict[bytes, int] | None) -> None:
+        """The blocks (key -> size) this thread is about to commit at once (None after), for `stored`."""
+        self._local.block = sizes
 
     def usage(self, tenant: Tenant) -> dict[str, Any]:
         with self._lock:
@@ -171,9 +175,8 @@ class TenantUsage(CacheListener):
         if t is None:
             return
         block = getattr(self._local, "block", None)
-        if block is not None and block[0] == key:
-            size = block[1]
-        else:  # a block found at start (replay), or put by other means than the worker's handlers
+        size = block.get(key) if block is not None else None
+        if size is None:  # a block found at start (replay), or put by other means than the worker's handlers
             size = self._size_on_ssd(key) if tier == "ssd" else 0
         with self._lock:
             old = self._sizes.get(key)

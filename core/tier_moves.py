@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from .blocks import BlockMeta, checksum
@@ -56,6 +57,18 @@ class TierMoves:
                     f"no room for a {n}-byte block: DRAM arena of {dram.arena.size} bytes is full of "
                     f"leased or pinned blocks ({len(dram)} blocks)", size=n, limit=dram.arena.size)
             self.evict(victims, batch)
+
+    def alloc_many(self, sizes: Sequence[int]) -> list[int | None]:
+        """`alloc` of each size (a batch's slots in one pass while there is room); None for each that
+        found no room. Lock held."""
+        offsets = self._stack.dram.alloc_many(sizes)
+        for i, off in enumerate(offsets):
+            if off is None:
+                try:
+                    offsets[i] = self.alloc(sizes[i])
+                except CapacityError:
+                    pass
+        return offsets
 
     def evict(self, victims: list[DramBlock], batch: list[DramBlock]) -> None:
         """Demote `batch` (which includes `victims`) to SSD in one transaction and drop `victims`
@@ -176,7 +189,7 @@ class TierMoves:
                 dram.lease(current)
                 stack.counters.hits_dram += 1
                 return current
-            b = DramBlock(k, offset, size, meta.checksum, meta.expires, on_ssd=True)
+            b = DramBlock(k, offset, size, meta.checksum, meta.expires, on_ssd=True, version=meta.version)
             stack.commit(b)
             dram.lease(b)
             ssd.touch(k)
@@ -188,11 +201,43 @@ class TierMoves:
 
     def acquire(self, k: bytes) -> DramBlock | None:
         """Lease the DRAM block of `k`, promoting it from SSD if needed; None on a miss. Lock not held."""
+        return self.acquire_many((k,))[0]
+
+    def acquire_many(self, keys: Sequence[bytes]) -> list[DramBlock | None]:
+        """`acquire` of each key: the DRAM hits in one pass under one lock (a same-node reader's batch),
+        then any other key (expired, on SSD, absent) on its own. Lock not held."""
+        stack, dram = self._stack, self._stack.dram
+        with stack.lock:
+            stack.check_open()
+            found = list(map(dram.blocks.get, keys))
+            floor = stack.readable_from
+            if floor:  # fenced: only what is newer than anything this worker can have missed
+                found = [b if b is not None and b.version >= floor else None for b in found]
+            if dram.timed:  # TTL'd blocks are held: an expired one is left to the per-key path
+                now = time.time()
+                found = [None if b is not None and b.expired(now) else b for b in found]
+            touch = dram.order.touch
+            hits = 0
+            for b in found:
+                if b is not None:
+                    b.leases += 1  # DramTier.lease, inlined on the hottest path
+                    touch(b.key)
+                    hits += 1
+            dram.leases += hits
+            stack.counters.hits_dram += hits
+        if hits < len(found):
+            found = [b if b is not None else self._acquire_one(k) for k, b in zip(keys, found)]
+        return found
+
+    def _acquire_one(self, k: bytes) -> DramBlock | None:
         now = time.time()
         stack, dram = self._stack, self._stack.dram
         with stack.lock:
             stack.check_open()
+            floor = stack.readable_from
             b = dram.blocks.get(k)
+            if b is not None and b.version < floor:
+                b = None
             if b is not None and b.expired(now):
                 stack.drop_dram(k, "expire")
                 b = None
@@ -202,7 +247,7 @@ class TierMoves:
                 dram.order.touch(k)
                 stack.counters.hits_dram += 1
                 return b
-            on_ssd = stack.on_ssd(k, now)
+            on_ssd = stack.on_ssd(k, now) and (not floor or stack.version_of(k) >= floor)
         if on_ssd:
             b = self.promote(k, now)
             if b is not None:

@@ -4,11 +4,15 @@ counters, and the listeners, with what keeps them in step when a block enters or
 A block is committed into DRAM (its older copies in every tier go with the old bytes); it leaves a
 tier by removal, eviction, expiry or a failed checksum, and the listeners hear whether that was its
 last copy (`removed`) or not (`dropped`). `tier_moves` moves blocks between tiers on top of this.
+Each block has a version (`kvpool.core.versions`); removals leave tombstones, and the stack logs the
+changes it accepts, for a replica that comes back to catch up from.
 """
 from __future__ import annotations
 
+import math
 import operator
 import threading
+import time
 
 from .cache_events import CacheListener
 from .config import CacheConfig
@@ -19,6 +23,7 @@ from .tiers.dram import DramArena, sweep_dead_arenas
 from .tiers.dram_tier import DramBlock, DramTier
 from .tiers.ssd import SsdStore
 from .tiers.ssd_tier import SsdTier
+from .versions import ChangeLog, Tombstones
 
 __all__ = ["TierStack"]
 
@@ -39,6 +44,13 @@ class TierStack:
         self.closed = False
         self.counters = CacheCounters()
         self.listeners: tuple[CacheListener, ...] = ()  # told of every block change, under the lock
+        self.tombstones = Tombstones()
+        self.changes = ChangeLog()
+        """Versioned puts and removes accepted, for peers that catch up (`kvpool.core.catch_up`)."""
+        self._fence_floor = 0  # while fenced: the oldest version a read may serve (accepted since)
+        self.fence_at = math.inf
+        """Monotonic seconds after which reads are misses until pushed back (a worker's heartbeat
+        pushes it forward: a process paused past it wakes up fenced, before it can serve a read)."""
         if share_arena:
             sweep_dead_arenas()  # what a kill -9'd worker on this node left
         arena = DramArena(cfg.dram_bytes, cfg.dram_slab_size, cfg.dram_name, cfg.prefault, shared=share_arena)
@@ -60,6 +72,20 @@ class TierStack:
             raise
         self._high_bytes = cfg.high_watermark * arena.size
 
+    @property
+    def readable_from(self) -> float:
+        """The oldest block version a read may serve: 0 normally. A worker back from an absence that has
+        not yet dropped what it missed (`kvpool.core.catch_up`) is fenced: only blocks newer than
+        anything it can have missed (accepted since it came back) are read, the rest are misses; and
+        none at all once its heartbeats stopped past `fence_at` (it may have been paused)."""
+        if self.fence_at != math.inf and time.monotonic() > self.fence_at:
+            return math.inf
+        return self._fence_floor
+
+    def fence(self, floor: int) -> None:
+        """Serve only blocks of version `floor` or newer (0: every block)."""
+        self._fence_floor = floor
+
     def check_open(self) -> None:
         if self.closed:
             raise PoolClosed("the cache is closed")
@@ -77,11 +103,23 @@ class TierStack:
         if ssd is not None and key in ssd and not block.on_ssd:
             ssd.forget(key)
             ssd.mark_stale((key,))
+            self.demote_due.notify()  # the demoter deletes the old copy now: a kill -9 must not find it
         self.dram.insert(block)
         for listener in self.listeners:  # on_ssd: a promotion, the same bytes as the SSD copy
             (listener.copied if block.on_ssd else listener.stored)(key, "dram")
         if self.dram.arena.used_bytes > self._high_bytes:
             self.demote_due.notify()
+
+    def version_of(self, key: bytes) -> int:
+        """The version of the block of `key` this stack holds (DRAM, else SSD); 0 if none."""
+        b = self.dram.blocks.get(key)
+        if b is not None:
+            return b.version
+        return self.ssd.version_of(key) if self.ssd is not None else 0
+
+    def newest(self, key: bytes) -> int:
+        """The newest version this stack knows of `key`: its block's or its removal's; 0 if neither."""
+        return max(self.version_of(key), self.tombstones.version(key))
 
     def left(self, key: bytes, tier: str, why: str) -> None:
         """Tell the listeners that `tier` let go of `key`: dropped if another tier holds it, else removed."""
@@ -132,6 +170,10 @@ class TierStack:
         """`present` of each key. Without TTL'd blocks a dict lookup or two per key in C (`map`), so
         the cost grows with len(keys), not with the number of blocks held."""
         ssd = self.ssd
+        floor = self.readable_from
+        if floor:
+            version_of = self.version_of
+            return [self.present(k, now) and version_of(k) >= floor for k in keys]
         if self.dram.timed or (ssd is not None and ssd.timed):
             present = self.present
             return [present(k, now) for k in keys]

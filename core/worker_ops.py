@@ -6,7 +6,8 @@
 - PUT/GET/EXISTS/PREFIX/REMOVE/CLEAR/STATS/PIN: the cache's operations, block bytes straight between
   the socket and arena slots, every block's checksum checked on arrival.
 - The same-node slot protocol ALLOC/COMMIT/ABORT/LEASE/RELEASE: a client on this node writes into
-  slots it reserved and the worker verifies each block's checksum before it commits it.
+  slots it reserved and the worker verifies each block's checksum before it commits it. Each is
+  handled per batch (one cache lock, columns built with numpy), not per key.
 """
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import hmac
 import logging
 import socket
 import time
+from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from . import protocol as P
 from .auth import NONCE_BYTES, proof
@@ -31,7 +33,6 @@ __all__ = ["RESERVE_SHARE", "RequestHandlers"]
 log = logging.getLogger("kvpool.worker")
 
 _SCRATCH = 1 << 20
-_CHUNK = 64 << 10
 
 RESERVE_SHARE = 8
 """A same-node connection may hold at most 1/8 of the arena reserved and not yet committed."""
@@ -53,7 +54,7 @@ class RequestHandlers(ConnectionServing):
             P.Op.EXISTS: self._exists, P.Op.PREFIX: self._prefix, P.Op.REMOVE: self._remove,
             P.Op.CLEAR: self._clear, P.Op.STATS: self._stats, P.Op.ALLOC: self._alloc,
             P.Op.COMMIT: self._commit, P.Op.ABORT: self._abort, P.Op.LEASE: self._lease,
-            P.Op.RELEASE: self._release, P.Op.PIN: self._pin,
+            P.Op.RELEASE: self._release, P.Op.PIN: self._pin, P.Op.CHANGES: self._changes,
         }
 
     # ----- authentication ---------------------------------------------------------------------
@@ -132,7 +133,7 @@ class RequestHandlers(ConnectionServing):
     # ----- blocks over the socket -------------------------------------------------------------
 
     def _put(self, conn: Conn, frame: P.Frame) -> None:
-        keys, (sizes, csums) = P.unpack_batch(frame.meta, "<i8", "<u8")
+        keys, (sizes, csums, versions) = P.unpack_batch(frame.meta, "<i8", "<u8", "<u8")
         total = sum(sizes.tolist())  # Python ints: an int64 sum of huge sizes could wrap to data_len
         if (sizes < 0).any() or total != frame.data_len:
             raise ProtocolError(f"PUT sizes sum to {total}; the frame carries {frame.data_len} bytes")
@@ -145,7 +146,7 @@ class RequestHandlers(ConnectionServing):
         arena = self.cache.arena
         scratch: bytearray | None = None
         usage = self.tenant_usage
-        for i, (key, size, csum) in enumerate(zip(keys, sizes.tolist(), csums.tolist())):
+        for i, (key, size, csum, version) in enumerate(zip(keys, sizes.tolist(), csums.tolist(), versions.tolist())):
             if tenant is not None and not usage.charge(tenant, key, size):
                 status[i] = P.ITEM_QUOTA
                 self._over_quota(conn, tenant, key, size)
@@ -168,7 +169,8 @@ class RequestHandlers(ConnectionServing):
                 if ok:
                     usage.committing(key, size)  # the size reaches the tenant's tally through `stored`
                     try:
-                        self.cache.commit(key, offset, size, csum)  # a pin sent before the block pins it
+                        # a pin sent before the block pins it; an older version than held is not stored (OK)
+                        self.cache.commit(key, offset, size, csum, version=version)
                     finally:
                         usage.committing(None)
                 else:
@@ -200,9 +202,10 @@ class RequestHandlers(ConnectionServing):
                 blocks.append(self.cache.acquire(k))
             sizes = np.array([b.size if b else P.ITEM_MISS for b in blocks], dtype="<i8")
             csums = np.array([b.checksum if b else 0 for b in blocks], dtype="<u8")
+            versions = _versions(self.cache, keys, blocks)
             arena = self.cache.arena
             data = [arena.view(b.offset, b.size) for b in blocks if b]
-            self._reply(conn, frame, sizes.tobytes() + csums.tobytes(), data)
+            self._reply(conn, frame, sizes.tobytes() + csums.tobytes() + versions.tobytes(), data)
             self.metrics.bytes.labels("out").inc(sum(len(d) for d in data))
             del data
         finally:
@@ -216,7 +219,8 @@ class RequestHandlers(ConnectionServing):
         keys = self._named_keys(conn, frame)
         if keys is None:
             return
-        self._reply(conn, frame, _flags(self.cache.batch_exists(keys)))
+        flags, versions = self.cache.batch_versions(keys)
+        self._reply(conn, frame, _flags(flags) + np.array(versions, dtype="<u8").tobytes())
 
     def _prefix(self, conn: Conn, frame: P.Frame) -> None:
         keys = self._named_keys(conn, frame)
@@ -225,10 +229,25 @@ class RequestHandlers(ConnectionServing):
         self._reply(conn, frame, P.pack_json({"n": self.cache.prefix_match(keys)}))
 
     def _remove(self, conn: Conn, frame: P.Frame) -> None:
-        keys = self._named_keys(conn, frame)
-        if keys is None:
+        keys, (versions,) = P.unpack_batch(frame.meta, "<u8")
+        if not self._in_namespace(conn, frame, keys):
             return
-        self._reply(conn, frame, _flags(self.cache.batch_remove(keys)))
+        self._reply(conn, frame, _flags(self.cache.batch_remove(keys, versions.tolist())))
+
+    def _changes(self, conn: Conn, frame: P.Frame) -> None:
+        """The changes this worker accepted since a time, for a peer catching up (`kvpool.core.catch_up`)."""
+        if conn.tenant is not None:  # a peer worker holds the pool token, never a tenant's
+            self._refuse_namespace(conn, frame, b"")
+            return
+        ask = P.unpack_json(frame.meta)
+        since_ms, from_seq = ask.get("since_ms", 0), ask.get("from_seq", 0)
+        if not isinstance(since_ms, int) or not isinstance(from_seq, int):
+            raise ProtocolError(f"CHANGES asks {ask!r}; since_ms and from_seq are integers")
+        changes, nxt, covered = self.cache.changes_since(since_ms, from_seq)
+        head = np.array([covered], dtype="<u8").tobytes() + np.array([nxt], dtype="<i8").tobytes()
+        self._reply(conn, frame, head + P.pack_batch([c.key for c in changes],
+                                                     np.array([c.version for c in changes], dtype="<u8"),
+                                                     np.array([c.removed for c in changes], dtype="<u1")))
 
     def _clear(self, conn: Conn, frame: P.Frame) -> None:
         prefix = P.unpack_batch(frame.meta)[0] if frame.meta else [None]
@@ -265,42 +284,56 @@ class RequestHandlers(ConnectionServing):
         if not self._in_namespace(conn, frame, keys):  # same-node peers have no tenant today; kept in step
             return
         offsets = np.full(len(keys), P.ITEM_FULL, dtype="<i8")
+        max_block = self.cache.max_block
         budget = self.max_reserve - sum(conn.reserved.values())
+        want: list[int] = []
         for i, size in enumerate(sizes.tolist()):
-            if size > budget and size <= self.cache.max_block:
-                continue  # ITEM_FULL: this connection holds its share of the arena uncommitted
-            try:
-                offsets[i] = off = self.cache.reserve(size)
-                conn.reserved[off] = size
-                budget -= size
-            except BlockTooLarge:
+            if size > max_block or size < 0:
                 offsets[i] = P.ITEM_TOO_LARGE
-            except CapacityError:
-                pass
+            elif size <= budget:  # else ITEM_FULL: this connection holds its share of the arena uncommitted
+                want.append(i)
+                budget -= size
+        wanted = sizes[want].tolist()
+        got = self.cache.reserve_many(wanted)  # one lock for the batch; None: no room for that block
+        conn.reserved.update((off, size) for off, size in zip(got, wanted) if off is not None)
+        offsets[want] = [P.ITEM_FULL if off is None else off for off in got]
         self._reply(conn, frame, offsets.tobytes())
 
     def _commit(self, conn: Conn, frame: P.Frame) -> None:
         # A same-node writer copies into the arena itself and sends the checksum of what it wrote; the
         # worker hashes the slot again before it commits, so a block whose bytes do not match what its
         # writer claims is refused (ITEM_CORRUPT: the client's CorruptBlock), never served as a hit.
-        keys, (offsets, sizes, csums) = P.unpack_batch(frame.meta, "<i8", "<i8", "<u8")
-        status = np.zeros(len(keys), dtype="<i1")
+        # The batch is checked whole (slots, then checksums), then committed under one lock.
+        keys, (offsets, sizes, csums, versions) = P.unpack_batch(frame.meta, "<i8", "<i8", "<u8", "<u8")
+        offs, lens = offsets.tolist(), sizes.tolist()
+        reserved = conn.reserved
+        claimed = list(map(reserved.pop, offs, repeat(None)))
+        if claimed != lens:  # a slot not reserved by this connection, of another size, or named twice
+            for off, size in zip(offs, claimed):
+                if size is not None:
+                    reserved[off] = size  # given back when the connection closes
+            off, size = next((o, n) for o, n, c in zip(offs, lens, claimed) if c != n)
+            raise ProtocolError(f"COMMIT of offset {off} ({size} bytes) that this connection did not reserve")
         arena = self.cache.arena
-        for i, (key, off, size, csum) in enumerate(zip(keys, offsets.tolist(), sizes.tolist(), csums.tolist())):
-            if conn.reserved.get(off) != size:
-                raise ProtocolError(f"COMMIT of offset {off} ({size} bytes) that this connection did not reserve")
-            del conn.reserved[off]
-            if checksum(arena.view(off, size)) != csum:
+        corrupt = np.fromiter(map(checksum, map(arena.view, offs, lens)), dtype="<u8", count=len(offs)) != csums
+        status = np.zeros(len(keys), dtype="<i1")
+        if corrupt.any():
+            for off in offsets[corrupt].tolist():
                 self.cache.abort(off)
-                self.metrics.corrupt_blocks.inc()
-                status[i] = P.ITEM_CORRUPT
-                continue
-            self.tenant_usage.committing(key, size)
-            try:
-                self.cache.commit(key, off, size, csum)
-            finally:
-                self.tenant_usage.committing(None)
-        self.metrics.bytes.labels("in").inc(int(sizes.sum()))
+            self.metrics.corrupt_blocks.inc(int(corrupt.sum()))
+            status[corrupt] = P.ITEM_CORRUPT
+            good = ~corrupt
+            keys = [k for k, bad in zip(keys, corrupt.tolist()) if not bad]
+            offsets, sizes, csums, versions = offsets[good], sizes[good], csums[good], versions[good]
+            offs, lens = offsets.tolist(), sizes.tolist()
+        if self.tenants:
+            self.tenant_usage.committing_many(dict(zip(keys, lens)))
+        try:
+            self.cache.commit_many(keys, offs, lens, csums.tolist(), versions.tolist())  # older than held: not stored
+        finally:
+            if self.tenants:
+                self.tenant_usage.committing_many(None)
+        self.metrics.bytes.labels("in").inc(sum(lens))
         self._reply(conn, frame, status.tobytes())
 
     def _abort(self, conn: Conn, frame: P.Frame) -> None:
@@ -313,36 +346,41 @@ class RequestHandlers(ConnectionServing):
         if keys is None:
             return
         n = len(keys)
-        ids = np.zeros(n, dtype="<i8")
-        offsets = np.full(n, P.ITEM_MISS, dtype="<i8")
-        sizes = np.full(n, P.ITEM_MISS, dtype="<i8")
-        csums = np.zeros(n, dtype="<u8")
-        for i, key in enumerate(keys):
-            b = self.cache.acquire(key)
-            if b is None:
-                continue
-            lid = conn.next_lease
-            conn.next_lease += 1
-            conn.leases[lid] = b
-            ids[i], offsets[i], sizes[i], csums[i] = lid, b.offset, b.size, b.checksum
-        self.metrics.bytes.labels("out").inc(int(sizes[sizes > 0].sum()))
-        self._reply(conn, frame, ids.tobytes() + offsets.tobytes() + sizes.tobytes() + csums.tobytes())
+        blocks = self.cache.acquire_many(keys)  # one lock for the batch's DRAM hits
+        held = [b for b in blocks if b is not None]
+        first, count = conn.next_lease, len(held)
+        conn.next_lease += count
+        conn.leases.update(zip(range(first, first + count), held))
+        ids = np.arange(first, first + count, dtype="<i8")
+        offsets = np.fromiter(map(_OFFSET, held), dtype="<i8", count=count)
+        sizes = np.fromiter(map(_SIZE, held), dtype="<i8", count=count)
+        csums = np.fromiter(map(_CHECKSUM, held), dtype="<u8", count=count)
+        self.metrics.bytes.labels("out").inc(int(sizes.sum()))
+        if count < n:  # misses: lease id 0, offset and size ITEM_MISS
+            hit = np.fromiter((b is not None for b in blocks), dtype=bool, count=n)
+            ids, offsets, sizes, csums = (_scatter(col, hit, fill) for col, fill in
+                                          ((ids, 0), (offsets, P.ITEM_MISS), (sizes, P.ITEM_MISS), (csums, 0)))
+        self._reply(conn, frame, ids.tobytes() + offsets.tobytes() + sizes.tobytes() + csums.tobytes()
+                    + _versions(self.cache, keys, blocks).tobytes())
 
     def _release(self, conn: Conn, frame: P.Frame) -> None:
-        for lid in P.unpack_ids(frame.meta).tolist():
-            b = conn.leases.pop(lid, None)
-            if b is not None:
-                self.cache.release(b)
+        ended = map(conn.leases.pop, P.unpack_ids(frame.meta).tolist(), repeat(None))
+        self.cache.release_many([b for b in ended if b is not None])
+
+
+_OFFSET, _SIZE, _CHECKSUM = attrgetter("offset"), attrgetter("size"), attrgetter("checksum")
+
+
+def _scatter(values: np.ndarray, where: np.ndarray, fill: int) -> np.ndarray:
+    """An array as long as `where` with `values` where it is True, `fill` elsewhere."""
+    out = np.full(where.size, fill, dtype=values.dtype)
+    out[where] = values
+    return out
 
 
 def _recv_checked(sock: socket.socket, view: memoryview, csum: int) -> bool:
-    """Receive into `view`, hashing each chunk while it is still in cache; True if `csum` matches."""
-    h = xxhash.xxh3_64()
-    for start in range(0, len(view), _CHUNK):
-        chunk = view[start:start + _CHUNK]
-        P.recv_exactly(sock, chunk)
-        h.update(chunk)
-    return h.intdigest() == csum
+    """Receive into `view`, hashing it as it lands (while it is in cache); True if `csum` matches."""
+    return P.recv_checksum(sock, view) == csum
 
 
 def _drain(sock: socket.socket, n: int, scratch: bytearray) -> None:
@@ -351,6 +389,15 @@ def _drain(sock: socket.socket, n: int, scratch: bytearray) -> None:
         k = min(n, len(view))
         P.recv_exactly(sock, view[:k])
         n -= k
+
+
+def _versions(cache: Any, keys: list[bytes], blocks: list[Any]) -> np.ndarray:
+    """Each block's version; for each miss, its key's tombstone's (0 if none)."""
+    versions = np.array([b.version if b is not None else 0 for b in blocks], dtype="<u8")
+    missed = [i for i, b in enumerate(blocks) if b is None]
+    if missed:
+        versions[missed] = cache.removed_versions([keys[i] for i in missed])
+    return versions
 
 
 def _flags(values: list[bool]) -> bytes:

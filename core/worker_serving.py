@@ -1,6 +1,7 @@
 """How a worker serves its connections: accept loops, one thread per connection, the deadlines its
 watchdog enforces, who is authenticated (Unix peers by SO_PEERCRED, TCP peers by challenge-response,
-see `kvpool.core.auth`), and the dispatch of each frame to its handler (`kvpool.core.worker_ops`).
+see `kvpool.core.auth`, inside TLS when the worker has a certificate, see `kvpool.core.tls`), and the
+dispatch of each frame to its handler (`kvpool.core.worker_ops`).
 
 A malformed frame closes that connection only, with a logged reason; a connection that closes gives
 back its reservations and leases.
@@ -9,11 +10,14 @@ from __future__ import annotations
 
 import logging
 import secrets
+import select
 import socket
+import ssl
 import struct
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from . import protocol as P
 from .auth import AuthThrottle, peer_uid, same_user
@@ -22,6 +26,7 @@ from .config import WorkerConfig
 from .errors import KVPoolError, ProtocolError
 from .metrics import WorkerMetrics
 from .tenants import Tenant
+from .tls import server_context
 
 __all__ = ["Conn", "ConnectionServing", "shutdown"]
 
@@ -76,6 +81,10 @@ class ConnectionServing:
         self._accept_errors: dict[str, str] = {}  # transport -> the error last logged
         self._refusing: set[str] = set()  # connection limits already logged as reached
         self.throttle = AuthThrottle()
+        self._op_metrics: dict[int, tuple[Any, Any]] = {}  # op -> its labelled counter and histogram
+        cfg = self.config
+        self._tls = server_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key else None
+        """TLS on TCP connections (`WorkerConfig.tls_cert`); None: clear text."""
 
     def _serve_in_background(self) -> None:
         for lsock, transport in ((self._tcp, "tcp"), (self._unix, "shm")):
@@ -122,6 +131,13 @@ class ConnectionServing:
                 authed, peer = True, "unix"
             else:
                 authed, peer = not self.token, str(addr[0])
+                if self._tls is not None:
+                    try:  # the handshake itself happens in the connection's thread, under its deadlines
+                        sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                    except OSError as e:  # e.g. the peer reset the connection already
+                        log.debug("cannot start TLS with %s: %s", peer, e)
+                        sock.close()
+                        continue
             self._admit(sock, transport, authed, peer)
 
     def _unix_peer_ok(self, sock: socket.socket) -> bool:
@@ -211,14 +227,16 @@ class ConnectionServing:
     def _serve(self, conn: Conn) -> None:
         self.metrics.connections.labels(conn.transport).inc()
         try:
+            if isinstance(conn.sock, ssl.SSLSocket):
+                self._tls_handshake(conn, conn.sock)
             while not self._stopping.is_set():
                 frame = self._next_frame(conn)  # sets conn.request_since at the request's first byte
                 conn.busy = True
                 t0 = time.perf_counter()
                 self._dispatch(conn, frame)
-                op = P.Op(frame.op).name.lower()
-                self.metrics.ops.labels(op).inc()
-                self.metrics.latency.labels(op).observe(time.perf_counter() - t0)
+                served, latency = self._op_metrics.get(frame.op) or self._metrics_of(frame.op)
+                served.inc()
+                latency.observe(time.perf_counter() - t0)
                 conn.busy = False
                 conn.request_since = 0.0
         except ProtocolError as e:
@@ -226,6 +244,8 @@ class ConnectionServing:
             log.warning("closing %s connection: %s", conn.transport, e)
         except KVPoolError as e:  # e.g. a full disk under REMOVE or CLEAR, or the cache closing under us
             log.warning("closing %s connection: %s: %s", conn.transport, type(e).__name__, e)
+        except ssl.SSLError as e:  # a record that fails its MAC (altered on the way), a TLS alert
+            log.warning("closed a TLS connection from %s: %s", conn.peer, conn.closing or e)
         except (ConnectionError, OSError):
             if conn.closing:  # the watchdog's doing, not the client's
                 log.warning("closed a %s connection: %s", conn.transport, conn.closing)
@@ -234,18 +254,51 @@ class ConnectionServing:
             self._cleanup(conn)
             self.metrics.connections.labels(conn.transport).dec()
 
+    def _tls_handshake(self, conn: Conn, sock: ssl.SSLSocket) -> None:
+        """TLS first, within the deadlines of a request (and of authentication). A failed handshake (a
+        client that does not trust our certificate, or speaks clear text) is counted and logged once per
+        address, as a failed authentication."""
+        conn.request_since = time.monotonic()
+        try:
+            sock.do_handshake()
+        except ssl.SSLEOFError as e:  # closed before a word of TLS (a port probe, a readiness check)
+            raise ConnectionError("closed during the TLS handshake") from e
+        except ssl.SSLError as e:
+            self.metrics.auth_failures.labels("tls").inc()
+            self.throttle.failed(conn.peer, f"a failed TLS handshake: {e.reason or e}")
+            raise ConnectionError("TLS handshake failed") from e
+        conn.request_since = 0.0
+
+    def _wait_tls(self, sock: ssl.SSLSocket) -> None:
+        """`_next_frame`'s idle wait on a TLS connection, which has no MSG_PEEK: until a record is
+        buffered or the socket turns readable (data or EOF, which the read then reports)."""
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        while not sock.pending() and not poller.poll(int(self.config.io_timeout_s * 1000)):
+            if self._stopping.is_set():
+                raise ConnectionError("worker stopping")
+
+    def _metrics_of(self, op: int) -> tuple[Any, Any]:
+        """The request counter and latency histogram of `op` (labelled once, then kept: a frame's cost)."""
+        name = P.Op(op).name.lower()
+        self._op_metrics[op] = pair = (self.metrics.ops.labels(name), self.metrics.latency.labels(name))
+        return pair
+
     def _next_frame(self, conn: Conn) -> P.Frame:
         """Wait for the next request for as long as the client idles; from its first byte on, every
         receive and send of the exchange must progress within io_timeout_s (the socket's SO_RCVTIMEO
         and SO_SNDTIMEO) or the connection is dropped, so a stalled peer cannot hold slots or leases."""
-        while True:
-            try:
-                if not conn.sock.recv(1, socket.MSG_PEEK):
-                    raise ConnectionError("closed by the client")
-                break
-            except BlockingIOError:  # SO_RCVTIMEO while idle: keep waiting, unless stopping
-                if self._stopping.is_set():
-                    raise ConnectionError("worker stopping") from None
+        if isinstance(conn.sock, ssl.SSLSocket):
+            self._wait_tls(conn.sock)
+        else:
+            while True:
+                try:
+                    if not conn.sock.recv(1, socket.MSG_PEEK):
+                        raise ConnectionError("closed by the client")
+                    break
+                except BlockingIOError:  # SO_RCVTIMEO while idle: keep waiting, unless stopping
+                    if self._stopping.is_set():
+                        raise ConnectionError("worker stopping") from None
         conn.request_since = time.monotonic()
         return P.recv_frame(conn.sock, P.MAX_META if conn.authed else _PREAUTH_META)
 
@@ -290,7 +343,9 @@ class ConnectionServing:
 
 
 def shutdown(sock: socket.socket) -> None:
+    """Shut both directions, waking any thread blocked on `sock`. On a TLS socket, the TCP socket
+    under it: `SSLSocket.shutdown` would drop its TLS state under a thread still using it."""
     try:
-        sock.shutdown(socket.SHUT_RDWR)
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
     except OSError:
         pass

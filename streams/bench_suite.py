@@ -1,14 +1,28 @@
-"""Streams: notification latency, and a 32 x 1 MiB KV handoff vs a raw socket and vs NATS inline.
+"""Streams: the prefill->decode KV handoff against the physical limits, and notification latency.
 
-One nats-server, one `kvpool worker`, a raw-socket server and a prefill process, all on loopback.
-Latency: publish to receive of one small JSON notification (p50/p99, microseconds). Handoff: the
-prefill process (its own PoolClient, as a prefill instance would have) puts 32 layers of one 1 MiB
+One nats-server, one `kvpool worker`, a raw-socket server and a prefill process, all on loopback. The
+prefill process (its own PoolClients, as a prefill instance would have) puts 32 layers of one 1 MiB
 block each and publishes a reference per layer; this process, the decode side, receives every layer
-into its own buffer, each block checksum-verified, in the timed path. Both processes are on the
-worker's node, so the pool moves the bytes through its shared memory, as it would for any same-node
-pair. Baselines move the same bytes through a raw socket server (put then get back) and inline through
-JetStream in 512 KiB messages from the same prefill process. Every path compares the bytes it
-received with the source after its clock stops, and the three take turns request by request.
+into its own buffer, each block checksum-verified, in the timed path. Paths, taking turns request by
+request, every one comparing the bytes it received with the source after its clock stops:
+- `handoff`: same node (both sides reach the worker through its shared memory);
+- `handoff_tcp`: both sides reach the worker over TCP, as a prefill and a decode instance on other
+  nodes than the worker would;
+- `pool_puts`: the prefill process only putting the layers in the pool, as `publish_kv` does, one
+  after the other (`handoff_vs_pool_puts`: how close the handoff comes to the pool's own put rate);
+- `memcpy`: numpy copying the same 32 MiB once (`handoff_vs_memcpy`; the producer's copy into the pool
+  and the decode side's copy out make 0.5 its limit where nothing overlaps);
+- `raw_socket` (the same bytes put to a raw socket server and got back) and `raw_socket_oneway` (only
+  sent: `handoff_vs_raw_socket_oneway`, over `handoff_tcp`);
+- `nats_inline`: the same bytes inline through JetStream in 512 KiB messages.
+Latencies (the decode side already waiting, clocks of one machine): `first_layer`, from the prefill
+calling `publish_kv` for layer 0 (1 MiB) to that layer verified in the decode side's buffer;
+`tiny_layer`, from `publish_kv` returning for a 64-byte layer (its block in the pool, its announcement
+handed to NATS) to that layer in the decode side's hands (the notification and one small pool read);
+`notify`, from the prefill calling `end_request` (a request of no layers: one sealed announcement) to
+that announcement handed out by the decode side's live subscription (`live.Feed`, as `iter_layers`
+takes it); `js_notify`, a JSON notification through `Producer.publish` (which waits for JetStream's
+ack) and a pulling `Consumer`.
 """
 from __future__ import annotations
 
@@ -16,6 +30,7 @@ import argparse
 import contextlib
 import functools
 import itertools
+import socket
 import subprocess
 import sys
 import time
@@ -27,17 +42,31 @@ import numpy as np
 from kvpool.core import BenchError, PoolClient
 from kvpool.core.bench import BenchPool, best_in_turns, emit, filled, gbps, raw_socket, wait_members
 
-from . import Consumer, HandoffReceiver, Producer, StreamConfig, create_stream
+from . import Consumer, HandoffReceiver, Producer, StreamConfig, bench_yuanrong, create_stream
+from ._link import Link
+from .admin import subject
+from .live import Feed
+from .payload import put_blocks
 
-_LAYERS, _BLOCK, _INLINE_CHUNK = 32, 1 << 20, 512 << 10
+_LAYERS, _BLOCK, _INLINE_CHUNK, _TINY = 32, 1 << 20, 512 << 10, 64
+_REMOTE = "kvpool-bench-remote-node"
+"""The node id the TCP path's clients claim, so that they reach the (local) worker over TCP."""
+_SETTLE_S = 0.005
+"""How long the prefill waits before a latency sample's layer 0, so that the decode side is waiting."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=None,
                    help="requests timed per path, the paths taking turns (the best of each is kept)")
+    bench_yuanrong.add_arguments(p)
 
 
-def _latency(url: str, stream: str, n: int) -> list[float]:
+def _now() -> float:
+    """CLOCK_MONOTONIC seconds: one clock for every process of the machine."""
+    return time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+def _js_latency(url: str, stream: str, n: int) -> list[float]:
     samples = []
     with Producer(stream, url) as p, Consumer(stream, url, start="new") as c:
         for i in range(n + 10):
@@ -52,8 +81,8 @@ def _latency(url: str, stream: str, n: int) -> list[float]:
 
 
 class _Prefill:
-    """The producing side in a process of its own, as a prefill instance would be: it hands off one
-    request (or publishes the inline chunks) per command line on its stdin and answers on stdout."""
+    """The producing side in a process of its own, as a prefill instance would be: it runs one command
+    per line on its stdin and answers `done` (and what it timed) on stdout."""
 
     def __init__(self, url: str) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", __name__, url], stdin=subprocess.PIPE,
@@ -62,16 +91,20 @@ class _Prefill:
         self._expect("ready")
 
     def start(self, command: str) -> None:
-        """Begin `kv STREAM REQUEST` or `inline STREAM`; returns at once (the caller times the receive)."""
+        """Begin `kv|puts|first|tiny|note STREAM REQUEST` or `inline STREAM`;
+        returns at once (the caller times the receive)."""
         self._in.write(command + "\n")
         self._in.flush()
 
-    def done(self) -> None:
-        self._expect("done")
+    def done(self) -> list[float]:
+        """The times the command reported (CLOCK_MONOTONIC seconds)."""
+        return [float(t) for t in self._expect("done")]
 
-    def _expect(self, word: str) -> None:
-        if self._out.readline().strip() != word:
+    def _expect(self, word: str) -> list[str]:
+        got = self._out.readline().split()
+        if not got or got[0] != word:
             raise BenchError(f"the bench's prefill process failed (exit status {self.proc.poll()})")
+        return got[1:]
 
     def close(self) -> None:
         self._in.close()
@@ -84,48 +117,117 @@ class _Prefill:
 
 def _prefill_main(url: str) -> None:
     """Body of the prefill process: the same `layers` bytes as the parent (same seed). Its producers
-    connect on their first command (the untimed warm-up) and stay connected."""
+    connect on their first command (the untimed warm-up) and stay connected; stream `handoff_tcp`'s
+    producer puts over TCP."""
     layers = filled(_LAYERS * _BLOCK, 7).reshape(_LAYERS, _BLOCK)
     producers: dict[str, Producer] = {}
-    with PoolClient(mode="cluster", nats_url=url) as pool:
+    with PoolClient(mode="cluster", nats_url=url) as pool, \
+            PoolClient(mode="cluster", nats_url=url, node_id=_REMOTE) as tcp_pool:
         wait_members(pool, 1)
+        wait_members(tcp_pool, 1)
         print("ready", flush=True)
         try:
             for line in sys.stdin:
                 what, stream, *rest = line.split()
                 if stream not in producers:
-                    producers[stream] = Producer(stream, url, pool=pool, inline_max=_INLINE_CHUNK)
-                p = producers[stream]
+                    producers[stream] = Producer(stream, url, pool=tcp_pool if stream.endswith("tcp") else pool,
+                                                 inline_max=_INLINE_CHUNK)
+                p, times = producers[stream], []
                 if what == "kv":
                     for i in range(_LAYERS):
-                        p.publish_kv(rest[0], i, [f"bench/{rest[0]}/L{i}"], [layers[i]])
+                        p.publish_kv(rest[0], i, [f"bench/{stream}/{rest[0]}/L{i}"], [layers[i]])
                     p.end_request(rest[0], _LAYERS)
+                elif what == "puts":
+                    for i in range(_LAYERS):
+                        put_blocks(pool, [f"bench/puts/{rest[0]}/L{i}"], [layers[i]], pin_s=p.pin_ttl_s)
+                elif what == "note":  # the decode side subscribed before it asked
+                    times.append(_now())
+                    p.end_request(rest[0], 0)
+                elif what in ("first", "tiny"):
+                    time.sleep(_SETTLE_S)
+                    times.append(_now())
+                    block = layers[0] if what == "first" else layers[0, :_TINY]
+                    p.publish_kv(rest[0], 0, [f"bench/{stream}/{rest[0]}/L0"], [block])
+                    times.append(_now())
+                    p.end_request(rest[0], 1)
                 else:
                     for ch in layers.reshape(-1, _INLINE_CHUNK):
                         p.publish(ch)
-                print("done", flush=True)
+                print("done", *times, flush=True)
         finally:
             for p in producers.values():
                 p.close()
 
 
-def _handoff_runs(url: str, pool: PoolClient, prefill: _Prefill, layers: np.ndarray) -> Generator[float, None, None]:
+def _handoff_runs(url: str, stream: str, pool: PoolClient, prefill: _Prefill,
+                  layers: np.ndarray) -> Generator[float, None, None]:
     """Seconds per request, from asking the prefill process until every layer is here and verified
     (checksums, in the timed path); the bytes are compared with the source after the clock stops."""
     out = np.zeros_like(layers)
-    with HandoffReceiver("handoff", url, pool) as rx:
+    with HandoffReceiver(stream, url, pool) as rx:
         for r in itertools.count():
             rid = f"r{r}"
             t = time.perf_counter()
-            prefill.start(f"kv handoff {rid}")
+            prefill.start(f"kv {stream} {rid}")
             n = sum(1 for _ in rx.iter_layers(rid, timeout=30, into=lambda layer, nbytes: out[layer]))
             elapsed = time.perf_counter() - t
             prefill.done()
             if n != _LAYERS or not np.array_equal(out, layers):
-                raise BenchError(f"request {rid}: {n} of {_LAYERS} layers, or bytes differ")
+                raise BenchError(f"{stream} request {rid}: {n} of {_LAYERS} layers, or bytes differ")
             out.fill(0)
-            pool.batch_remove([f"bench/{rid}/L{i}" for i in range(_LAYERS)])
+            pool.batch_remove([f"bench/{stream}/{rid}/L{i}" for i in range(_LAYERS)])
             yield elapsed
+
+
+def _puts_runs(pool: PoolClient, prefill: _Prefill) -> Generator[float, None, None]:
+    """Seconds for the prefill process to put the request's layers in the pool as `publish_kv` does,
+    one after the other, with nothing announced or read: the floor a same-node handoff stands on."""
+    for r in itertools.count():
+        rid = f"p{r}"
+        t = time.perf_counter()
+        prefill.start(f"puts handoff {rid}")
+        prefill.done()
+        elapsed = time.perf_counter() - t
+        pool.batch_remove([f"bench/puts/{rid}/L{i}" for i in range(_LAYERS)])
+        yield elapsed
+
+
+def _latencies(url: str, pool: PoolClient, prefill: _Prefill, layers: np.ndarray,
+               n: int) -> dict[str, list[float]]:
+    """Samples in seconds of `first_layer`, `tiny_layer` and `notify`, taking turns, the decode side
+    waiting before each starts: the prefill process sleeps `_SETTLE_S` before it times a layer (the
+    receiver subscribes meanwhile); a notification's receiver subscribed before it asked."""
+    out = np.zeros(_BLOCK, dtype=np.uint8)
+    samples: dict[str, list[float]] = {"first_layer": [], "tiny_layer": [], "notify": []}
+    with HandoffReceiver("first", url, pool) as rx, contextlib.closing(Link(url)) as link:
+        for r in range(n + 5):
+            for what, want in (("first", layers[0]), ("tiny", layers[0, :_TINY])):
+                rid = f"{what}{r}"
+                prefill.start(f"{what} first {rid}")
+                got = []
+                for _ in rx.iter_layers(rid, timeout=30, into=lambda layer, nbytes: out[:nbytes]):
+                    got.append(_now())
+                called, returned = prefill.done()
+                if len(got) != 1 or not np.array_equal(out[:want.size], want):
+                    raise BenchError(f"latency request {rid}: {len(got)} layers, or bytes differ")
+                if r >= 5:  # the first few warm up
+                    samples[f"{what}_layer"].append(got[0] - (called if what == "first" else returned))
+                out.fill(0)
+                pool.batch_remove([f"bench/first/{rid}/L0"])
+            rid = f"note{r}"
+            feed = Feed(link, "first", subject("first", "req", rid))
+            try:
+                prefill.start(f"note first {rid}")
+                burst = feed.live(30)
+                arrived = _now()
+                (called,) = prefill.done()
+            finally:
+                feed.close()
+            if [m.headers.get("Kvpool-Kind") for m in burst] != ["end"]:
+                raise BenchError(f"notification {rid} did not arrive")
+            if r >= 5:
+                samples["notify"].append(arrived - called)
+    return samples
 
 
 def _inline_runs(url: str, prefill: _Prefill, layers: np.ndarray) -> Generator[float, None, None]:
@@ -149,27 +251,38 @@ def _inline_runs(url: str, prefill: _Prefill, layers: np.ndarray) -> Generator[f
             yield elapsed
 
 
-def _raw_runs(port: int, layers: np.ndarray) -> Generator[float, None, None]:
-    """The same bytes put to the raw socket server and got back."""
-    import socket
-
+def _raw_runs(sock: socket.socket, layers: np.ndarray, back: bool) -> Generator[float, None, None]:
+    """The same bytes sent to the raw socket server, and (`back`) got back. The server takes one
+    connection at a time: both turns share `sock`."""
     out = np.zeros_like(layers)
-    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    with sock:
-        while True:
-            t = time.perf_counter()
-            raw_socket.put(sock, [layers.data.cast("B")])
+    while True:
+        t = time.perf_counter()
+        raw_socket.put(sock, [layers.data.cast("B")])
+        if back:
             raw_socket.get(sock, [out.data.cast("B")])
-            elapsed = time.perf_counter() - t
-            if not np.array_equal(out, layers):
-                raise BenchError("raw socket bytes differ")
-            out.fill(0)
-            yield elapsed
+        elapsed = time.perf_counter() - t
+        if back and not np.array_equal(out, layers):
+            raise BenchError("raw socket bytes differ")
+        out.fill(0)
+        yield elapsed
+
+
+def _memcpy_runs(layers: np.ndarray) -> Generator[float, None, None]:
+    """numpy copying the same bytes once, into a buffer of its own (touched before the clock starts)."""
+    out = np.zeros_like(layers)
+    while True:
+        t = time.perf_counter()
+        np.copyto(out, layers)
+        elapsed = time.perf_counter() - t
+        if not np.array_equal(out, layers):
+            raise BenchError("memcpy bytes differ")
+        out.fill(0)
+        yield elapsed
 
 
 def run(args: argparse.Namespace) -> int:
     requests = args.requests or (8 if args.quick else 20)
+    samples = 100 if args.quick else 300
     layers = filled(_LAYERS * _BLOCK, 7).reshape(_LAYERS, _BLOCK)
     metrics: dict[str, Any] = {"layers": _LAYERS, "block_bytes": _BLOCK, "inline_chunk_bytes": _INLINE_CHUNK,
                                "requests": requests}
@@ -177,22 +290,37 @@ def run(args: argparse.Namespace) -> int:
             contextlib.ExitStack() as stack:
         url, pool = bench.url, bench.client
         assert url is not None
-        for name in ("notes", "handoff", "inline"):  # in memory: the bench measures the path, not the disk
+        tcp_pool = stack.enter_context(PoolClient(mode="cluster", nats_url=url, node_id=_REMOTE))
+        wait_members(tcp_pool, 1)
+        for name in ("notes", "handoff", "handoff_tcp", "first", "inline"):  # in memory: the path, not the disk
             create_stream(url, name, StreamConfig(memory=True))
-        notify = _latency(url, "notes", 300 if args.quick else 3000)
+        js_notify = _js_latency(url, "notes", samples)
         prefill = _Prefill(url)
         stack.callback(prefill.close)
-        runs = {"handoff": _handoff_runs(url, pool, prefill, layers), "nats_inline": _inline_runs(url, prefill, layers),
-                "raw_socket": _raw_runs(raw_port, layers)}
+        sock = stack.enter_context(socket.create_connection(("127.0.0.1", raw_port), timeout=30))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        latencies = _latencies(url, pool, prefill, layers, samples)
+        runs = {"handoff": _handoff_runs(url, "handoff", pool, prefill, layers),
+                "handoff_tcp": _handoff_runs(url, "handoff_tcp", tcp_pool, prefill, layers),
+                "memcpy": _memcpy_runs(layers),
+                "pool_puts": _puts_runs(pool, prefill),
+                "nats_inline": _inline_runs(url, prefill, layers),
+                "raw_socket": _raw_runs(sock, layers, back=True),
+                "raw_socket_oneway": _raw_runs(sock, layers, back=False),
+                **bench_yuanrong.runs(args, stack, layers)}
         for gen in runs.values():
             stack.callback(gen.close)
         best = best_in_turns({name: functools.partial(next, gen) for name, gen in runs.items()}, requests)
     gb = {name: gbps(layers.nbytes, s) for name, s in best.items()}
     metrics.update({f"{name}_gbps": round(v, 3) for name, v in gb.items()})
-    emit("streams", metrics, {"handoff_vs_raw_socket": gb["handoff"] / gb["raw_socket"],
-                              "handoff_vs_nats_inline": gb["handoff"] / gb["nats_inline"]},
-         args.json, notes="handoff: 32 layers x 1 MiB per request, bytes checked; raw socket: put + get back",
-         latencies={"notify": notify})
+    emit("streams", metrics, {"handoff_vs_memcpy": gb["handoff"] / gb["memcpy"],
+                              "handoff_vs_raw_socket_oneway": gb["handoff_tcp"] / gb["raw_socket_oneway"],
+                              "handoff_vs_pool_puts": gb["handoff"] / gb["pool_puts"],
+                              "handoff_vs_raw_socket": gb["handoff"] / gb["raw_socket"],
+                              "handoff_vs_nats_inline": gb["handoff"] / gb["nats_inline"], **bench_yuanrong.ratios(gb)},
+         args.json, notes="handoff: 32 layers x 1 MiB per request, bytes checked; raw socket: put + get back; "
+                          "handoff_tcp vs raw_socket_oneway: TCP both sides vs bytes only sent",
+         latencies={**latencies, "js_notify": js_notify})
     return 0
 
 if __name__ == "__main__":

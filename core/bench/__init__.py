@@ -16,12 +16,12 @@ from collections.abc import Callable
 from ..errors import ConfigError, PoolUnavailable
 from ..procs import WorkerProcess
 from ..registry import Subparsers, add_unavailable, load
-from . import compare, raw_socket, report
+from . import compare, raw_socket, report, yuanrong_peer
 from .bench_pool import BenchPool, local_cluster, wait_members
 from .measure import best_in_turns, emit, filled, gbps, percentiles_us
 
 __all__ = ["SUITES", "BenchPool", "WorkerProcess", "add_parser", "best_in_turns", "emit", "filled", "gbps",
-           "local_cluster", "percentiles_us", "raw_socket", "wait_members"]
+           "local_cluster", "percentiles_us", "raw_socket", "wait_members", "yuanrong_peer"]
 
 SUITES: dict[str, str] = {
     "core": "kvpool.core.bench.core_suite",
@@ -29,6 +29,7 @@ SUITES: dict[str, str] = {
     "kvtest": "kvpool.core.bench.kvtest_suite",
     "transport": "kvpool.core.bench.transport_suite",
     "scale": "kvpool.core.bench.scale_suite",
+    "gpu": "kvpool.core.bench.gpu_suite",
     "streams": "kvpool.streams.bench_suite",
     "backends": "kvpool.backends.bench_suite",
     "engines": "kvpool.backends.engines.bench",

@@ -15,6 +15,7 @@ import mmap
 import os
 import secrets
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,6 +127,7 @@ class DramArena:
             os.close(fd)
         self._owner = shared  # the creator of a shared arena unlinks its name on close
         self.buf = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._view = memoryview(self._mmap)  # sliced per block: `view`
         if prefault:
             self._prefault()
         self.classes = size_classes(slab_size)
@@ -179,27 +181,36 @@ class DramArena:
         return self.classes[self._slabs[offset // self.slab_size].cls]
 
     def alloc(self, nbytes: int) -> int | None:
-        cls = self.class_of(nbytes)
-        partial = self._partial[cls]
-        if partial:
-            slab_no = next(iter(partial))
-            slab = self._slabs[slab_no]
-        elif self._free_slabs:
-            slab_no = self._free_slabs.pop()
-            csize = self.classes[cls]
-            base = slab_no * self.slab_size
-            count = self.slab_size // csize
-            slab = _Slab(cls, [base + i * csize for i in range(count - 1, -1, -1)])
-            self._slabs[slab_no] = slab
-            partial[slab_no] = None
-        else:
-            return None
-        offset = slab.free.pop()
-        slab.used += 1
-        if not slab.free:
-            del partial[slab_no]
-        self.used_bytes += self.classes[cls]
-        return offset
+        return self.alloc_many((nbytes,))[0]
+
+    def alloc_many(self, sizes: Sequence[int]) -> list[int | None]:
+        """`alloc` of each size in turn, in one call (a batch's slots): an offset, or None for each
+        size that found no slot."""
+        out: list[int | None] = []
+        classes, slabs, partials, free_slabs = self.classes, self._slabs, self._partial, self._free_slabs
+        for nbytes in sizes:
+            cls = bisect.bisect_left(classes, nbytes if nbytes > 0 else 1)
+            partial = partials[cls]
+            if partial:
+                slab_no = next(iter(partial))
+                slab = slabs[slab_no]
+            elif free_slabs:
+                slab_no = free_slabs.pop()
+                csize = classes[cls]
+                base = slab_no * self.slab_size
+                count = self.slab_size // csize
+                slab = _Slab(cls, [base + i * csize for i in range(count - 1, -1, -1)])
+                slabs[slab_no] = slab
+                partial[slab_no] = None
+            else:
+                out.append(None)
+                continue
+            out.append(slab.free.pop())
+            slab.used += 1
+            if not slab.free:
+                del partial[slab_no]
+            self.used_bytes += classes[cls]
+        return out
 
     def free(self, offset: int) -> None:
         slab_no = offset // self.slab_size
@@ -272,13 +283,14 @@ class DramArena:
         return errors
 
     def view(self, offset: int, nbytes: int) -> memoryview:
-        return memoryview(self._mmap)[offset:offset + nbytes]
+        return self._view[offset:offset + nbytes]
 
     def close(self) -> None:
         """Unmap; the creating process also unlinks the name."""
         if self._mmap is None:
             return
         self.buf = None  # type: ignore[assignment]
+        self._view.release()
         try:
             self._mmap.close()
         except BufferError:

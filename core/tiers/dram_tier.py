@@ -7,7 +7,7 @@ unlinked while leased keeps its slot until its last lease ends, so a reader's vi
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,7 +22,8 @@ __all__ = ["BlockRef", "DramBlock", "DramTier"]
 
 class BlockRef(Protocol):
     """A leased DRAM block as `TieredCache.acquire` hands it out: where its bytes lie in the arena
-    (`offset`, `size` in bytes) and their XXH3-64 `checksum`. Valid until `TieredCache.release(ref)`."""
+    (`offset`, `size` in bytes), their XXH3-64 `checksum` and the block's `version`
+    (`kvpool.core.versions`). Valid until `TieredCache.release(ref)`."""
 
     @property
     def key(self) -> bytes: ...
@@ -32,6 +33,8 @@ class BlockRef(Protocol):
     def size(self) -> int: ...
     @property
     def checksum(self) -> int: ...
+    @property
+    def version(self) -> int: ...
 
 
 @dataclass(eq=False, slots=True)
@@ -47,10 +50,11 @@ class DramBlock:
     pinned: bool = False
     live: bool = True  # False once replaced, removed or evicted; the slot is freed at zero leases
     on_ssd: bool = False  # an identical copy is committed in the SSD tier
+    version: int = 0  # kvpool.core.versions; 0: none
 
     @property
     def meta(self) -> BlockMeta:
-        return BlockMeta(self.size, self.checksum, self.expires)
+        return BlockMeta(self.size, self.checksum, self.expires, self.version)
 
     def expired(self, now: float) -> bool:
         return bool(self.expires) and self.expires <= now
@@ -89,6 +93,12 @@ class DramTier:
         if offset is not None:
             self._reserved += 1
         return offset
+
+    def alloc_many(self, sizes: Sequence[int]) -> list[int | None]:
+        """`alloc` of each size, in one call."""
+        offsets = self.arena.alloc_many(sizes)
+        self._reserved += len(offsets) - offsets.count(None)
+        return offsets
 
     def unreserve(self, offset: int) -> None:
         """Free a slot from `alloc` that will not be committed."""

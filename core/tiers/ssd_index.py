@@ -32,21 +32,23 @@ log = logging.getLogger("kvpool.ssd")
 FILE_NAME = "kvpool-index"
 """The index file's name inside the SSD tier's directory."""
 
-_MAGIC = b"KVPIDX01"
+_MAGIC = b"KVPIDX02"  # 02: blocks' versions
 _HEAD = struct.Struct("<8sQQQQQQQ")  # magic, last txnid, entries, data file inode, keys, stale keys, body bytes, xxh3
 _BLOCK_HEADER = np.dtype([("magic", "S4"), ("version", "<u2"), ("flags", "<u2"), ("size", "<u8"),
-                          ("checksum", "<u8"), ("expires", "<f8")])  # blocks._HEADER, for a vectorised decode
+                          ("checksum", "<u8"), ("expires", "<f8"),
+                          ("block_version", "<u8")])  # blocks._HEADER, for a vectorised decode
 
 
 @dataclass
 class Snapshot:
     """The SSD tier's index: payload `sizes` (bytes) of the indexed keys, in eviction order (first to
-    go first), `expires` (unix seconds) of those that have a TTL, and `stale` keys whose stored copies
-    wait to be deleted. `source` says where it came from ("index" or "scan")."""
+    go first), `expires` (unix seconds) of those that have a TTL, their blocks' `versions`, and `stale`
+    keys whose stored copies wait to be deleted. `source` says where it came from ("index" or "scan")."""
 
     sizes: dict[bytes, int] = field(default_factory=dict)
     expires: dict[bytes, float] = field(default_factory=dict)
     stale: list[bytes] = field(default_factory=list)
+    versions: dict[bytes, int] = field(default_factory=dict)
     source: str = "scan"
 
 
@@ -78,7 +80,8 @@ def save(store: SsdStore, snap: Snapshot) -> bool:
         lengths = np.fromiter(map(len, every), dtype="<u2", count=len(every))
         sizes = np.fromiter(snap.sizes.values(), dtype="<u8", count=n)
         expires = np.fromiter(map(snap.expires.get, snap.sizes, itertools.repeat(0.0)), dtype="<f8", count=n)
-        body = b"".join((lengths.tobytes(), sizes.tobytes(), expires.tobytes(), *every))
+        versions = np.fromiter(map(snap.versions.get, snap.sizes, itertools.repeat(0)), dtype="<u8", count=n)
+        body = b"".join((lengths.tobytes(), sizes.tobytes(), expires.tobytes(), versions.tobytes(), *every))
         fields = (_MAGIC, txnid, entries, inode, n, len(snap.stale), len(body))
         head = _HEAD.pack(*fields, _digest(_HEAD.pack(*fields, 0), body))
         fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
@@ -149,7 +152,7 @@ def _parse(raw: bytes) -> Snapshot | None:
     """The snapshot in a checksummed, stamp-matching file, or None if its fields disagree."""
     _, _, entries, _, n, n_stale, body_len, _ = _HEAD.unpack_from(raw)
     total = n + n_stale
-    if 2 * total + 16 * n > body_len:
+    if 2 * total + 24 * n > body_len:
         return None
     off = _HEAD.size
     lengths = np.frombuffer(raw, dtype="<u2", count=total, offset=off)
@@ -157,6 +160,8 @@ def _parse(raw: bytes) -> Snapshot | None:
     sizes = np.frombuffer(raw, dtype="<u8", count=n, offset=off)
     off += 8 * n
     expires = np.frombuffer(raw, dtype="<f8", count=n, offset=off)
+    off += 8 * n
+    versions = np.frombuffer(raw, dtype="<u8", count=n, offset=off)
     off += 8 * n
     blob = raw[off:]
     if total and (int(lengths.min()) < 1 or int(lengths.max()) > MAX_KEY_BYTES):
@@ -169,7 +174,8 @@ def _parse(raw: bytes) -> Snapshot | None:
     if len(by_key) != n or n + len(set(stale).difference(by_key)) != entries:
         return None  # duplicates, or keys LMDB does not hold (or holds more of)
     timed = np.flatnonzero(expires).tolist()
-    return Snapshot(by_key, dict(zip([keys[i] for i in timed], expires[timed].tolist())), stale, source="index")
+    return Snapshot(by_key, dict(zip([keys[i] for i in timed], expires[timed].tolist())),
+                    stale, dict(zip(keys, versions.tolist())), source="index")
 
 
 def _split(blob: bytes, lengths: np.ndarray) -> list[bytes]:
@@ -216,4 +222,5 @@ def scan(store: SsdStore) -> Snapshot:
                         len(bad), e)
     timed = np.flatnonzero(h["expires"]).tolist()
     return Snapshot(dict(zip(keys, h["size"].tolist())),
-                    dict(zip([keys[i] for i in timed], h["expires"][timed].tolist())))
+                    dict(zip([keys[i] for i in timed], h["expires"][timed].tolist())),
+                    versions=dict(zip(keys, h["block_version"].tolist())))

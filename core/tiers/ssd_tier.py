@@ -35,6 +35,7 @@ class SsdTier:
         """Where the index came from at open: "index" (the saved file) or "scan" (every header)."""
         self._sizes: dict[bytes, int] = snap.sizes
         self._expires: dict[bytes, float] = snap.expires  # of the blocks that have a TTL
+        self._versions: dict[bytes, int] = snap.versions
         self._order = EVICTION_POLICY[policy]()
         self._order.extend(snap.sizes)
         self.nbytes = sum(snap.sizes.values())
@@ -73,11 +74,16 @@ class SsdTier:
     def size_of(self, key: bytes) -> int | None:
         return self._sizes.get(key)
 
+    def version_of(self, key: bytes) -> int:
+        """The version of the indexed block of `key` (0: none indexed, or a block without one)."""
+        return self._versions.get(key, 0)
+
     def add(self, key: bytes, meta: BlockMeta) -> None:
         """Index a block now committed in the store (its key must not be indexed)."""
         self._sizes[key] = meta.size
         self._order.add(key)
         self.nbytes += meta.size
+        self._versions[key] = meta.version
         if meta.expires:
             self._expires[key] = meta.expires
 
@@ -85,6 +91,7 @@ class SsdTier:
         """Unindex `key` (its stored copy stays until `mark_stale` and `delete_stale`)."""
         self.nbytes -= self._sizes.pop(key)
         self._expires.pop(key, None)
+        self._versions.pop(key, None)
         self._order.discard(key)
 
     def mark_stale(self, keys: Iterable[bytes]) -> None:
@@ -148,6 +155,7 @@ class SsdTier:
         """Forget and delete every block."""
         self._sizes.clear()
         self._expires.clear()
+        self._versions.clear()
         self._order.clear()
         self.nbytes = 0
         self.store.clear()
@@ -162,7 +170,7 @@ class SsdTier:
         if ours:  # sizes in eviction order: the order is saved as the dict's
             sizes = self._sizes
             ssd_index.save(store, ssd_index.Snapshot(dict(zip(self._order, map(sizes.__getitem__, self._order))),
-                                                     self._expires, self._stale))
+                                                     self._expires, self._stale, self._versions))
         store.close()
 
     def check(self, copies: Mapping[bytes, BlockMeta]) -> list[str]:
@@ -181,9 +189,11 @@ class SsdTier:
             meta = stored.get(k)
             if meta is None:
                 errors.append(f"{k[:24]!r} is indexed on SSD but LMDB does not hold it")
-            elif meta.size != size or meta.expires != self._expires.get(k, 0.0):
-                errors.append(f"{k[:24]!r}: LMDB holds {meta.size} bytes expiring at {meta.expires}, the index "
-                              f"{size} expiring at {self._expires.get(k, 0.0)}")
+            elif (meta.size != size or meta.expires != self._expires.get(k, 0.0)
+                  or meta.version != self._versions.get(k, 0)):
+                errors.append(f"{k[:24]!r}: LMDB holds {meta.size} bytes expiring at {meta.expires} of version "
+                              f"{meta.version}, the index {size} expiring at {self._expires.get(k, 0.0)} of version "
+                              f"{self._versions.get(k, 0)}")
         for k, want in copies.items():
             meta = stored.get(k)
             if k not in self._sizes or meta is None or (meta.size, meta.checksum) != (want.size, want.checksum):

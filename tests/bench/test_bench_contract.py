@@ -18,6 +18,8 @@ def test_quick_json_contract(bench, suite: str, argv: list[str], ratio: str) -> 
     if suite == "transport":
         m = ran.json["metrics"]
         assert 0 < m["tcp_get_64k_p50_us"] <= m["tcp_get_64k_p90_us"] <= m["tcp_get_64k_p999_us"]
+        paths = ("shm_get_vs_memcpy", "shm_put_vs_memcpy", "tcp_get_vs_raw_socket", "tcp_put_vs_raw_socket")
+        assert all(ran.json["ratios"][f"{p}{size}"] > 0 for p in paths for size in ("", "_1m", "_256k", "_64k", "_16k"))
     if suite == "scale":
         m = ran.json["metrics"]
         assert m["reopen_s_per_million"] > 0 and m["ssd_keys"] == 20000 and not m["prefix_match_at_1m_measured"]

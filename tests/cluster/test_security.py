@@ -64,7 +64,8 @@ GARBAGE = [
     struct.pack("<4sBBHIIQII", b"KVPW", 1, 4, 0, 1, 1 << 30, 0, 0, 0),  # huge meta length
     struct.pack("<4sBBHIIQII", b"KVPW", 1, 99, 0, 1, 0, 0, 46947589, 0),  # unknown op
     P.header(P.Op.PUT, 0, 1, P.pack_batch([b"k"], __import__("numpy").array([10], "<i8"),
-                                          __import__("numpy").array([0], "<u8")), 10),  # truncated put
+                                          __import__("numpy").array([0], "<u8"),
+                                          __import__("numpy").array([1], "<u8")), 10),  # truncated put
     P.header(P.Op.GET, 0, 1, b"\x05\x00\x00\x00", 0) + b"\x05\x00\x00\x00",  # truncated batch
 ]
 
@@ -85,7 +86,7 @@ def test_malformed_frames_close_only_that_connection(tmp_path):
             s = _raw(w.port)
             import numpy as np
 
-            meta = P.pack_batch([b"half"], np.array([1 << 20], "<i8"), np.array([0], "<u8"))
+            meta = P.pack_batch([b"half"], np.array([1 << 20], "<i8"), np.array([0], "<u8"), np.array([1], "<u8"))
             s.sendall(P.header(P.Op.PUT, 0, 1, meta, 1 << 20) + meta + b"y" * 1000)
             s.close()
             assert good.batch_exists(["half", "keep"]) == [False, True]
@@ -136,7 +137,7 @@ def test_a_peer_that_stalls_mid_request_is_dropped_and_its_leases_freed(tmp_path
             # a PUT that stops sending its data: dropped, its slot given back
             with _raw(w.port) as writer:
                 meta = P.pack_batch([b"stall"], __import__("numpy").array([1 << 20], "<i8"),
-                                    __import__("numpy").array([0], "<u8"))
+                                    __import__("numpy").array([0], "<u8"), __import__("numpy").array([1], "<u8"))
                 writer.sendall(P.header(P.Op.PUT, 0, 1, meta, 1 << 20) + meta + b"x" * 1000)
                 writer.settimeout(5)
                 assert writer.recv(1) == b""  # closed by the worker

@@ -9,7 +9,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,12 +31,15 @@ def block(key: str, size: int, version: int = 0) -> bytes:
     return (_HEAD.pack(kh, version, size) + body)[:size]
 
 
-def is_block_of(key: str, data: bytes | memoryview, max_version: int = 0) -> bool:
-    """Whether `data` is exactly one of the blocks put under `key` (versions 0..max_version)."""
+def is_block_of(key: str, data: bytes | memoryview, version: int = 0, unsure: Iterable[int] = ()) -> bool:
+    """Whether `data` is exactly `key`'s block number `version` (the newest put that succeeded), or one
+    of `unsure` (puts after it that failed: each may or may not have been stored). An older version
+    is a stale read, and is not accepted."""
+    allowed = {version, *unsure}
     if len(data) < _HEAD.size:
-        return any(bytes(data) == block(key, len(data), v) for v in range(max_version + 1))
-    _, version, size = _HEAD.unpack_from(data)
-    return version <= max_version and size == len(data) and bytes(data) == block(key, size, version)
+        return any(bytes(data) == block(key, len(data), v) for v in allowed)
+    _, got, size = _HEAD.unpack_from(data)
+    return got in allowed and size == len(data) and bytes(data) == block(key, size, got)
 
 
 def poll(predicate: Callable[[], bool], timeout: float, every: float = 0.05) -> bool:
@@ -80,7 +83,8 @@ class LoadReport:
     """What a Load saw: committed keys, typed errors, wrong bytes (must stay empty), slowest op."""
 
     committed: dict[str, int] = field(default_factory=dict)  # key -> size
-    versions: dict[str, int] = field(default_factory=dict)  # key -> newest version put (if rewritten)
+    versions: dict[str, int] = field(default_factory=dict)  # key -> newest version put that succeeded (if rewritten)
+    unsure: dict[str, set[int]] = field(default_factory=dict)  # key -> later versions whose put failed
     failed_puts: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     wrong: list[str] = field(default_factory=list)
@@ -93,8 +97,8 @@ class LoadReport:
 class Load:
     """Mixed load from one client in a thread: put a batch of new keys (or, a `rewrite` fraction of
     the time, new versions of committed ones), read back a random batch of committed ones, repeat.
-    A read must be a hit with the bytes of a version that was put, or a miss; an operation must
-    return within `bound_s` and fail, if at all, with a typed KVPoolError."""
+    A read must be a hit with the bytes of the newest version put (or of a later one whose put failed),
+    or a miss; an operation must return within `bound_s` and fail, if at all, with a typed KVPoolError."""
 
     def __init__(self, client: PoolClient, prefix: str, *, batch: int = 16, size: int = 64 << 10,
                  bound_s: float = 8.0, seed: int = 0, rewrite: float = 0.0) -> None:
@@ -149,23 +153,30 @@ class Load:
 
     def _run(self) -> None:
         r = self.report
+        tried: dict[str, int] = {}  # key -> last version put, whether or not it succeeded
         while not self._stop.is_set():
             if r.committed and self._rng.random() < self.rewrite:
                 pool = list(r.committed)
                 keys = list({pool[i] for i in self._rng.integers(0, len(pool), self.batch)})
-                with self._lock:
-                    for k in keys:  # before the put: a read may see the new version from now on
-                        r.versions[k] = r.versions.get(k, 0) + 1
+                for k in keys:
+                    tried[k] = tried.get(k, 0) + 1
             else:
                 keys = [f"{self.prefix}-{self._n + i}" for i in range(self.batch)]
                 self._n += self.batch
-            blocks = [block(k, self.size, r.versions.get(k, 0)) for k in keys]
+            blocks = [block(k, self.size, tried.get(k, 0)) for k in keys]
             out = self._timed("put", self.putting, self.client.batch_put, keys, blocks)
             with self._lock:
                 if isinstance(out, KVPoolError):
                     r.failed_puts.extend(keys)
+                    for k in keys:
+                        if k in r.committed:
+                            r.unsure.setdefault(k, set()).add(tried.get(k, 0))
                 else:
                     r.committed.update((k, self.size) for k in keys)
+                    for k in keys:
+                        if tried.get(k, 0):
+                            r.versions[k] = tried[k]
+                        r.unsure.pop(k, None)
                 pool = list(r.committed)
             if not pool:
                 continue
@@ -178,16 +189,18 @@ class Load:
                 for k, n, b in zip(pick, sizes, bufs):
                     if n < 0:
                         r.misses += 1
-                    elif is_block_of(k, memoryview(b)[:n], r.versions.get(k, 0)):
+                    elif is_block_of(k, memoryview(b)[:n], r.versions.get(k, 0), r.unsure.get(k, ())):
                         r.hits += 1
                     else:
                         r.wrong.append(k)
 
 
-def read_all(client: PoolClient, keys: dict[str, int], chunk: int = 64,
-             versions: dict[str, int] | None = None) -> tuple[list[str], list[str]]:
-    """Read every key back: (hits, misses). Asserts that each hit is a version that was put."""
+def read_all(client: PoolClient, keys: dict[str, int], chunk: int = 64, versions: dict[str, int] | None = None,
+             unsure: dict[str, set[int]] | None = None) -> tuple[list[str], list[str]]:
+    """Read every key back: (hits, misses). Asserts that each hit is the newest version put (`versions`,
+    default 0), or one of `unsure` (later puts that failed)."""
     versions = versions or {}
+    unsure = unsure or {}
     hits: list[str] = []
     misses: list[str] = []
     items = list(keys.items())
@@ -199,6 +212,7 @@ def read_all(client: PoolClient, keys: dict[str, int], chunk: int = 64,
             if got < 0:
                 misses.append(k)
             else:
-                assert got == n and is_block_of(k, b, versions.get(k, 0)), f"wrong bytes for {k}"
+                assert got == n and is_block_of(k, b, versions.get(k, 0), unsure.get(k, ())), \
+                    f"wrong or outdated bytes for {k}"
                 hits.append(k)
     return hits, misses

@@ -80,7 +80,7 @@ def test_a_trickled_put_is_cut_off_and_its_slot_freed(spawn) -> None:
                                         "KVPOOL_PREFAULT": "0"})
     size = 8 << 20
     with socket.create_connection(("127.0.0.1", w.port)) as s:
-        meta = P.pack_batch([b"slow"], np.array([size], "<i8"), np.array([0], "<u8"))
+        meta = P.pack_batch([b"slow"], np.array([size], "<i8"), np.array([0], "<u8"), np.array([1], "<u8"))
         s.sendall(P.header(P.Op.PUT, 0, 0, meta, size) + meta)
         t0 = time.monotonic()
         closed = False

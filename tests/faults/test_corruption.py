@@ -43,7 +43,7 @@ def test_corrupt_lmdb_values_are_counted_misses_after_restart(tmp_path):
     data = state / "ssd" / "data.mdb"
     _flip_in_file(data, block("c3", SIZE)[1000:1064], 10)  # a payload byte
     c5 = block("c5", SIZE)
-    _flip_in_file(data, encode_header(BlockMeta(SIZE, checksum(c5))), 0)  # the header's magic
+    _flip_in_file(data, encode_header(BlockMeta(SIZE, checksum(c5)))[:-8], 0)  # the header's magic (not its version)
     w = WorkerProcess(state, ssd=True, dram_bytes="64MiB").wait_ready()
     try:
         with PoolClient(mode="local", worker=w.address) as c:
@@ -78,7 +78,7 @@ def _metric(port: int, name: str) -> float:
 def test_a_flipped_byte_in_a_get_reply_is_a_counted_miss(proxied):
     proxy, via, direct, _ = proxied
     direct.batch_put(KEYS, [block(k, SIZE) for k in KEYS])
-    proxy.arm("down", P.HEADER.size + 16 * len(KEYS) + 3 * SIZE + 100)  # into c3's bytes
+    proxy.arm("down", P.HEADER.size + 24 * len(KEYS) + 3 * SIZE + 100)  # into c3's bytes
     bufs = [bytearray(SIZE) for _ in KEYS]
     sizes = via.batch_get_into(KEYS, bufs)
     assert proxy.flipped == 1
@@ -91,7 +91,7 @@ def test_a_flipped_byte_in_a_get_reply_is_a_counted_miss(proxied):
 def test_a_flipped_byte_in_put_data_stores_nothing_wrong(proxied):
     proxy, via, direct, port = proxied
     blocks = [block(k, SIZE) for k in KEYS]
-    meta = P.pack_batch([k.encode() for k in KEYS], *[np.zeros(len(KEYS), "<i8")] * 2)  # sizes, checksums
+    meta = P.pack_batch([k.encode() for k in KEYS], *[np.zeros(len(KEYS), "<i8")] * 3)  # sizes, checksums, versions
     proxy.arm("up", P.HEADER.size + len(meta) + 5 * SIZE + 7)  # into c5's bytes
     with pytest.raises(CorruptBlock, match="arrived corrupt") as caught:
         via.batch_put(KEYS, blocks)

@@ -62,7 +62,7 @@ def test_soak_mixed_load_with_random_worker_kills(nats, tmp_path):
                 assert all("PoolUnavailable" in e for e in r.errors), r.errors[:5]
                 assert r.slowest_s < 10
                 with bounded(max(60.0, len(r.committed) / 200), "the verification pass"):
-                    hits, _ = read_all(c, r.committed, versions=r.versions)
+                    hits, _ = read_all(c, r.committed, versions=r.versions, unsure=r.unsure)
                 print(f"soak: {SECONDS:.0f} s, {kills} kills, {r.ops} ops, {len(r.errors)} typed errors, "
                       f"{len(hits)} of {len(r.committed)} committed blocks readable")
                 assert hits

@@ -57,16 +57,16 @@ def _body(draw: st.DrawFn, op: int) -> tuple[bytes, bytes]:
         blobs = [draw(st.binary(max_size=2048)) for _ in keys]
         sizes = np.array([len(b) for b in blobs], dtype="<i8") if draw(st.booleans()) else col()
         csums = np.array([xxhash.xxh3_64_intdigest(b) if draw(st.booleans()) else draw(U64) for b in blobs], "<u8")
-        return P.pack_batch(keys, sizes, csums), b"".join(blobs)
+        return P.pack_batch(keys, sizes, csums, col().astype("<u8")), b"".join(blobs)  # versions: any u64
     if op == P.Op.ALLOC:
         return P.pack_batch(keys, col()), b""
     if op == P.Op.COMMIT:
-        return P.pack_batch(keys, col(), col(), col()), b""
+        return P.pack_batch(keys, col(), col(), col(), col()), b""
     if op in (P.Op.ABORT, P.Op.RELEASE):
         return np.array(draw(st.lists(I64, max_size=5)), dtype="<i8").tobytes(), b""
-    if op in (P.Op.HELLO, P.Op.AUTH, P.Op.STATS, P.Op.CLEAR):
+    if op in (P.Op.HELLO, P.Op.AUTH, P.Op.STATS, P.Op.CLEAR, P.Op.CHANGES):
         return (P.pack_json(draw(JSON)) if draw(st.booleans()) else b""), b""
-    # GET, EXISTS, PREFIX, REMOVE, LEASE take keys alone; other ops may take 8-byte columns
+    # GET, EXISTS, PREFIX, LEASE take keys alone, REMOVE one column; other ops may take 8-byte columns
     fcol = lambda: np.array(draw(st.lists(st.floats(), min_size=len(keys), max_size=len(keys))), "<f8")  # noqa: E731
     return P.pack_batch(keys, *[draw(st.sampled_from([col, fcol]))() for _ in range(draw(st.integers(0, 2)))]), b""
 

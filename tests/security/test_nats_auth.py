@@ -49,8 +49,7 @@ def _info() -> dict[str, object]:
 
 
 async def _raw(url: str, creds: NatsCreds) -> nats_py.NATS:
-    return await nats_py.connect(url, allow_reconnect=False, connect_timeout=2, user=creds.user,
-                                 password=creds.password)
+    return await nats_py.connect(url, allow_reconnect=False, connect_timeout=2, **creds.connect_options())
 
 
 def _anonymous_refusal(url: str) -> str:
@@ -163,12 +162,9 @@ def test_clients_find_credentials_and_use_streams(secured: NatsServer, state: Pa
     monkeypatch.setenv("KVPOOL_NATS_CREDS", str(creds_path("client")))
     with pytest.raises(StreamRefused, match="may not"):
         create_stream(secured.url, "other")
-    # a URL with the credentials in it works as well
-    c = load_creds(creds_path("client"))
+    # (a URL with a password user's credentials in it: tests/security/test_nats_nkeys.py)
     monkeypatch.delenv("KVPOOL_NATS_CREDS")
     monkeypatch.setenv("KVPOOL_STATE_DIR", str(state / "elsewhere"))
-    m = Membership(secured.url.replace("nats://", f"nats://{c.user}:{c.password}@"))
-    m.close()
     with pytest.raises(StreamRefused, match="refused"):  # and without any: refused, as a stream error
         Producer("jobs", secured.url)
     with pytest.raises(AuthError):
@@ -199,7 +195,7 @@ def test_kvpool_up_secures_nats(tmp_path: Path) -> None:
         for role in ("worker", "client", "admin"):
             f = folder / f"{role}.json"
             assert stat.S_IMODE(f.stat().st_mode) == 0o600
-            assert set(json.loads(f.read_text())) == {"user", "password"}
+            assert set(json.loads(f.read_text())) == {"user", "nkey_seed"}
         assert stat.S_IMODE((folder / "nats-server.conf").stat().st_mode) == 0o600
         url = f"nats://127.0.0.1:{port}"
         assert "authorization violation" in _anonymous_refusal(url).lower()

@@ -154,7 +154,8 @@ def test_a_forged_frame_outside_the_namespace_gets_forbidden(worker: WorkerProce
     connection still serves."""
     conn = connect(worker.address, A_TOKEN, 5)
     try:
-        meta = P.pack_batch([b"b/k"], np.array([6], dtype="<i8"), np.array([checksum(b"forged")], dtype="<u8"))
+        meta = P.pack_batch([b"b/k"], np.array([6], dtype="<i8"), np.array([checksum(b"forged")], dtype="<u8"),
+                            np.array([1], dtype="<u8"))
         with conn._session():
             sock = conn._sock
             assert sock is not None

@@ -43,7 +43,7 @@ def test_a_same_node_commit_with_a_wrong_checksum_is_refused(worker: Worker) -> 
             off = int(offsets[0])
             arena[off:off + len(data)] = data
             lie = np.array([12345], dtype="<u8")  # not the checksum of what is in the slot
-            reply = t._roundtrip(P.Op.COMMIT, P.pack_batch([b"forged"], offsets, sizes, lie))
+            reply = t._roundtrip(P.Op.COMMIT, P.pack_batch([b"forged"], offsets, sizes, lie, np.array([1], "<u8")))
         assert np.frombuffer(reply.meta, dtype="<i1").tolist() == [P.ITEM_CORRUPT]
         assert worker.metrics.corrupt_blocks._value.get() == 1
         assert t.batch_exists([b"forged"]) == [False]
@@ -68,7 +68,7 @@ def test_a_block_changed_between_write_and_commit_is_refused(worker: Worker) -> 
 
             csum = np.array([checksum(data)], dtype="<u8")
             arena[off] ^= 0xFF  # another writer scribbles before the commit
-            reply = t._roundtrip(P.Op.COMMIT, P.pack_batch([b"k"], offsets, sizes, csum))
+            reply = t._roundtrip(P.Op.COMMIT, P.pack_batch([b"k"], offsets, sizes, csum, np.array([1], "<u8")))
         status = int(np.frombuffer(reply.meta, dtype="<i1")[0])
         from kvpool.core.connection import raise_item
 

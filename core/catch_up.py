@@ -1,0 +1,89 @@
+"""A worker back from an absence catches up from its peers before it serves its blocks again.
+
+While a worker is away (stopped, killed, paused, cut off from NATS past the member TTL), clients write
+its keys to other workers, so what it holds may be older than what they hold. When it returns it asks
+every live peer for the changes it accepted since the worker left (`Op.CHANGES`, from each peer's
+`versions.ChangeLog`) and drops each block older than one of them (a miss costs a recompute; a stale
+hit would cost a wrong answer). If a peer does not answer, or its log does not reach back to when the
+worker left, the worker cannot prove any block fresh and drops them all. Until it is done its reads
+are misses (`TieredCache.fence`). When it left is known from `AliveStamp`, the wall time of its last
+heartbeat, kept beside its state.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from .cache import TieredCache
+from .errors import KVPoolError
+from .records import WorkerInfo
+from .transport import connect
+from .versions import CLOCK_SKEW_MS
+
+__all__ = ["AliveStamp", "catch_up"]
+
+log = logging.getLogger("kvpool.worker")
+
+
+
+class AliveStamp:
+    """The wall time (unix ms) of a worker's last heartbeat, in a file beside its state: after a restart,
+    when it left (at most a heartbeat before it stopped). Written atomically; None when never written."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def read(self) -> int | None:
+        try:
+            return int(self.path.read_text().strip())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            log.warning("unreadable alive stamp %s (%s): treated as none", self.path, e)
+            return None
+
+    def touch(self) -> None:
+        tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
+        try:
+            tmp.write_text(f"{int(time.time() * 1000)}\n")
+            os.replace(tmp, self.path)
+        except OSError as e:  # a full disk: the next start finds an older stamp (asks for more: safe)
+            log.debug("alive stamp %s not written: %s", self.path, e)
+
+
+def catch_up(cache: TieredCache, peers: Mapping[str, WorkerInfo], since_ms: int, *, token: str | None,
+             node_id: str, timeout_s: float = 5.0) -> bool:
+    """Apply every change each of `peers` accepted since `since_ms` (unix ms) to `cache` (a block older
+    than one is dropped). True if every peer answered with a log that reaches back that far; False
+    otherwise (the caller then drops what it cannot prove fresh)."""
+    ask_from = max(since_ms - CLOCK_SKEW_MS, 0)  # a peer whose clock runs behind reports all it took
+    dropped = 0
+    for wid, info in peers.items():
+        same_node = info.node_id == node_id and bool(info.unix) and os.path.exists(info.unix)
+        address = info.unix if same_node else info.tcp
+        try:
+            conn = connect(address, token, timeout_s)
+        except KVPoolError as e:
+            log.warning("catch-up: cannot reach peer %s at %s (%s)", wid, address, e)
+            return False
+        try:
+            seq = 0
+            while True:
+                changes, nxt, covered = conn.changes(ask_from, seq)
+                if covered > ask_from:
+                    log.warning("catch-up: peer %s's log reaches back to %d ms, not to %d ms", wid, covered, ask_from)
+                    return False
+                dropped += cache.apply_changes([(c.key, c.version, c.removed) for c in changes])
+                if nxt < 0:
+                    break
+                seq = nxt
+        except KVPoolError as e:
+            log.warning("catch-up: peer %s at %s failed (%s)", wid, address, e)
+            return False
+        finally:
+            conn.close()
+    log.info("catch-up from %d peers since %d ms: %d outdated blocks dropped", len(peers), since_ms, dropped)
+    return True

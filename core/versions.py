@@ -1,0 +1,177 @@
+"""Block versions: a hybrid logical clock, the tombstones removes leave, and a worker's log of recent changes.
+
+A version is a u64 `wall_ms << 16 | counter` stamped by the writer (`stamp`): it follows wall time,
+never goes back in one process, and is merged with every version the process sees (`observe`), so a
+write that follows a read of version v is stamped above v even on a slower clock. 0 means "none".
+A worker keeps the newest version of each key: a put or remove older than what it holds (a block or a
+tombstone) changes nothing, so replicas converge whatever order writes reach them in.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from itertools import repeat
+
+__all__ = ["COUNTER_BITS", "CLOCK_SKEW_MS", "HybridClock", "CLOCK", "stamp", "observe", "wall_ms_of", "Tombstones",
+           "Change", "ChangeLog"]
+
+COUNTER_BITS = 16
+CLOCK_SKEW_MS = 2000
+"""How far apart the wall clocks of two processes of a pool may be, in ms (what versions order
+correctly across writers; NTP keeps machines far closer)."""
+_COUNTER_MASK = (1 << COUNTER_BITS) - 1
+
+
+def wall_ms_of(version: int) -> int:
+    """The wall-clock milliseconds a version was stamped at (about: see `HybridClock`)."""
+    return version >> COUNTER_BITS
+
+
+class HybridClock:
+    """A hybrid logical clock: `now()` returns versions strictly increasing in this process, at least the
+    wall clock (ms) shifted by `COUNTER_BITS`, and above every version passed to `observe`. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._last = 0
+        self._lock = threading.Lock()
+
+    def now(self) -> int:
+        wall = int(time.time() * 1000) << COUNTER_BITS
+        with self._lock:
+            self._last = max(self._last + 1, wall)
+            return self._last
+
+    def observe(self, version: int) -> None:
+        """Merge a version seen (read, received): later stamps are above it."""
+        if version > self._last:
+            with self._lock:
+                self._last = max(self._last, int(version))
+
+    def batch(self, n: int) -> list[int]:
+        """`n` versions at once, consecutive."""
+        wall = int(time.time() * 1000) << COUNTER_BITS
+        with self._lock:
+            first = max(self._last + 1, wall)
+            self._last = first + n - 1
+        return list(range(first, first + n))
+
+
+CLOCK = HybridClock()
+"""This process's clock: every writer in it stamps from here."""
+
+
+def stamp() -> int:
+    """A new version from this process's clock."""
+    return CLOCK.now()
+
+
+def observe(version: int) -> None:
+    CLOCK.observe(version)
+
+
+class Tombstones:
+    """Keys removed, by the version of their removal, kept for `keep_s` seconds and at most `max_keys`
+    (the oldest go first): while one is kept, a put of that key older than the removal is ignored, so
+    an old put that arrives late (a replica back from a pause, a repair) cannot bring the key back."""
+
+    def __init__(self, keep_s: float = 600.0, max_keys: int = 1 << 18) -> None:
+        self.keep_s = keep_s
+        self.max_keys = max_keys
+        self._marks: OrderedDict[bytes, tuple[int, float]] = OrderedDict()  # key -> (version, monotonic at)
+
+    def __len__(self) -> int:
+        return len(self._marks)
+
+    def add(self, key: bytes, version: int) -> None:
+        old = self._marks.pop(key, None)
+        if old is not None and old[0] > version:
+            version = old[0]
+        self._marks[key] = (version, time.monotonic())
+        self._trim()
+
+    def discard(self, key: bytes) -> None:
+        self._marks.pop(key, None)
+
+    def version(self, key: bytes) -> int:
+        """The version of `key`'s removal if it is still kept, else 0."""
+        mark = self._marks.get(key)
+        if mark is None:
+            return 0
+        if time.monotonic() - mark[1] > self.keep_s:
+            self._trim()
+            return 0 if key not in self._marks else self._marks[key][0]
+        return mark[0]
+
+    def _trim(self) -> None:
+        marks = self._marks
+        while len(marks) > self.max_keys:
+            marks.popitem(last=False)
+        horizon = time.monotonic() - self.keep_s
+        while marks:
+            key, (_, at) = next(iter(marks.items()))
+            if at > horizon:
+                break
+            del marks[key]
+
+    def clear(self) -> None:
+        self._marks.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One write a worker accepted: `key` got `version` (a block, or a removal) at `at_ms` (its wall clock)."""
+
+    key: bytes
+    version: int
+    removed: bool
+    at_ms: int
+
+
+class ChangeLog:
+    """The last `max_entries` changes a worker accepted, in the order it accepted them, numbered.
+
+    `covered_since_ms` is the wall time (ms) since which the log holds every change accepted: it starts
+    at `covered_since_ms` given (a worker's last sign of life before this start: it accepted nothing
+    between then and now) and moves forward as old entries are dropped. A worker back from an absence
+    asks its peers for their changes since it left (`since`); a peer whose log does not reach that far
+    back says so, and the returning worker drops what it cannot prove fresh."""
+
+    def __init__(self, covered_since_ms: int = 0, max_entries: int = 1 << 18) -> None:
+        self.max_entries = max_entries
+        self.covered_since_ms = covered_since_ms
+        self._entries: deque[tuple[bytes, int, bool, int]] = deque()  # (key, version, removed, at_ms): cheap to add
+        self._first_seq = 0  # sequence number of _entries[0]
+        self._last_ms = 0  # times only grow, whatever the wall clock does
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def record(self, keys: Iterable[bytes], versions: Iterable[int], removed: bool) -> None:
+        at = self._last_ms = max(int(time.time() * 1000), self._last_ms)
+        entries = self._entries
+        entries.extend(zip(keys, versions, repeat(removed), repeat(at)))
+        while len(entries) > self.max_entries:
+            gone = entries.popleft()
+            self._first_seq += 1
+            self.covered_since_ms = max(self.covered_since_ms, gone[3] + 1)
+
+    def since(self, since_ms: int, from_seq: int = 0, limit: int = 1 << 15) -> tuple[list[Change], int]:
+        """Up to `limit` changes accepted at or after `since_ms`, from sequence number `from_seq` on;
+        and the sequence number to ask from next (-1: none left)."""
+        entries = self._entries
+        start = max(from_seq - self._first_seq, 0)
+        if start == 0 and entries and entries[0][3] < since_ms:
+            lo, hi = 0, len(entries)  # entries are in acceptance order: their times only grow
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if entries[mid][3] < since_ms:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            start = lo
+        out = [Change(*entries[i]) for i in range(start, min(start + limit, len(entries)))]
+        end = start + len(out)
+        return out, (self._first_seq + end if end < len(entries) else -1)

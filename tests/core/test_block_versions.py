@@ -1,0 +1,168 @@
+"""Block versions (`kvpool.core.versions`): the hybrid logical clock, tombstones, the change log, and a
+cache that keeps the newest version of each key whatever order puts and removes reach it in."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from kvpool.core.blocks import BlockMeta, decode_header, encode_header
+from kvpool.core.cache import TieredCache
+from kvpool.core.versions import COUNTER_BITS, ChangeLog, HybridClock, Tombstones, wall_ms_of
+
+
+def test_the_clock_follows_wall_time_and_never_goes_back() -> None:
+    clock = HybridClock()
+    before = int(time.time() * 1000)
+    v = clock.now()
+    assert before <= wall_ms_of(v) <= int(time.time() * 1000)
+    seen = [clock.now() for _ in range(10_000)]  # many per millisecond: the counter orders them
+    assert seen == sorted(set(seen)) and seen[0] > v
+    batch = clock.batch(5)
+    assert batch == list(range(batch[0], batch[0] + 5)) and batch[0] > seen[-1]
+
+
+def test_the_clock_merges_versions_it_sees() -> None:
+    clock = HybridClock()
+    ahead = (int(time.time() * 1000) + 60_000) << COUNTER_BITS  # a writer whose clock runs a minute ahead
+    clock.observe(ahead)
+    assert clock.now() > ahead  # a write after reading it is stamped above it
+    clock.observe(5)  # an old version changes nothing
+    assert clock.now() > ahead
+
+
+def test_the_clock_is_monotonic_across_threads() -> None:
+    clock = HybridClock()
+    out: list[list[int]] = [[] for _ in range(4)]
+
+    def run(i: int) -> None:
+        out[i] = [clock.now() for _ in range(5000)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    every = [v for part in out for v in part]
+    assert len(set(every)) == len(every)  # no two writers share a version
+    assert all(part == sorted(part) for part in out)
+
+
+def test_tombstones_are_bounded_in_count_and_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    marks = Tombstones(keep_s=10.0, max_keys=3)
+    for i, k in enumerate([b"a", b"b", b"c", b"d"]):
+        marks.add(k, 100 + i)
+    assert len(marks) == 3 and marks.version(b"a") == 0  # the oldest went first
+    assert marks.version(b"d") == 103
+    marks.add(b"d", 50)  # an older removal does not lower a newer one
+    assert marks.version(b"d") == 103
+    now = time.monotonic()
+    monkeypatch.setattr(time, "monotonic", lambda: now + 11.0)
+    assert marks.version(b"d") == 0 and len(marks) == 0  # past keep_s: gone
+
+
+def test_the_change_log_pages_and_says_how_far_back_it_reaches() -> None:
+    log = ChangeLog(covered_since_ms=1000, max_entries=4)
+    log.record([b"a", b"b"], [1, 2], False)
+    time.sleep(0.002)
+    t = int(time.time() * 1000)
+    log.record([b"c"], [3], True)
+    changes, nxt = log.since(t)
+    assert [(c.key, c.version, c.removed) for c in changes] == [(b"c", 3, True)] and nxt == -1
+    first, nxt = log.since(0, limit=2)
+    assert [c.key for c in first] == [b"a", b"b"] and nxt == 2
+    rest, nxt = log.since(0, from_seq=nxt, limit=2)
+    assert [c.key for c in rest] == [b"c"] and nxt == -1
+    assert log.covered_since_ms == 1000
+    log.record([b"d", b"e"], [4, 5], False)  # five entries in a log of four: the first goes
+    assert len(log) == 4 and log.covered_since_ms > 1000
+    assert [c.key for c in log.since(0)[0]] == [b"b", b"c", b"d", b"e"]
+
+
+def test_the_ssd_header_carries_the_version() -> None:
+    meta = BlockMeta(10, 1234, 0.0, 987654321)
+    assert decode_header(encode_header(meta)) == meta
+
+
+@pytest.fixture
+def cache(make_cache: Callable[..., TieredCache]) -> TieredCache:
+    return make_cache()
+
+
+def test_an_older_put_changes_nothing(cache: TieredCache) -> None:
+    cache.batch_put(["k"], [b"new"], versions=[200])
+    cache.batch_put(["k"], [b"old"], versions=[100])  # arrives late: ignored, no error
+    assert cache.get("k") == b"new"
+    cache.batch_put(["k"], [b"same"], versions=[200])  # the same version again: the one held stays
+    assert cache.get("k") == b"new"
+    cache.batch_put(["k"], [b"newer"], versions=[300])
+    assert cache.get("k") == b"newer"
+    assert cache.batch_versions([b"k", b"none"]) == ([True, False], [300, 0])
+    assert cache.check() == []
+
+
+def test_a_removal_leaves_a_tombstone_that_stops_older_puts(cache: TieredCache) -> None:
+    cache.batch_put(["k", "j"], [b"v1", b"v1"], versions=[100, 100])
+    assert cache.batch_remove(["k"], versions=[200]) == [True]
+    cache.batch_put(["k"], [b"v1-late"], versions=[150])  # older than the removal: stays removed
+    assert cache.get("k") is None
+    assert cache.batch_versions([b"k"]) == ([False], [200])
+    assert cache.removed_versions([b"k", b"j"]) == [200, 0]
+    cache.batch_put(["k"], [b"v3"], versions=[250])  # newer than the removal: stored
+    assert cache.get("k") == b"v3"
+    assert cache.batch_remove(["j"], versions=[50]) == [False]  # older than the block: it stays
+    assert cache.get("j") == b"v1"
+
+
+def test_a_same_node_commit_keeps_the_newest(cache: TieredCache) -> None:
+    cache.batch_put(["k"], [b"held"], versions=[500])
+    off = cache.reserve(5)
+    cache.arena.view(off, 5)[:] = b"stale"
+    from kvpool.core.blocks import checksum
+
+    assert cache.commit("k", off, 5, checksum(b"stale"), version=400) is False  # the slot is freed
+    assert cache.get("k") == b"held"
+    assert cache.check() == []
+
+
+def test_unversioned_writes_are_stamped_in_order(cache: TieredCache) -> None:
+    """Embedded mode: the cache stamps its own puts and removes; put, remove, put behaves as always."""
+    cache.put("k", b"a")
+    cache.remove("k")
+    assert cache.get("k") is None
+    cache.put("k", b"b")
+    assert cache.get("k") == b"b"
+    assert cache.batch_versions([b"k"])[1][0] > 0
+
+
+def test_catching_up_drops_what_is_older_and_fences_reads(cache: TieredCache) -> None:
+    cache.batch_put(["a", "b", "c"], [b"a0", b"b0", b"c0"], versions=[10, 10, 10])
+    dropped = cache.apply_changes([(b"a", 20, False), (b"b", 20, True), (b"c", 5, False)])
+    assert dropped == 2
+    assert [cache.get(k) for k in "abc"] == [None, None, b"c0"]
+    cache.batch_put(["a"], [b"a-stale"], versions=[15])  # older than what was missed: refused
+    assert cache.get("a") is None
+    cache.batch_put(["a"], [b"a20"], versions=[20])  # the version missed itself is welcome
+    assert cache.get("a") == b"a20"
+    cache.fence(True)
+    assert cache.get("c") is None and cache.batch_exists(["c"]) == [False]  # may be outdated: a miss
+    cache.put("d", b"early")  # stamped within the clock skew of the fence: it may be older than a miss
+    assert cache.get("d") is None
+    later = (int(time.time() * 1000) + 3000) << COUNTER_BITS  # past the fence by more than the skew
+    cache.batch_put(["e"], [b"fresh"], versions=[later])
+    assert cache.get("e") == b"fresh"
+    cache.fence(False)
+    assert cache.get("c") == b"c0"
+
+
+def test_versions_survive_a_reopen_of_the_ssd_tier(make_cache: Callable[..., TieredCache], ssd_dir: str) -> None:
+    c = make_cache(ssd_path=ssd_dir)
+    c.batch_put(["k"], [b"x" * 100], versions=[777])
+    c.flush()
+    c.close()
+    again = make_cache(ssd_path=ssd_dir)
+    assert again.batch_versions([b"k"]) == ([True], [777])
+    again.batch_put(["k"], [b"y" * 100], versions=[700])
+    assert again.get("k") == b"x" * 100

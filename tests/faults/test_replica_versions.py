@@ -1,0 +1,218 @@
+"""R=2 never serves the past (issue 12, finding 4): a replica that was paused, restarted (SIGTERM or
+kill -9) on its state, or away past the member TTL, while its keys were overwritten and removed, serves
+none of what it missed. Every read is checked against the exact newest version put (or a miss); a
+removed key must miss. Real processes: nats-server and three workers, a client with R=2."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvpool.core.client import PoolClient
+from kvpool.core.cluster import rank
+from kvpool.core.cluster_backend import ClusterBackend
+from kvpool.core.fanout import SUSPECT_S
+from kvpool.core.procs import WorkerProcess
+
+from faulthelp import Load, block, poll, read_all, wait_members, worker_id
+
+SIZE = 64 << 10
+TIMEOUT_S = 2.0
+FAST_TTL = {"KVPOOL_MEMBER_TTL_S": "3", "KVPOOL_HEARTBEAT_S": "0.5"}
+SMALL_DRAM = {"KVPOOL_DRAM_SLAB_SIZE": "1MiB", "KVPOOL_PREFAULT": "0"}
+
+
+@dataclass
+class Truth:
+    """What was put and removed, and what reads saw."""
+
+    newest: dict[str, int] = field(default_factory=dict)  # key -> newest version put
+    removed: set[str] = field(default_factory=set)
+    stale: list[str] = field(default_factory=list)  # a hit with an older version's bytes
+    resurrected: list[str] = field(default_factory=list)  # a hit on a removed key
+    hits: int = 0
+    misses: int = 0
+
+    def put(self, c: PoolClient, keys: list[str], version: int) -> None:
+        c.batch_put(keys, [block(k, SIZE, version) for k in keys])
+        for k in keys:
+            self.newest[k] = version
+            self.removed.discard(k)
+
+    def remove(self, c: PoolClient, keys: list[str]) -> None:
+        c.batch_remove(keys)
+        self.removed.update(keys)
+
+    def check(self, c: PoolClient, keys: list[str] | None = None) -> Truth:
+        """Read `keys` (default all) through `c`; every hit must be the exact newest version."""
+        seen = Truth()
+        names = sorted(self.newest) if keys is None else keys
+        for i in range(0, len(names), 32):
+            part = names[i:i + 32]
+            bufs = [bytearray(SIZE) for _ in part]
+            for k, n, b in zip(part, c.batch_get_into(part, bufs), bufs):
+                if n < 0:
+                    seen.misses += 1
+                elif k in self.removed:
+                    seen.resurrected.append(k)
+                elif n != SIZE or bytes(b) != block(k, SIZE, self.newest[k]):
+                    seen.stale.append(k)
+                else:
+                    seen.hits += 1
+        print(f"{len(names)} keys read: {seen.hits} exact hits, {seen.misses} misses, {len(seen.stale)} stale, "
+              f"{len(seen.resurrected)} resurrected")
+        return seen
+
+
+def _cluster(nats, spawn, **kw) -> list[WorkerProcess]:
+    return [spawn(nats_url=nats.url, node_id=f"node{i}", **kw) for i in range(3)]
+
+
+def _client(nats) -> PoolClient:
+    return PoolClient(mode="cluster", nats_url=nats.url, replication=2, node_id="client", timeout_s=TIMEOUT_S)
+
+
+def _owned_by(keys: list[str], ids: list[str], victim: str) -> list[str]:
+    return [k for k in keys if victim in rank(k.encode(), ids)[:2]]
+
+
+def _change_while_away(c: PoolClient, truth: Truth, mine: list[str]) -> tuple[list[str], list[str]]:
+    """Overwrite 20 of the victim's keys and remove 20 others, through the client (the victim gets none).
+    They are spread over the order the keys were put in: some of them, and some unchanged keys, are
+    among the oldest blocks (the ones demoted to SSD first)."""
+    assert len(mine) >= 80
+    overwritten, removed = mine[0:80:4], mine[2:80:4]
+    truth.put(c, overwritten, 1)
+    truth.remove(c, removed)
+    return overwritten, removed
+
+
+def _direct(w: WorkerProcess) -> PoolClient:
+    return PoolClient(mode="local", worker=w.address, timeout_s=5)
+
+
+def _repairs(c: PoolClient) -> None:
+    backend = c.backend
+    assert isinstance(backend, ClusterBackend)
+    backend.repairs.wait()
+
+
+def test_a_paused_replica_is_outvoted_then_repaired(nats, spawn):
+    """SIGSTOP shorter than the member TTL: the replica wakes up holding old versions and removed keys.
+    Reads take the newest among the owners (0 stale, 0 resurrected), and repair the replica."""
+    workers = _cluster(nats, spawn)
+    ids = [worker_id(w) for w in workers]
+    truth = Truth()
+    with _client(nats) as c:
+        wait_members(c, 3)
+        keys = [f"p{i}" for i in range(150)]
+        truth.put(c, keys, 0)
+        victim = workers[1]
+        mine = _owned_by(keys, ids, ids[1])
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        try:
+            overwritten, removed = _change_while_away(c, truth, mine)
+        finally:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+        time.sleep(SUSPECT_S + 0.5)  # the client asks the replica again
+        with _direct(victim) as direct:  # it did miss them: what it holds is old
+            assert direct.batch_exists(removed).count(True) == len(removed)
+        seen = truth.check(c)
+        assert not seen.stale and not seen.resurrected
+        assert seen.hits == len(keys) - len(removed)  # the other owner has every one
+        _repairs(c)
+        with _direct(victim) as direct:  # read repair wrote the newest to the replica
+            after = truth.check(direct, mine)
+            assert not after.stale and not after.resurrected
+            assert after.hits == len(mine) - len(removed)
+
+
+def test_a_replica_away_past_the_member_ttl_catches_up(nats, spawn):
+    """SIGSTOP past the member TTL: the worker wakes up fenced (its reads are misses), asks its peers
+    for what changed meanwhile, drops exactly that, and serves the rest again."""
+    workers = _cluster(nats, spawn, env=FAST_TTL)
+    ids = [worker_id(w) for w in workers]
+    truth = Truth()
+    with _client(nats) as c:
+        wait_members(c, 3)
+        keys = [f"t{i}" for i in range(150)]
+        truth.put(c, keys, 0)
+        victim = workers[2]
+        mine = _owned_by(keys, ids, ids[2])
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        try:
+            overwritten, removed = _change_while_away(c, truth, mine)
+            time.sleep(4.0)  # past its 3 s TTL in all
+        finally:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+        with _direct(victim) as direct:
+            first = truth.check(direct, mine)  # at once: fenced or caught up, never stale
+            assert not first.stale and not first.resurrected
+            assert poll(lambda: truth.check(direct, mine).hits > 0, 15), victim.log_tail()
+            after = truth.check(direct, mine)
+            assert not after.stale and not after.resurrected
+            assert after.hits >= len(mine) - len(overwritten) - len(removed)  # the rest is served warm
+        seen = truth.check(c)
+        assert not seen.stale and not seen.resurrected
+
+
+@pytest.mark.parametrize("how", ["sigterm", "kill9"])
+def test_a_replica_restarted_on_its_state_serves_nothing_it_missed(nats, spawn, tmp_path, how):
+    """The victim goes down (SIGTERM: DRAM flushed to SSD; kill -9: what had reached SSD survives), its
+    keys change meanwhile, and it comes back on the same state: it drops what changed before it serves."""
+    workers = _cluster(nats, spawn, ssd=True, dram_bytes="4MiB", env=SMALL_DRAM)
+    ids = [worker_id(w) for w in workers]
+    truth = Truth()
+    victim = workers[0]
+    with _client(nats) as c:
+        wait_members(c, 3)
+        keys = [f"r{i}" for i in range(150)]
+        for i in range(0, len(keys), 25):
+            truth.put(c, keys[i:i + 25], 0)
+        mine = _owned_by(keys, ids, ids[0])
+        with _direct(victim) as direct:
+            held = direct.stats().total
+            assert held.ssd_blocks > 0
+        if how == "kill9":
+            victim.kill()
+        else:
+            assert victim.stop() == 0
+            assert c.wait_for_members(lambda m: ids[0] not in m, 10)
+        overwritten, removed = _change_while_away(c, truth, mine)
+        back = WorkerProcess(victim.state_dir, nats_url=nats.url, node_id="node0", ssd=True, dram_bytes="4MiB",
+                             env=SMALL_DRAM).wait_ready()
+        try:
+            assert worker_id(back) == ids[0]
+            with _direct(back) as direct:
+                after = truth.check(direct, mine)
+                assert not after.stale and not after.resurrected
+                assert after.hits > 0, back.log_tail()  # what did not change is served warm
+            assert c.wait_for_members(lambda m: ids[0] in m and m[ids[0]].pid == back.proc.pid, 15)
+            seen = truth.check(c)
+            assert not seen.stale and not seen.resurrected
+        finally:
+            back.stop(timeout=5)
+
+
+def test_no_stale_reads_under_load_across_a_pause(nats, spawn):
+    """The Load helper rewrites keys while a replica is paused and resumed: every read is the exact
+    newest version acknowledged (or a later one whose put failed), or a miss."""
+    workers = _cluster(nats, spawn)
+    with _client(nats) as c:
+        wait_members(c, 3)
+        with Load(c, "l", batch=16, size=16 << 10, rewrite=0.5, bound_s=3 * TIMEOUT_S + 2) as load:
+            load.wait_ops(20)
+            os.kill(workers[1].proc.pid, signal.SIGSTOP)
+            try:
+                load.wait_ops(10)
+            finally:
+                os.kill(workers[1].proc.pid, signal.SIGCONT)
+            time.sleep(SUSPECT_S)
+            load.wait_ops(30)
+        r = load.report
+        print(f"load: {r.ops} ops, {r.hits} exact hits, {r.misses} misses, {len(r.wrong)} stale or wrong")
+        assert not r.wrong, f"stale or wrong reads: {r.wrong[:5]}"
+        read_all(c, r.committed, versions=r.versions, unsure=r.unsure)
