@@ -6,10 +6,8 @@ server binds 0.0.0.0 whatever host it is given (and each client's transfer-engin
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import select
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +20,7 @@ import numpy as np
 from ..errors import BenchError, InvalidArgument
 from ..nats_server import free_port
 from .measure import gbps
+from .peer_procs import spawn, stop, tail
 
 __all__ = ["measure"]
 
@@ -57,34 +56,6 @@ def _own_segment(meta_url: str, master: str, segment_bytes: int) -> None:
     store.close()
 
 
-def _spawn(args: list[str], log: IO[bytes], **kw: Any) -> subprocess.Popen[Any]:
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    # Its own process group, so cleanup reaches everything it starts; PR_SET_PDEATHSIG (1): dies with us.
-    return subprocess.Popen(args, stderr=log, start_new_session=True,
-                            preexec_fn=lambda: prctl(1, signal.SIGTERM), **kw)
-
-
-def _stop(proc: subprocess.Popen[Any]) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if proc.poll() is not None:
-            break
-        try:
-            os.killpg(proc.pid, sig)  # start_new_session: the group id is the child's pid
-            proc.wait(5)
-        except ProcessLookupError:
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    for pipe in (proc.stdin, proc.stdout):
-        if pipe is not None:
-            pipe.close()
-
-
-def _tail(log: IO[bytes]) -> str:
-    log.seek(0)
-    return log.read()[-2000:].decode(errors="replace")
-
-
 def _wait_port(port: int, proc: subprocess.Popen[Any], log: IO[bytes]) -> None:
     deadline = time.monotonic() + _START_S
     while proc.poll() is None and time.monotonic() < deadline:
@@ -93,7 +64,7 @@ def _wait_port(port: int, proc: subprocess.Popen[Any], log: IO[bytes]) -> None:
             return
         except OSError:
             time.sleep(0.05)
-    raise BenchError(f"mooncake_master did not open port {port} (exit code {proc.poll()}): {_tail(log)}")
+    raise BenchError(f"mooncake_master did not open port {port} (exit code {proc.poll()}): {tail(log)}")
 
 
 def _transfer(op: Any, name: str, keys: list[str], plan: list[tuple[slice, list[int], list[int]]], ok: int) -> None:
@@ -166,15 +137,15 @@ def measure(src: np.ndarray, dst: np.ndarray, batch: int, repeat: int) -> tuple[
                            "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
                            f"--http_metadata_server_port={http}",
                            "--metrics_host=127.0.0.1", f"--metrics_port={metrics}"]
-            procs.append(_spawn(master_args, master_log, stdout=master_log, stdin=subprocess.DEVNULL))
+            procs.append(spawn(master_args, master_log, stdout=master_log, stdin=subprocess.DEVNULL))
             _wait_port(rpc, procs[0], master_log)
             _wait_port(http, procs[0], master_log)
-            owner = _spawn([sys.executable, "-m", __name__, meta_url, master_addr, str(segment)], owner_log,
+            owner = spawn([sys.executable, "-m", __name__, meta_url, master_addr, str(segment)], owner_log,
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             procs.append(owner)
             out = owner.stdout
             if out is None or not select.select([out], [], [], _START_S)[0] or out.readline() != b"READY\n":
-                raise BenchError(f"Mooncake segment owner did not start: {_tail(owner_log)}")
+                raise BenchError(f"Mooncake segment owner did not start: {tail(owner_log)}")
             store = store_class()
             _setup(store, meta_url, master_addr, 0)
             for buf in (src, dst):
@@ -187,7 +158,7 @@ def measure(src: np.ndarray, dst: np.ndarray, batch: int, repeat: int) -> tuple[
                     store.close()
             finally:
                 for proc in reversed(procs):
-                    _stop(proc)
+                    stop(proc)
 
 
 if __name__ == "__main__":

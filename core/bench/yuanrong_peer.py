@@ -30,7 +30,7 @@ from ..errors import BenchError
 from ..nats_server import free_port
 from ..procs import WorkerProcess
 from .measure import best_in_turns, filled, gbps, percentiles_us
-from .mooncake_peer import _spawn, _stop, _tail
+from .peer_procs import spawn, stop, tail
 
 __all__ = ["INSTALL", "SIZES", "Worker", "available", "connect", "same_node", "size_tag"]
 
@@ -124,7 +124,7 @@ class Worker:
             lib = os.path.join(os.path.dirname(command[0]), "lib")
             env["LD_LIBRARY_PATH"] = f"{lib}:{env.get('LD_LIBRARY_PATH', '')}"
             self._log = tempfile.TemporaryFile()  # noqa: SIM115  (lives as long as the worker: stop() closes it)
-            self.proc = _spawn(command, self._log, stdout=self._log, stdin=subprocess.DEVNULL, env=env,
+            self.proc = spawn(command, self._log, stdout=self._log, stdin=subprocess.DEVNULL, env=env,
                                cwd=self._dir)
         except BaseException:
             self.stop()
@@ -142,9 +142,9 @@ class Worker:
             if proc.poll() is not None or time.monotonic() > deadline:
                 status = (f"is not ready after {_START_S:.0f} s" if proc.poll() is None
                           else f"exited with status {proc.poll()} before it was ready")
-                tail = _tail(log) or self._glog_tail()
+                log_tail = tail(log) or self._glog_tail()
                 self.stop()
-                raise BenchError(f"the openYuanrong datasystem worker on {self.host}:{self.port} {status}: {tail}")
+                raise BenchError(f"the openYuanrong datasystem worker on {self.host}:{self.port} {status}: {log_tail}")
             time.sleep(0.1)
         return self
 
@@ -156,7 +156,7 @@ class Worker:
         """Stop the worker (SIGTERM, then SIGKILL) and remove its state folder."""
         try:
             if self.proc is not None:
-                _stop(self.proc)
+                stop(self.proc)
         finally:
             self.proc = None
             if self._log is not None:
