@@ -107,7 +107,7 @@ def copy_placed(lookup: ArenaLookup, places: Sequence[Place | None], views: Sequ
             if arena is not None and place.offset >= 0 and end <= arena.nbytes:
                 try:
                     view[:] = arena[place.offset:end]
-                except ValueError:  # the mapping was released (its transport closed) under us: not read
+                except ValueError:  # the mapping was released under us (its transport closed): not read
                     arenas[where] = None
                 else:
                     ok = checksum(view) == want

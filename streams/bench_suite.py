@@ -5,7 +5,8 @@ prefill process (its own PoolClients, as a prefill instance would have) puts 32 
 block each and publishes a reference per layer; this process, the decode side, receives every layer
 into its own buffer, each block checksum-verified, in the timed path. Paths, taking turns request by
 request, every one comparing the bytes it received with the source after its clock stops:
-- `handoff`: same node (both sides reach the worker through its shared memory);
+- `handoff`: same node (both sides reach the worker through its shared memory; the decode side copies
+  each block from its own mapping of it, where the announcement says the producer committed it);
 - `handoff_tcp`: both sides reach the worker over TCP, as a prefill and a decode instance on other
   nodes than the worker would;
 - `pool_puts`: the prefill process only putting the layers in the pool, as `publish_kv` does, one

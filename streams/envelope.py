@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any
 
-from kvpool.core import MAX_KEY_BYTES, Key
+from kvpool.core import MAX_KEY_BYTES, Key, Place
 
 from .errors import MalformedMessage
 
@@ -28,6 +28,8 @@ INVALID = "invalid"
 _REQUEST = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _HEX32, _HEX64 = re.compile(r"^[0-9a-f]{32}$"), re.compile(r"^[0-9a-f]{64}$")
 _U64 = 1 << 64
+_NAME_MAX = 255
+"""Longest worker id or arena name a place may carry."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +141,10 @@ class Ref:
     request: str = ""
     layer: int = -1
     seal: Seal | None = None
+    places: list[Place | None] | None = None
+    """where each block was committed in a same-node worker's arena (`kvpool.core.Place`; None: not
+    through shared memory), so that a reader on that node copies it from there (`payload.fetch_many`).
+    A hint: a reader trusts only its own mappings and the checksums, never the place."""
 
     @property
     def total(self) -> int:
@@ -151,6 +157,11 @@ class Ref:
             body.update(request=self.request, layer=self.layer)
         if self.seal is not None:
             body["seal"] = self.seal.out()
+        if self.places is not None and any(p is not None for p in self.places):
+            arenas: dict[tuple[str, str], int] = {}  # each (worker id, arena name) once: [index, offset, version]
+            body["at"] = [None if p is None else [arenas.setdefault((p.worker, p.arena), len(arenas)), p.offset,
+                                                  p.version] for p in self.places]
+            body["arenas"] = [list(a) for a in arenas]
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -173,10 +184,33 @@ class Ref:
             raise _fail(f"reference names {sum(sizes)} bytes; a message may name at most {lim.max_bytes}",
                         size=sum(sizes), limit=lim.max_bytes)
         out = [_key_in(k) for k in keys], sizes, [_int(c, "checksum", 0, _U64 - 1) for c in sums]
+        places = _places(d["at"], d.get("arenas"), sizes) if "at" in d else None
         if "request" in d or "layer" in d or "seal" in d:
             return cls(*out, _request(d.get("request")), _int(d.get("layer"), "layer", 0, lim.max_layer),
-                       Seal.of(d["seal"]) if "seal" in d else None)
-        return cls(*out)
+                       Seal.of(d["seal"]) if "seal" in d else None, places)
+        return cls(*out, places=places)
+
+
+def _places(at: Any, arenas: Any, sizes: list[int]) -> list[Place | None]:
+    """The blocks' places (`Ref.places`) from the wire: `arenas`, a list of [worker id, arena name], and
+    `at`, one entry per block: null or [index in `arenas`, offset, version]."""
+    if not isinstance(at, list) or len(at) != len(sizes):
+        raise _fail(f"reference places are not a list of {len(sizes)} entries")
+    if not (isinstance(arenas, list) and 0 < len(arenas) <= len(sizes)
+            and all(isinstance(a, list) and len(a) == 2 and all(isinstance(n, str) and 0 < len(n) <= _NAME_MAX
+                                                                for n in a) for a in arenas)):
+        raise _fail(f"reference arenas {str(arenas)[:80]!r} are not a list of [worker id, arena name]")
+    out: list[Place | None] = []
+    for p, size in zip(at, sizes):
+        if p is None:
+            out.append(None)
+            continue
+        if not (isinstance(p, list) and len(p) == 3):
+            raise _fail(f"block place {str(p)[:80]!r} is not [arena, offset, version]")
+        worker, arena = arenas[_int(p[0], "block arena", 0, len(arenas) - 1)]
+        out.append(Place(worker, arena, _int(p[1], "block offset", 0, _U64 - 1), size,
+                         _int(p[2], "block version", 0, _U64 - 1)))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

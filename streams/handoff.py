@@ -5,8 +5,10 @@ in the pool and publishes a `kv` message on `kvpool.stream.<stream>.req.<request
 takes each message live, the moment the NATS server routes it (`live.Feed`: a core NATS subscription on
 the subject; no JetStream consumer and no round trip per layer), and reads the stream's stored copy of
 the subject where the live path may have missed one: at start, on a gap in the request's chain, after
-`RECOVER_S` without news, and before giving up. It fetches each layer's bytes from the pool (on the
-producer's node, one copy out of the pool's shared memory) and ends at the `end` message.
+`RECOVER_S` without news, and before giving up. It copies each layer's blocks into the caller's buffer, on the
+producer's node straight from the worker's shared memory where the message says the producer committed
+them (no request to the worker; `payload.fetch_many`), elsewhere from the pool, and ends at the `end`
+message.
 
 Anyone who can publish to the stream can publish on that subject, so each message is checked before it
 counts: its kind, body and limits (`envelope`), its signature where a stream secret is set, and its place
@@ -110,13 +112,14 @@ class HandoffReceiver:
     signature are dropped. `limits`: what one layer may name (blocks, bytes), checked before `into` is
     called or anything is allocated. `counts`: messages `rejected` (dropped) and `recovered` (taken from
     the stream's stored copy rather than live: published before the receiver subscribed, or lost on
-    the live path) so far."""
+    the live path), and blocks read `in_place` (from the worker's shared memory on the producer's node)
+    and `from_pool` (a get: another node, or a place that did not hold the block any more) so far."""
 
     def __init__(self, stream: str, nats_url: str, pool: PoolClient, *, timeout_s: float = 5.0,
                  secret: str | bytes | None = None, limits: env.Limits | None = None) -> None:
         self.stream, self.pool = check_token(stream, "stream name"), pool
         self._checks = Checks(self.stream, pool, limits, 0, secret)
-        self.counts = {"rejected": 0, "recovered": 0}
+        self.counts = {"rejected": 0, "recovered": 0, "in_place": 0, "from_pool": 0}
         self._link = Link(nats_url, timeout_s)
 
     def iter_layers(self, request_id: str, timeout: float = 10.0,
@@ -179,7 +182,8 @@ class HandoffReceiver:
                     last, quiet = time.monotonic(), RECOVER_S
                 recover = req.gap and live  # a live message ahead of its place: one was lost, read back
                 got = fetch_many(self.pool, refs, [into(r.layer, r.total) if into is not None else None for r in refs],
-                                 [f"layer {r.layer} of request {request_id!r}" for r in refs]) if refs else []
+                                 [f"layer {r.layer} of request {request_id!r}" for r in refs],
+                                 self.counts) if refs else []
                 for ref, (_, blocks) in zip(refs, got):
                     yield ref.layer, ref.keys, blocks
                 if end is not None:

@@ -1,15 +1,19 @@
 """Payloads by reference: put bytes into the pool in chunks, and fetch them back verified.
 
 The producer writes a payload as blocks of at most `CHUNK_BYTES` (so any worker's max block fits) and
-publishes only their keys, sizes and checksums; the consumer reads them straight into one buffer and
-checks every size and checksum, so a missing or corrupt block is a `PayloadError`, never wrong bytes.
+publishes only their keys, sizes and checksums, and where a same-node put committed them (`Ref.places`);
+the consumer reads them straight into one buffer and checks every size and checksum, so a missing or
+corrupt block is a `PayloadError`, never wrong bytes. A consumer on the producer's node copies each
+placed block from its own read-only mapping of the worker's arena, with no round trip to the worker
+(`kvpool.core.read_placed`); a block it cannot read there (another node, a slot since reused: its
+checksum disagrees) it gets from the pool.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.core import BufferSizeError, Key, PoolClient, checksum, readable
+from kvpool.core import BufferSizeError, Key, PoolClient, checksum, put_placed, read_placed, readable
 
 from .envelope import Ref
 from .errors import CorruptPayload, PayloadError
@@ -22,8 +26,9 @@ def put_blocks(pool: PoolClient, keys: Sequence[Key], buffers: Sequence[Any], *,
                layer: int = -1, pin_s: float = 0.0) -> Ref:
     """Store each buffer under its key (pinned for `pin_s` seconds if > 0); the reference to publish."""
     views = [readable(b) for b in buffers]
-    pool.batch_put(list(keys), views, pin_s=pin_s)
-    return Ref(list(keys), [len(v) for v in views], [checksum(v) for v in views], request, layer)
+    places = put_placed(pool, list(keys), views, pin_s=pin_s)
+    return Ref(list(keys), [len(v) for v in views], [checksum(v) for v in views], request, layer,
+               places=places)
 
 
 def put_payload(pool: PoolClient, key_prefix: str, data: Any, *, pin_s: float = 0.0) -> Ref:
@@ -42,10 +47,12 @@ def fetch(pool: PoolClient, ref: Ref, into: Any = None, *,
     return fetch_many(pool, [ref], [into], [what])[0]
 
 
-def fetch_many(pool: PoolClient, refs: Sequence[Ref], intos: Sequence[Any], whats: Sequence[str]) \
-        -> list[tuple[memoryview, list[memoryview]]]:
-    """`fetch` for several payloads in one pool request (one round trip per worker, not per payload)."""
-    bufs, views, keys, sizes, sums, labels = [], [], [], [], [], []
+def fetch_many(pool: PoolClient, refs: Sequence[Ref], intos: Sequence[Any], whats: Sequence[str],
+               counts: dict[str, int] | None = None) -> list[tuple[memoryview, list[memoryview]]]:
+    """`fetch` for several payloads in one pool request (one round trip per worker, not per payload; none
+    for the blocks read in place). `counts`, if given: its `in_place` and `from_pool` grow by the blocks
+    read each way."""
+    bufs, views, keys, sizes, sums, labels, places = [], [], [], [], [], [], []
     for ref, into, what in zip(refs, intos, whats):
         buf = memoryview(bytearray(ref.total) if into is None else into).cast("B")
         if buf.readonly or len(buf) < ref.total:
@@ -60,10 +67,29 @@ def fetch_many(pool: PoolClient, refs: Sequence[Ref], intos: Sequence[Any], what
         sizes += ref.sizes
         sums += ref.checksums
         labels += [what] * len(ref.keys)
+        places += ref.places or [None] * len(ref.keys)
+    here = read_placed(pool, places, views, sums)  # the same node's blocks, copied and verified
+    rest = [i for i, ok in enumerate(here) if not ok]
+    if counts is not None:
+        counts["in_place"] += len(here) - len(rest)
+        counts["from_pool"] += len(rest)
+    if rest:
+        _get_verified(pool, [keys[i] for i in rest], [sizes[i] for i in rest], [sums[i] for i in rest],
+                      [views[i] for i in rest], [labels[i] for i in rest])
+    out, at = [], 0
+    for buf, ref in zip(bufs, refs):
+        out.append((buf, views[at:at + len(ref.keys)]))
+        at += len(ref.keys)
+    return out
+
+
+def _get_verified(pool: PoolClient, keys: list[Key], sizes: list[int], sums: list[int], views: list[memoryview],
+                  labels: list[str]) -> None:
+    """Get each block from the pool into its view, checking its size and checksum."""
     try:
         got = pool.batch_get_into(keys, views)
     except BufferSizeError as e:
-        raise PayloadError(f"{whats[0]}: a block's size disagrees with its message: {e}", key=e.key, size=e.size,
+        raise PayloadError(f"{labels[0]}: a block's size disagrees with its message: {e}", key=e.key, size=e.size,
                            limit=e.limit) from e
     for key, size, want, n, view, what in zip(keys, sizes, sums, got, views, labels):
         if n < 0:
@@ -73,8 +99,3 @@ def fetch_many(pool: PoolClient, refs: Sequence[Ref], intos: Sequence[Any], what
                                limit=size)
         if checksum(view) != want:
             raise CorruptPayload(f"{what}: block {key!r} fails its checksum", key=key, size=size)
-    out, at = [], 0
-    for buf, ref in zip(bufs, refs):
-        out.append((buf, views[at:at + len(ref.keys)]))
-        at += len(ref.keys)
-    return out

@@ -98,7 +98,8 @@ def test_layer_0_is_usable_before_the_producer_publishes_layer_1(nats, make_stre
         got = _receive(rx, "first", lambda layer: gate.set() if layer == 0 else None)
     producer.join(20)
     assert got == list(range(LAYERS))
-    assert rx.counts == {"rejected": 0, "recovered": 0}   # all of it live
+    # all of it live, every block read from the worker's shared memory (the producer's node)
+    assert rx.counts == {"rejected": 0, "recovered": 0, "in_place": LAYERS, "from_pool": 0}
 
 
 @pytest.mark.parametrize("lose", [[2], [0], [3, 4], [None]], ids=["layer-2", "layer-0", "layers-3-4", "end"])
