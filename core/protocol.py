@@ -30,7 +30,7 @@ from .keys import MAX_KEY_BYTES
 
 __all__ = ["MAGIC", "VERSION", "HEADER", "MAX_META", "MAX_DATA", "MAX_BATCH", "Op", "Status", "ITEM_QUOTA", "Frame",
     "header", "recv_exactly", "recv_checksum", "recv_into_all", "recv_frame", "send_frame", "pack_json", "unpack_json",
-    "frames", "pack_batch", "unpack_batch", "unpack_ids", "check_reply"]
+    "frames", "pack_batch", "unpack_batch", "unpack_ids", "check_reply", "recv_blocks", "drain", "DRAIN_CHUNK"]
 
 MAGIC = b"KVPW"
 VERSION = 3
@@ -147,11 +147,13 @@ def recv_into_all(sock: socket.socket, views: list[memoryview]) -> None:
             i += 1
 
 
-def recv_frame(sock: socket.socket, max_meta: int = MAX_META) -> Frame:
+def recv_frame(sock: socket.socket, max_meta: int = MAX_META, head: bytearray | None = None) -> Frame:
     """Read one header and its metadata (the data, if any, is left for the caller to receive);
-    `max_meta` (bytes) lowers the metadata limit (a peer that has not authenticated yet)."""
-    raw = bytearray(HEADER.size)
-    recv_exactly(sock, memoryview(raw))
+    `max_meta` (bytes) lowers the metadata limit (a peer that has not authenticated yet); `head`:
+    the header, already received by the caller."""
+    raw = head if head is not None else bytearray(HEADER.size)
+    if head is None:
+        recv_exactly(sock, memoryview(raw))
     magic, version, op, status, req_id, meta_len, data_len, meta_crc, _ = HEADER.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}; expected {MAGIC!r}")
@@ -170,6 +172,15 @@ def recv_frame(sock: socket.socket, max_meta: int = MAX_META) -> Frame:
 def _recv_meta(sock: socket.socket, n: int) -> bytes:
     """`n` bytes, buffered in steps as they arrive: memory follows what a peer sends, not what its
     header claims (16 MiB per connection before authentication, otherwise)."""
+    if n <= _META_STEP and not isinstance(sock, ssl.SSLSocket):  # the usual case: one receive, no copy
+        meta = sock.recv(n, socket.MSG_WAITALL)
+        if len(meta) == n:
+            return meta
+        if not meta:
+            raise ConnectionError(f"connection closed after 0 of {n} bytes")
+        rest = bytearray(n - len(meta))
+        recv_exactly(sock, memoryview(rest))
+        return meta + rest
     parts = []
     while n:
         part = bytearray(min(n, _META_STEP))
@@ -264,9 +275,13 @@ def unpack_batch(meta: bytes, *dtypes: str) -> tuple[list[bytes], list[np.ndarra
             ln = next(ln for ln in sizes if not 0 < ln <= MAX_KEY_BYTES)
             raise ProtocolError(f"key of {ln} bytes in batch; keys are 1 to {MAX_KEY_BYTES} bytes", size=ln,
                                 limit=MAX_KEY_BYTES)
-        ends = list(accumulate(sizes, initial=pos))  # each key's start, then the end of the last
-        keys = [meta[a:b] for a, b in zip(ends, ends[1:])]
-        pos = ends[-1]
+        if sizes and min(sizes) == max(sizes):  # keys of one length (the usual batch): numpy cuts them
+            keys = np.frombuffer(meta, dtype=f"V{sizes[0]}", count=n, offset=pos).tolist()
+            pos += n * sizes[0]
+        else:
+            ends = list(accumulate(sizes, initial=pos))  # each key's start, then the end of the last
+            keys = [meta[a:b] for a, b in zip(ends, ends[1:])]
+            pos = ends[-1]
         cols = []
         for dt in dtypes:
             col = np.frombuffer(meta, dtype=dt, count=n, offset=pos)
@@ -301,3 +316,64 @@ def check_reply(frame: Frame, op: int) -> None:
         raise NamespaceError(meta.get("error", "outside this token's namespace"), key=meta.get("key"))
     if frame.status != Status.OK:
         raise ProtocolError(unpack_json(frame.meta).get("error", f"worker error status {frame.status}"))
+
+
+checksum = xxhash.xxh3_64_intdigest
+"""A block's checksum (as `kvpool.core.blocks.checksum`) for what arrives in groups."""
+_GROUP_BYTES = 512 << 10
+"""Small blocks are received up to this many bytes at a time (one scatter receive), then hashed while
+they are still in cache; a larger block is hashed chunk by chunk as it lands."""
+DRAIN_CHUNK = 1 << 20
+"""What `drain` reads at a time."""
+
+
+def recv_blocks(sock: socket.socket, parts: list[memoryview | int]) -> list[int | None]:
+    """Receive a frame's blocks in order (a PUT's on the worker, a GET reply's on the client): each
+    memoryview filled, with its XXH3-64 returned; each int that many bytes read and dropped (None)."""
+    out: list[int | None] = []
+    group: list[memoryview] = []  # what the next receive fills
+    hashed: list[memoryview | None] = []  # per block of the group: its view, None if dropped
+    size = 0
+    scratch: memoryview | None = None
+
+    def flush() -> None:
+        nonlocal size
+        if group:
+            recv_into_all(sock, group)
+            out.extend(None if v is None else checksum(v) for v in hashed)
+            group.clear()
+            hashed.clear()
+            size = 0
+
+    for part in parts:
+        n = part if isinstance(part, int) else part.nbytes
+        if n > _GROUP_BYTES:  # alone
+            flush()
+            if isinstance(part, int):
+                scratch = scratch if scratch is not None else memoryview(bytearray(DRAIN_CHUNK))
+                drain(sock, n, scratch)
+                out.append(None)
+            else:
+                out.append(recv_checksum(sock, part))
+            continue
+        if size + n > _GROUP_BYTES:
+            flush()
+        if isinstance(part, int):
+            scratch = scratch if scratch is not None else memoryview(bytearray(DRAIN_CHUNK))
+            group.append(scratch[:n])  # dropped blocks of a group may share it: nobody reads it
+            hashed.append(None)
+        else:
+            group.append(part)
+            hashed.append(part)
+        size += n
+    flush()
+    return out
+
+
+def drain(sock: socket.socket, n: int, scratch: bytearray | memoryview | None = None) -> None:
+    """Read `n` bytes from `sock` and drop them, through `scratch` (default: a buffer of its own)."""
+    view = memoryview(scratch if scratch is not None else bytearray(min(n, DRAIN_CHUNK)))
+    while n:
+        k = min(n, len(view))
+        recv_exactly(sock, view[:k])
+        n -= k

@@ -94,32 +94,27 @@ class TcpTransport(Connection):
             sizes = np.frombuffer(reply.meta, dtype="<i8", count=n).tolist()
             csums = np.frombuffer(reply.meta, dtype="<u8", count=n, offset=8 * n).tolist()
             versions += np.frombuffer(reply.meta, dtype="<u8", count=n, offset=16 * n).tolist()
-            # Where each block's bytes land (a block too large for its buffer: read whole, then dropped),
+            # Each block lands in its destination; one too large for it is read whole, then dropped. They are
             # received a group at a time and hashed while the group is still in cache.
-            landing: list[tuple[bytes, int, memoryview | None, bool]] = []  # key, checksum, where, kept
-            scratch = memoryview(bytearray())  # shared by the blocks read only to be dropped
-            for key, size, csum, dest in zip(keys, sizes, csums, dests):
-                if size < 0:
-                    landing.append((key, csum, None, False))
-                elif size > dest.nbytes:
-                    scratch = scratch if scratch.nbytes >= size else memoryview(bytearray(size))
-                    landing.append((key, csum, scratch[:size], False))
+            parts: list[memoryview | int] = []
+            for key, size, dest in zip(keys, sizes, dests):
+                if size > dest.nbytes:
+                    parts.append(size)
                     too_small = too_small or (key, size, dest.nbytes)
+                elif size >= 0:
+                    parts.append(dest.view[:size])
+            sums = iter(P.recv_blocks(sock, parts))
+            for key, size, csum in zip(keys, sizes, csums):
+                got = None if size < 0 else next(sums)
+                if got is None:
+                    out.append(-1)
+                elif got == csum:
+                    out.append(size)
                 else:
-                    landing.append((key, csum, dest.view[:size], True))
-            for group in _groups(landing):
-                sums = iter(_recv_checksums(sock, [v for _, _, v, _ in group if v is not None]))
-                for key, csum, view, kept in group:
-                    got = None if view is None else next(sums)
-                    if view is None or not kept:
-                        out.append(-1)
-                    elif got == csum:
-                        out.append(view.nbytes)
-                    else:
-                        out.append(-1)
-                        self.checksum_failures += 1
-                        log.warning("block %r from worker %s failed its checksum; served as a miss", key[:24],
-                                    self.address)
+                    out.append(-1)
+                    self.checksum_failures += 1
+                    log.warning("block %r from worker %s failed its checksum; served as a miss", key[:24],
+                                self.address)
         if too_small:
             key, size, room = too_small
             raise BufferSizeError(f"block {key[:24]!r} is {size} bytes; the destination holds {room}",
@@ -314,32 +309,6 @@ def _observed(versions: list[int]) -> list[int]:
     if versions:
         CLOCK.observe(max(versions))
     return versions
-
-
-_GROUP_BYTES = 512 << 10
-"""A TCP get receives blocks up to this many bytes at a time, then hashes them while they are in cache."""
-
-
-def _groups(landing: list[tuple[bytes, int, memoryview | None, bool]]) -> Iterator[list[tuple[bytes, int,
-                                                                                             memoryview | None, bool]]]:
-    """`landing` in runs of up to `_GROUP_BYTES` (a larger block alone)."""
-    start, size = 0, 0
-    for i, (_, _, view, _) in enumerate(landing):
-        n = 0 if view is None else view.nbytes
-        if i > start and size + n > _GROUP_BYTES:
-            yield landing[start:i]
-            start, size = i, 0
-        size += n
-    if start < len(landing):
-        yield landing[start:]
-
-
-def _recv_checksums(sock: Any, views: list[memoryview]) -> list[int]:
-    """Fill `views` from `sock` (one scatter receive for many; a large one chunk by chunk); their checksums."""
-    if len(views) == 1:
-        return [P.recv_checksum(sock, views[0])]
-    P.recv_into_all(sock, views)
-    return list(map(checksum, views))
 
 
 def connect(address: str, token: str | None = None, timeout_s: float = 5.0,

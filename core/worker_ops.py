@@ -4,7 +4,9 @@
   token is required, and the worker's nonce); AUTH checks the client's proof, answers with the
   worker's own proof and then the worker's description (`kvpool.core.auth`).
 - PUT/GET/EXISTS/PREFIX/REMOVE/CLEAR/STATS/PIN: the cache's operations, block bytes straight between
-  the socket and arena slots, every block's checksum checked on arrival.
+  the socket and arena slots, every block's checksum checked on arrival. PUT and GET work per batch:
+  slots reserved, blocks committed, leased and released under one cache lock each; a PUT's small
+  blocks received a group per system call and hashed while in cache.
 - The same-node slot protocol ALLOC/COMMIT/ABORT/LEASE/RELEASE: a client on this node writes into
   slots it reserved and the worker verifies each block's checksum before it commits it. Each is
   handled per batch (one cache lock, columns built with numpy), not per key.
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import socket
 import time
 from itertools import repeat
 from operator import attrgetter
@@ -24,7 +25,7 @@ import numpy as np
 from . import protocol as P
 from .auth import NONCE_BYTES, proof
 from .blocks import checksum
-from .errors import BlockTooLarge, CapacityError, ProtocolError
+from .errors import ProtocolError
 from .tenants import Tenant, TenantUsage, outside
 from .worker_serving import Conn, ConnectionServing
 
@@ -32,7 +33,6 @@ __all__ = ["RESERVE_SHARE", "RequestHandlers"]
 
 log = logging.getLogger("kvpool.worker")
 
-_SCRATCH = 1 << 20
 
 RESERVE_SHARE = 8
 """A same-node connection may hold at most 1/8 of the arena reserved and not yet committed."""
@@ -56,6 +56,7 @@ class RequestHandlers(ConnectionServing):
             P.Op.COMMIT: self._commit, P.Op.ABORT: self._abort, P.Op.LEASE: self._lease,
             P.Op.RELEASE: self._release, P.Op.PIN: self._pin, P.Op.CHANGES: self._changes,
         }
+        self._bytes_in, self._bytes_out = self.metrics.bytes.labels("in"), self.metrics.bytes.labels("out")
 
     # ----- authentication ---------------------------------------------------------------------
 
@@ -133,55 +134,94 @@ class RequestHandlers(ConnectionServing):
     # ----- blocks over the socket -------------------------------------------------------------
 
     def _put(self, conn: Conn, frame: P.Frame) -> None:
+        # Per batch, not per block: quota charged, slots reserved under one lock, the blocks received a
+        # group per system call and hashed while in cache, the good ones committed under one lock.
         keys, (sizes, csums, versions) = P.unpack_batch(frame.meta, "<i8", "<u8", "<u8")
-        total = sum(sizes.tolist())  # Python ints: an int64 sum of huge sizes could wrap to data_len
+        lens = sizes.tolist()
+        total = sum(lens)  # Python ints: an int64 sum of huge sizes could wrap to data_len
         if (sizes < 0).any() or total != frame.data_len:
             raise ProtocolError(f"PUT sizes sum to {total}; the frame carries {frame.data_len} bytes")
         tenant = conn.tenant
         if tenant is not None and (bad := outside(tenant, keys)) is not None:
-            _drain(conn.sock, frame.data_len, bytearray(_SCRATCH))  # the request is read whole, then refused
+            P.drain(conn.sock, frame.data_len)  # the request is read whole, then refused
             self._refuse_namespace(conn, frame, bad)
             return
         status = np.zeros(len(keys), dtype="<i1")
-        arena = self.cache.arena
-        scratch: bytearray | None = None
-        usage = self.tenant_usage
-        for i, (key, size, csum, version) in enumerate(zip(keys, sizes.tolist(), csums.tolist(), versions.tolist())):
-            if tenant is not None and not usage.charge(tenant, key, size):
-                status[i] = P.ITEM_QUOTA
-                self._over_quota(conn, tenant, key, size)
-                scratch = scratch or bytearray(_SCRATCH)
-                _drain(conn.sock, size, scratch)
-                continue
-            try:
-                try:
-                    offset = self.cache.reserve(size)
-                except (BlockTooLarge, CapacityError) as e:
-                    status[i] = P.ITEM_TOO_LARGE if isinstance(e, BlockTooLarge) else P.ITEM_FULL
-                    scratch = scratch or bytearray(_SCRATCH)
-                    _drain(conn.sock, size, scratch)
-                    continue
-                try:
-                    ok = _recv_checked(conn.sock, arena.view(offset, size), csum)
-                except BaseException:
-                    self.cache.abort(offset)
-                    raise
-                if ok:
-                    usage.committing(key, size)  # the size reaches the tenant's tally through `stored`
-                    try:
-                        # a pin sent before the block pins it; an older version than held is not stored (OK)
-                        self.cache.commit(key, offset, size, csum, version=version)
-                    finally:
-                        usage.committing(None)
-                else:
-                    self.cache.abort(offset)
-                    self.metrics.corrupt_blocks.inc()
-                    status[i] = P.ITEM_CORRUPT
-            finally:
-                if tenant is not None:
-                    usage.settle(tenant, size)
-        self.metrics.bytes.labels("in").inc(frame.data_len)
+        charged = 0
+        try:
+            # A tenant's blocks are charged in order before any arrives (a refused one is read and dropped,
+            # never given a slot). So within one batch a block found corrupt later still held its charge
+            # when the blocks after it were charged, and a key named twice is charged twice: stricter than
+            # the same puts one by one, never looser.
+            if tenant is not None:
+                usage = self.tenant_usage
+                for i, (key, size) in enumerate(zip(keys, lens)):
+                    if usage.charge(tenant, key, size):
+                        charged += size
+                    else:
+                        status[i] = P.ITEM_QUOTA
+                        self._over_quota(conn, tenant, key, size)
+            max_block = self.cache.max_block
+            status[(status == 0) & (sizes > max_block)] = P.ITEM_TOO_LARGE
+            want = np.flatnonzero(status == 0).tolist()
+            got = self.cache.reserve_many([lens[i] for i in want])  # None: no room for that block
+            slots: list[int | None] = [None] * len(keys)
+            for i, off in zip(want, got):
+                if off is None:
+                    status[i] = P.ITEM_FULL
+                slots[i] = off
+            self._recv_and_commit(conn, keys, lens, csums, versions, slots, status)
+        finally:
+            if tenant is not None and charged:
+                self.tenant_usage.settle(tenant, charged)
+        self._bytes_in.inc(frame.data_len)
         self._reply(conn, frame, status.tobytes())
+
+    def _recv_and_commit(self, conn: Conn, keys: list[bytes], lens: list[int], csums: np.ndarray,
+                         versions: np.ndarray, slots: list[int | None], status: np.ndarray) -> None:
+        """Receive a PUT's blocks, each into its slot (None: read and dropped), check their checksums and
+        commit the good ones; `status` gets ITEM_CORRUPT for each that fails. Every slot is either
+        committed or given back, whatever happens."""
+        arena = self.cache.arena
+        parts = [size if off is None else arena.view(off, size) for off, size in zip(slots, lens)]
+        try:
+            sums = P.recv_blocks(conn.sock, parts)
+        except BaseException:
+            for off in slots:
+                if off is not None:
+                    self.cache.abort(off)
+            raise
+        held = [(i, off) for i, off in enumerate(slots) if off is not None]
+        if not held:
+            return
+        idx = np.fromiter((i for i, _ in held), dtype=np.intp, count=len(held))
+        offs = np.fromiter((off for _, off in held), dtype="<i8", count=len(held))
+        corrupt = np.fromiter((sums[i] for i, _ in held), dtype="<u8", count=len(held)) != csums[idx]
+        if corrupt.any():
+            for off in offs[corrupt].tolist():
+                self.cache.abort(off)
+            self.metrics.corrupt_blocks.inc(int(corrupt.sum()))
+            status[idx[corrupt]] = P.ITEM_CORRUPT
+            idx, offs = idx[~corrupt], offs[~corrupt]
+        # a pin sent before the block pins it; an older version than held is not stored (OK)
+        self._commit_blocks([keys[i] for i in idx.tolist()], offs.tolist(), np.take(lens, idx).tolist(),
+                            csums[idx].tolist(), versions[idx].tolist())
+
+    def _commit_blocks(self, keys: list[bytes], offsets: list[int], sizes: list[int], csums: list[int],
+                       versions: list[int]) -> None:
+        """Commit checked blocks under one lock (`TieredCache.commit_many`), each block's size told to the
+        tenants' tally. A key named twice is committed in turns, so the tally sees each block's own size."""
+        if not self.tenants:
+            self.cache.commit_many(keys, offsets, sizes, csums, versions)
+            return
+        usage = self.tenant_usage
+        runs = [slice(0, len(keys))] if len(set(keys)) == len(keys) else [slice(i, i + 1) for i in range(len(keys))]
+        for r in runs:
+            usage.committing_many(dict(zip(keys[r], sizes[r])))
+            try:
+                self.cache.commit_many(keys[r], offsets[r], sizes[r], csums[r], versions[r])
+            finally:
+                usage.committing_many(None)
 
     def _over_quota(self, conn: Conn, tenant: Tenant, key: bytes, size: int) -> None:
         self.metrics.tenant_refusals.labels(tenant.name, "quota").inc()
@@ -196,22 +236,23 @@ class RequestHandlers(ConnectionServing):
         keys = self._named_keys(conn, frame)
         if keys is None:
             return
-        blocks = []
+        blocks = self.cache.acquire_many(keys)  # one lock for the batch's DRAM hits
         try:
-            for k in keys:
-                blocks.append(self.cache.acquire(k))
-            sizes = np.array([b.size if b else P.ITEM_MISS for b in blocks], dtype="<i8")
-            csums = np.array([b.checksum if b else 0 for b in blocks], dtype="<u8")
-            versions = _versions(self.cache, keys, blocks)
-            arena = self.cache.arena
-            data = [arena.view(b.offset, b.size) for b in blocks if b]
-            self._reply(conn, frame, sizes.tobytes() + csums.tobytes() + versions.tobytes(), data)
-            self.metrics.bytes.labels("out").inc(sum(len(d) for d in data))
+            held = [b for b in blocks if b is not None]
+            count = len(held)
+            sizes = np.fromiter(map(_SIZE, held), dtype="<i8", count=count)
+            csums = np.fromiter(map(_CHECKSUM, held), dtype="<u8", count=count)
+            if count < len(keys):  # misses: size ITEM_MISS
+                hit = np.fromiter((b is not None for b in blocks), dtype=bool, count=len(keys))
+                sizes, csums = _scatter(sizes, hit, P.ITEM_MISS), _scatter(csums, hit, 0)
+            view = self.cache.arena.view
+            data = list(map(view, map(_OFFSET, held), map(_SIZE, held)))
+            self._reply(conn, frame, sizes.tobytes() + csums.tobytes() + _versions(self.cache, keys, blocks).tobytes(),
+                        data)
+            self._bytes_out.inc(int(sizes[sizes > 0].sum()))
             del data
         finally:
-            for b in blocks:
-                if b:
-                    self.cache.release(b)
+            self.cache.release_many([b for b in blocks if b is not None])
 
     # ----- control ----------------------------------------------------------------------------
 
@@ -286,14 +327,19 @@ class RequestHandlers(ConnectionServing):
         offsets = np.full(len(keys), P.ITEM_FULL, dtype="<i8")
         max_block = self.cache.max_block
         budget = self.max_reserve - sum(conn.reserved.values())
-        want: list[int] = []
-        for i, size in enumerate(sizes.tolist()):
-            if size > max_block or size < 0:
-                offsets[i] = P.ITEM_TOO_LARGE
-            elif size <= budget:  # else ITEM_FULL: this connection holds its share of the arena uncommitted
-                want.append(i)
-                budget -= size
-        wanted = sizes[want].tolist()
+        lens = sizes.tolist()
+        want: list[int] | range
+        if lens and min(lens) >= 0 and max(lens) <= max_block and sum(lens) <= budget:
+            want = range(len(lens))  # the usual batch: every block in range and within the budget
+        else:
+            want = []
+            for i, size in enumerate(lens):
+                if size > max_block or size < 0:
+                    offsets[i] = P.ITEM_TOO_LARGE
+                elif size <= budget:  # else ITEM_FULL: this connection holds its share of the arena uncommitted
+                    want.append(i)
+                    budget -= size
+        wanted = lens if isinstance(want, range) else [lens[i] for i in want]
         got = self.cache.reserve_many(wanted)  # one lock for the batch; None: no room for that block
         conn.reserved.update((off, size) for off, size in zip(got, wanted) if off is not None)
         offsets[want] = [P.ITEM_FULL if off is None else off for off in got]
@@ -326,14 +372,8 @@ class RequestHandlers(ConnectionServing):
             keys = [k for k, bad in zip(keys, corrupt.tolist()) if not bad]
             offsets, sizes, csums, versions = offsets[good], sizes[good], csums[good], versions[good]
             offs, lens = offsets.tolist(), sizes.tolist()
-        if self.tenants:
-            self.tenant_usage.committing_many(dict(zip(keys, lens)))
-        try:
-            self.cache.commit_many(keys, offs, lens, csums.tolist(), versions.tolist())  # older than held: not stored
-        finally:
-            if self.tenants:
-                self.tenant_usage.committing_many(None)
-        self.metrics.bytes.labels("in").inc(sum(lens))
+        self._commit_blocks(keys, offs, lens, csums.tolist(), versions.tolist())  # older than held: not stored
+        self._bytes_in.inc(sum(lens))
         self._reply(conn, frame, status.tobytes())
 
     def _abort(self, conn: Conn, frame: P.Frame) -> None:
@@ -355,7 +395,7 @@ class RequestHandlers(ConnectionServing):
         offsets = np.fromiter(map(_OFFSET, held), dtype="<i8", count=count)
         sizes = np.fromiter(map(_SIZE, held), dtype="<i8", count=count)
         csums = np.fromiter(map(_CHECKSUM, held), dtype="<u8", count=count)
-        self.metrics.bytes.labels("out").inc(int(sizes.sum()))
+        self._bytes_out.inc(int(sizes.sum()))
         if count < n:  # misses: lease id 0, offset and size ITEM_MISS
             hit = np.fromiter((b is not None for b in blocks), dtype=bool, count=n)
             ids, offsets, sizes, csums = (_scatter(col, hit, fill) for col, fill in
@@ -376,19 +416,6 @@ def _scatter(values: np.ndarray, where: np.ndarray, fill: int) -> np.ndarray:
     out = np.full(where.size, fill, dtype=values.dtype)
     out[where] = values
     return out
-
-
-def _recv_checked(sock: socket.socket, view: memoryview, csum: int) -> bool:
-    """Receive into `view`, hashing it as it lands (while it is in cache); True if `csum` matches."""
-    return P.recv_checksum(sock, view) == csum
-
-
-def _drain(sock: socket.socket, n: int, scratch: bytearray) -> None:
-    view = memoryview(scratch)
-    while n:
-        k = min(n, len(view))
-        P.recv_exactly(sock, view[:k])
-        n -= k
 
 
 def _versions(cache: Any, keys: list[bytes], blocks: list[Any]) -> np.ndarray:

@@ -288,19 +288,28 @@ class ConnectionServing:
         """Wait for the next request for as long as the client idles; from its first byte on, every
         receive and send of the exchange must progress within io_timeout_s (the socket's SO_RCVTIMEO
         and SO_SNDTIMEO) or the connection is dropped, so a stalled peer cannot hold slots or leases."""
-        if isinstance(conn.sock, ssl.SSLSocket):
-            self._wait_tls(conn.sock)
-        else:
-            while True:
-                try:
-                    if not conn.sock.recv(1, socket.MSG_PEEK):
-                        raise ConnectionError("closed by the client")
-                    break
-                except BlockingIOError:  # SO_RCVTIMEO while idle: keep waiting, unless stopping
-                    if self._stopping.is_set():
-                        raise ConnectionError("worker stopping") from None
+        max_meta = P.MAX_META if conn.authed else _PREAUTH_META
+        sock = conn.sock
+        if isinstance(sock, ssl.SSLSocket):
+            self._wait_tls(sock)
+            conn.request_since = time.monotonic()
+            return P.recv_frame(sock, max_meta)
+        # The idle wait is the header's own receive (no MSG_PEEK first): it returns with the first bytes.
+        head = bytearray(P.HEADER.size)
+        view = memoryview(head)
+        while True:
+            try:
+                got = sock.recv_into(view)
+                break
+            except BlockingIOError:  # SO_RCVTIMEO while idle: keep waiting, unless stopping
+                if self._stopping.is_set():
+                    raise ConnectionError("worker stopping") from None
+        if not got:
+            raise ConnectionError("closed by the client")
         conn.request_since = time.monotonic()
-        return P.recv_frame(conn.sock, P.MAX_META if conn.authed else _PREAUTH_META)
+        if got < len(head):
+            P.recv_exactly(sock, view[got:])
+        return P.recv_frame(sock, max_meta, head)
 
     def _cleanup(self, conn: Conn) -> None:
         """Give back what a departed client held: reservations (never committed) and leases."""

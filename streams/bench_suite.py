@@ -224,8 +224,9 @@ def _latencies(url: str, pool: PoolClient, prefill: _Prefill, layers: np.ndarray
                 (called,) = prefill.done()
             finally:
                 feed.close()
-            if [m.headers.get("Kvpool-Kind") for m in burst] != ["end"]:
-                raise BenchError(f"notification {rid} did not arrive")
+            kinds = [m.headers.get("Kvpool-Kind") for m in burst]
+            if kinds != ["end"]:
+                raise BenchError(f"notification {rid}: expected one live 'end' within 30 s, got {kinds}")
             if r >= 5:
                 samples["notify"].append(arrived - called)
     return samples

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpool.core import BufferSizeError, transport
+from kvpool.core import BufferSizeError, protocol
 from kvpool.core.client import PoolClient
 
 
@@ -18,7 +18,7 @@ def test_groups_of_blocks_arrive_whole_and_checked(spawn, monkeypatch: pytest.Mo
     w = spawn()
     blocks = _blocks(30, 100_000, 0) + _blocks(2, 3 << 20, 30) + _blocks(30, 7_000, 32)  # groups, and large blocks
     keys = [f"k{i}" for i in range(len(blocks))]
-    real_checksum = transport.checksum
+    real_checksum = protocol.checksum
     with PoolClient(mode="local", worker=w.address) as c:
         c.batch_put(keys, blocks)
         out = [np.zeros_like(b) for b in blocks]
@@ -26,12 +26,12 @@ def test_groups_of_blocks_arrive_whole_and_checked(spawn, monkeypatch: pytest.Mo
         assert all(np.array_equal(a, b) for a, b in zip(blocks, out))
 
         damaged = blocks[12].tobytes()[:32]
-        monkeypatch.setattr(transport, "checksum",  # block 12 arrives "damaged": its bytes do not hash right
+        monkeypatch.setattr(protocol, "checksum",  # block 12 arrives "damaged": its bytes do not hash right
                             lambda v: real_checksum(v) ^ (bytes(v[:32]) == damaged))
         sizes = c.batch_get_into(keys, [np.zeros_like(b) for b in blocks])
         assert sizes == [-1 if i == 12 else b.nbytes for i, b in enumerate(blocks)]
         assert c.backend.checksum_failures == 1  # type: ignore[attr-defined]  # a TcpTransport
-        monkeypatch.setattr(transport, "checksum", real_checksum)
+        monkeypatch.setattr(protocol, "checksum", real_checksum)
 
         small = [np.zeros_like(b) for b in blocks]
         small[5] = np.zeros(10, dtype=np.uint8)
