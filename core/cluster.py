@@ -117,15 +117,22 @@ class Membership:
         last_ok = time.monotonic()
         told = last_ok  # the gap on_rejoin was last called for, by its start
 
+        def check_gap() -> None:
+            nonlocal told
+            gap = time.monotonic() - last_ok
+            if gap >= self.ttl_s - heartbeat_s and told != last_ok and on_rejoin is not None:
+                told = last_ok
+                on_rejoin(gap)
+
         async def beat() -> None:
-            nonlocal last_ok, told
+            nonlocal last_ok
             while True:
                 try:
-                    gap = time.monotonic() - last_ok
-                    if gap >= self.ttl_s - heartbeat_s and told != last_ok and on_rejoin is not None:
-                        told = last_ok
-                        on_rejoin(gap)
+                    check_gap()
                     await self._kv.put(worker_id, json.dumps({**info(), "ts": time.time()}).encode())
+                    # a put may hang through the whole outage (a cut cable) and then succeed: the gap is
+                    # told before this heartbeat counts, so the worker fences before it serves again
+                    check_gap()
                     last_ok = time.monotonic()
                     if on_beat is not None:
                         on_beat()
