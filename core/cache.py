@@ -24,6 +24,7 @@ from .config import CacheConfig, load
 from .demoter import Demoter
 from .errors import BlockTooLarge, BufferSizeError, InvalidArgument
 from .keys import Key, key_bytes, keys_bytes
+from .replica_state import ReplicaState
 from .stats import CacheStats
 from .tier_moves import TierMoves
 from .tier_stack import TierStack
@@ -31,7 +32,7 @@ from .tiers.device import DeviceTier
 from .tiers.dram import DramArena
 from .tiers.dram_tier import BlockRef, DramBlock
 from .tiers.ssd_tier import SsdTier
-from .versions import CLOCK, CLOCK_SKEW_MS, COUNTER_BITS, Change
+from .versions import CLOCK
 
 __all__ = ["TieredCache", "BlockRef"]
 
@@ -54,6 +55,8 @@ class TieredCache:
         self._moves = TierMoves(stack)
         self._demoter = Demoter(stack, self._moves)
         self._demoter.start()
+        self.replicas = ReplicaState(stack)
+        """Versions as replicas compare them, the fence of a worker back from an absence, its change log."""
 
     @property
     def arena(self) -> DramArena:
@@ -323,72 +326,6 @@ class TieredCache:
             out.append(found.pop(k, False))
         return out
 
-    # ----- versions ---------------------------------------------------------------------------
-
-    def batch_versions(self, keys: Sequence[bytes]) -> tuple[list[bool], list[int]]:
-        """Whether each key's block is present (as `batch_exists`) and the newest version known of it:
-        its block's if present, else its removal's (0 if neither). While fenced (`fence`), only what
-        it accepted since."""
-        now = time.time()
-        with self._lock:
-            stack = self._stack
-            stack.check_open()
-            held = stack.presence(list(keys), now)
-            floor = stack.readable_from
-            return held, [stack.version_of(k) if h else _at_least(stack.tombstones.version(k), floor)
-                          for k, h in zip(keys, held)]
-
-    def removed_versions(self, keys: Sequence[bytes]) -> list[int]:
-        """The version of each key's tombstone (its last removal, while kept); 0 if none."""
-        with self._lock:
-            floor = self._stack.readable_from
-            version = self._stack.tombstones.version
-            return [_at_least(version(k), floor) for k in keys]
-
-    def fence(self, on: bool) -> None:
-        """While fenced, reads and lookups are misses (a worker that may hold blocks it has not yet
-        learnt are outdated), but for blocks stamped after the fence began (later than any clock
-        `CLOCK_SKEW_MS` behind this one): those are newer than anything it can have missed. Writes go on."""
-        floor = ((int(time.time() * 1000) + CLOCK_SKEW_MS) << COUNTER_BITS) if on else 0
-        with self._lock:
-            self._stack.fence(floor)
-
-    def fence_after(self, seconds: float) -> None:
-        """Reads become misses `seconds` from now unless this is called again first (a watchdog: a
-        worker calls it at each heartbeat, so a process that was paused longer wakes up fenced)."""
-        with self._lock:
-            self._stack.fence_at = time.monotonic() + seconds
-
-    def changes_since(self, since_ms: int, from_seq: int = 0, limit: int = 1 << 15) -> tuple[list[Change], int, int]:
-        """The changes accepted at or after `since_ms` (unix ms; `versions.ChangeLog.since`), the
-        sequence number to ask from next (-1: none left), and the time since which the log is complete."""
-        with self._lock:
-            changes = self._stack.changes
-            out, nxt = changes.since(since_ms, from_seq, limit)
-            return out, nxt, changes.covered_since_ms
-
-    def apply_changes(self, changes: Sequence[tuple[bytes, int, bool]]) -> int:
-        """Catch up on (key, version, removed) changes a peer accepted while this cache was away: a
-        block older than one of them is dropped (a miss: this cache lacks the newer bytes) and the
-        change is remembered as a tombstone, so no older put brings it back. Returns blocks dropped."""
-        with self._lock:
-            stack = self._stack
-            stack.check_open()
-            doomed: list[bytes] = []
-            for k, v, removed in changes:
-                CLOCK.observe(v)
-                if stack.version_of(k) >= v:
-                    continue
-                stack.tombstones.add(k, v if removed else v - 1)  # v itself is still welcome
-                doomed.append(k)
-            return sum(stack.remove(doomed)) if doomed else 0
-
-    def covered_since(self, since_ms: int) -> None:
-        """The change log holds everything accepted since `since_ms` (unix ms): this cache accepted
-        nothing between then and now (its last sign of life before this start)."""
-        with self._lock:
-            self._stack.changes.covered_since_ms = since_ms
-
     def clear(self, prefix: Key | None = None) -> None:
         """Remove every block from every tier, or (with `prefix`) every block whose key starts with it
         (a model's or a tenant's namespace). Leased blocks are freed when their leases end. Pins stay."""
@@ -543,8 +480,3 @@ class TieredCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _at_least(version: int, floor: float) -> int:
-    """`version`, or 0 if it is below `floor` (what a fenced cache cannot vouch for)."""
-    return version if version >= floor else 0

@@ -240,7 +240,7 @@ class Worker(RequestHandlers):
         cfg = self.config
         last = self._alive.read()
         # this run's change log starts now; the last run accepted nothing after its last stamp plus a tick
-        self.cache.covered_since(last + int((2 * cfg.heartbeat_s + 1) * 1000) if last is not None else 0)
+        self.cache.replicas.covered_since(last + int((2 * cfg.heartbeat_s + 1) * 1000) if last is not None else 0)
         held = self.cache.stats()
         if held.dram_blocks + held.ssd_blocks == 0:
             return
@@ -263,7 +263,7 @@ class Worker(RequestHandlers):
 
     def _beat(self) -> None:
         """A heartbeat got through: reads stay open for one member TTL (less a beat) from now."""
-        self.cache.fence_after(self.config.member_ttl_s - self.config.heartbeat_s)
+        self.cache.replicas.fence_after(self.config.member_ttl_s - self.config.heartbeat_s)
 
     def _keep_alive_stamp(self) -> None:
         """The alive stamp, every heartbeat (and at stop): not NATS's, so a worker cut off from NATS that
@@ -278,7 +278,7 @@ class Worker(RequestHandlers):
         reads are misses until it has caught up from its peers (in a thread: this is the NATS one)."""
         log.warning("worker %s: no heartbeat got through for %.1f s (member TTL %.1f s): reads are misses until "
                     "it has caught up from its peers", self.worker_id, gap_s, self.config.member_ttl_s)
-        self.cache.fence(True)
+        self.cache.replicas.fence(True)
         since_ms = int((time.time() - gap_s) * 1000)
         threading.Thread(target=self._rejoin, args=(since_ms,), name="kvpool-catch-up", daemon=True).start()
 
@@ -304,7 +304,7 @@ class Worker(RequestHandlers):
                 except KVPoolError as e:  # closed under it (stopping)
                     log.debug("catch-up ended: %s", e)
                 break
-            self.cache.fence(False)
+            self.cache.replicas.fence(False)
 
     def _close_listeners(self) -> None:
         self._tcp.close()

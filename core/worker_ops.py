@@ -260,7 +260,7 @@ class RequestHandlers(ConnectionServing):
         keys = self._named_keys(conn, frame)
         if keys is None:
             return
-        flags, versions = self.cache.batch_versions(keys)
+        flags, versions = self.cache.replicas.batch_versions(keys)
         self._reply(conn, frame, _flags(flags) + np.array(versions, dtype="<u8").tobytes())
 
     def _prefix(self, conn: Conn, frame: P.Frame) -> None:
@@ -284,7 +284,7 @@ class RequestHandlers(ConnectionServing):
         since_ms, from_seq = ask.get("since_ms", 0), ask.get("from_seq", 0)
         if not isinstance(since_ms, int) or not isinstance(from_seq, int):
             raise ProtocolError(f"CHANGES asks {ask!r}; since_ms and from_seq are integers")
-        changes, nxt, covered = self.cache.changes_since(since_ms, from_seq)
+        changes, nxt, covered = self.cache.replicas.changes_since(since_ms, from_seq)
         head = np.array([covered], dtype="<u8").tobytes() + np.array([nxt], dtype="<i8").tobytes()
         self._reply(conn, frame, head + P.pack_batch([c.key for c in changes],
                                                      np.array([c.version for c in changes], dtype="<u8"),
@@ -423,7 +423,7 @@ def _versions(cache: Any, keys: list[bytes], blocks: list[Any]) -> np.ndarray:
     versions = np.array([b.version if b is not None else 0 for b in blocks], dtype="<u8")
     missed = [i for i, b in enumerate(blocks) if b is None]
     if missed:
-        versions[missed] = cache.removed_versions([keys[i] for i in missed])
+        versions[missed] = cache.replicas.removed_versions([keys[i] for i in missed])
     return versions
 
 

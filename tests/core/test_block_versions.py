@@ -99,7 +99,7 @@ def test_an_older_put_changes_nothing(cache: TieredCache) -> None:
     assert cache.get("k") == b"new"
     cache.batch_put(["k"], [b"newer"], versions=[300])
     assert cache.get("k") == b"newer"
-    assert cache.batch_versions([b"k", b"none"]) == ([True, False], [300, 0])
+    assert cache.replicas.batch_versions([b"k", b"none"]) == ([True, False], [300, 0])
     assert cache.check() == []
 
 
@@ -108,8 +108,8 @@ def test_a_removal_leaves_a_tombstone_that_stops_older_puts(cache: TieredCache) 
     assert cache.batch_remove(["k"], versions=[200]) == [True]
     cache.batch_put(["k"], [b"v1-late"], versions=[150])  # older than the removal: stays removed
     assert cache.get("k") is None
-    assert cache.batch_versions([b"k"]) == ([False], [200])
-    assert cache.removed_versions([b"k", b"j"]) == [200, 0]
+    assert cache.replicas.batch_versions([b"k"]) == ([False], [200])
+    assert cache.replicas.removed_versions([b"k", b"j"]) == [200, 0]
     cache.batch_put(["k"], [b"v3"], versions=[250])  # newer than the removal: stored
     assert cache.get("k") == b"v3"
     assert cache.batch_remove(["j"], versions=[50]) == [False]  # older than the block: it stays
@@ -134,26 +134,26 @@ def test_unversioned_writes_are_stamped_in_order(cache: TieredCache) -> None:
     assert cache.get("k") is None
     cache.put("k", b"b")
     assert cache.get("k") == b"b"
-    assert cache.batch_versions([b"k"])[1][0] > 0
+    assert cache.replicas.batch_versions([b"k"])[1][0] > 0
 
 
 def test_catching_up_drops_what_is_older_and_fences_reads(cache: TieredCache) -> None:
     cache.batch_put(["a", "b", "c"], [b"a0", b"b0", b"c0"], versions=[10, 10, 10])
-    dropped = cache.apply_changes([(b"a", 20, False), (b"b", 20, True), (b"c", 5, False)])
+    dropped = cache.replicas.apply_changes([(b"a", 20, False), (b"b", 20, True), (b"c", 5, False)])
     assert dropped == 2
     assert [cache.get(k) for k in "abc"] == [None, None, b"c0"]
     cache.batch_put(["a"], [b"a-stale"], versions=[15])  # older than what was missed: refused
     assert cache.get("a") is None
     cache.batch_put(["a"], [b"a20"], versions=[20])  # the version missed itself is welcome
     assert cache.get("a") == b"a20"
-    cache.fence(True)
+    cache.replicas.fence(True)
     assert cache.get("c") is None and cache.batch_exists(["c"]) == [False]  # may be outdated: a miss
     cache.put("d", b"early")  # stamped within the clock skew of the fence: it may be older than a miss
     assert cache.get("d") is None
     later = (int(time.time() * 1000) + 3000) << COUNTER_BITS  # past the fence by more than the skew
     cache.batch_put(["e"], [b"fresh"], versions=[later])
     assert cache.get("e") == b"fresh"
-    cache.fence(False)
+    cache.replicas.fence(False)
     assert cache.get("c") == b"c0"
 
 
@@ -163,6 +163,6 @@ def test_versions_survive_a_reopen_of_the_ssd_tier(make_cache: Callable[..., Tie
     c.flush()
     c.close()
     again = make_cache(ssd_path=ssd_dir)
-    assert again.batch_versions([b"k"]) == ([True], [777])
+    assert again.replicas.batch_versions([b"k"]) == ([True], [777])
     again.batch_put(["k"], [b"y" * 100], versions=[700])
     assert again.get("k") == b"x" * 100

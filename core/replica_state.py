@@ -1,0 +1,90 @@
+"""What replicas compare and a returning worker needs, over one cache's tiers: the newest version known
+of each key (its block's, else its removal's), the fence that keeps a worker back from an absence
+from serving blocks it cannot vouch for, and the log of changes peers ask for when they catch up
+(`kvpool.core.catch_up`). `TieredCache.replicas` is one."""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from .tier_stack import TierStack
+from .versions import CLOCK, CLOCK_SKEW_MS, COUNTER_BITS, Change
+
+__all__ = ["ReplicaState"]
+
+
+class ReplicaState:
+    """Versions, fence and change log of the cache whose tiers are `stack` (under its lock)."""
+
+    def __init__(self, stack: TierStack) -> None:
+        self._stack = stack
+        self._lock = stack.lock
+
+    def batch_versions(self, keys: Sequence[bytes]) -> tuple[list[bool], list[int]]:
+        """Whether each key's block is present (as `batch_exists`) and the newest version known of it:
+        its block's if present, else its removal's (0 if neither). While fenced (`fence`), only what
+        it accepted since."""
+        now = time.time()
+        with self._lock:
+            stack = self._stack
+            stack.check_open()
+            held = stack.presence(list(keys), now)
+            floor = stack.readable_from
+            return held, [stack.version_of(k) if h else _at_least(stack.tombstones.version(k), floor)
+                          for k, h in zip(keys, held)]
+
+    def removed_versions(self, keys: Sequence[bytes]) -> list[int]:
+        """The version of each key's tombstone (its last removal, while kept); 0 if none."""
+        with self._lock:
+            floor = self._stack.readable_from
+            version = self._stack.tombstones.version
+            return [_at_least(version(k), floor) for k in keys]
+
+    def fence(self, on: bool) -> None:
+        """While fenced, reads and lookups are misses (a worker that may hold blocks it has not yet
+        learnt are outdated), but for blocks stamped after the fence began (later than any clock
+        `CLOCK_SKEW_MS` behind this one): those are newer than anything it can have missed. Writes go on."""
+        floor = ((int(time.time() * 1000) + CLOCK_SKEW_MS) << COUNTER_BITS) if on else 0
+        with self._lock:
+            self._stack.fence(floor)
+
+    def fence_after(self, seconds: float) -> None:
+        """Reads become misses `seconds` from now unless this is called again first (a watchdog: a
+        worker calls it at each heartbeat, so a process that was paused longer wakes up fenced)."""
+        with self._lock:
+            self._stack.fence_at = time.monotonic() + seconds
+
+    def changes_since(self, since_ms: int, from_seq: int = 0, limit: int = 1 << 15) -> tuple[list[Change], int, int]:
+        """The changes accepted at or after `since_ms` (unix ms; `versions.ChangeLog.since`), the
+        sequence number to ask from next (-1: none left), and the time since which the log is complete."""
+        with self._lock:
+            changes = self._stack.changes
+            out, nxt = changes.since(since_ms, from_seq, limit)
+            return out, nxt, changes.covered_since_ms
+
+    def apply_changes(self, changes: Sequence[tuple[bytes, int, bool]]) -> int:
+        """Catch up on (key, version, removed) changes a peer accepted while this cache was away: a
+        block older than one of them is dropped (a miss: this cache lacks the newer bytes) and the
+        change is remembered as a tombstone, so no older put brings it back. Returns blocks dropped."""
+        with self._lock:
+            stack = self._stack
+            stack.check_open()
+            doomed: list[bytes] = []
+            for k, v, removed in changes:
+                CLOCK.observe(v)
+                if stack.version_of(k) >= v:
+                    continue
+                stack.tombstones.add(k, v if removed else v - 1)  # v itself is still welcome
+                doomed.append(k)
+            return sum(stack.remove(doomed)) if doomed else 0
+
+    def covered_since(self, since_ms: int) -> None:
+        """The change log holds everything accepted since `since_ms` (unix ms): this cache accepted
+        nothing between then and now (its last sign of life before this start)."""
+        with self._lock:
+            self._stack.changes.covered_since_ms = since_ms
+
+
+def _at_least(version: int, floor: float) -> int:
+    """`version`, or 0 if it is below `floor` (what a fenced cache cannot vouch for)."""
+    return version if version >= floor else 0
