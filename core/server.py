@@ -22,7 +22,7 @@ from .auth import load_or_create_token, private_dir, token_path
 from .cache import TieredCache
 from .catch_up import AliveStamp, catch_up
 from .config import CacheConfig, WorkerConfig, default_node_id, default_state_dir
-from .errors import ConfigError, ListenError
+from .errors import ConfigError, ListenError, PoolUnavailable
 from .metrics import WorkerMetrics
 from .tenants import Tenant, TenantUsage, load_tenants
 from .worker_ops import RESERVE_SHARE, RequestHandlers
@@ -151,6 +151,7 @@ class Worker(RequestHandlers):
             self.worker_id = cfg.worker_id or stored_worker_id(_id_file(cache_cfg, self.port))
             self._alive = AliveStamp(_id_file(cache_cfg, self.port).with_suffix(".alive"))
             self._catching_up = threading.Lock()
+            self._beats = 0  # heartbeats that got through: a catch-up waits for one after the outage
             self.cache = TieredCache(cache_cfg, share_arena=True)
         except BaseException:
             self._close_listeners()
@@ -263,6 +264,7 @@ class Worker(RequestHandlers):
 
     def _beat(self) -> None:
         """A heartbeat got through: reads stay open for one member TTL (less a beat) from now."""
+        self._beats += 1  # only the NATS thread writes it
         self.cache.replicas.fence_after(self.config.member_ttl_s - self.config.heartbeat_s)
 
     def _keep_alive_stamp(self) -> None:
@@ -280,23 +282,29 @@ class Worker(RequestHandlers):
                     "it has caught up from its peers", self.worker_id, gap_s, self.config.member_ttl_s)
         self.cache.replicas.fence(True)
         since_ms = int((time.time() - gap_s) * 1000)
-        threading.Thread(target=self._rejoin, args=(since_ms,), name="kvpool-catch-up", daemon=True).start()
+        threading.Thread(target=self._rejoin, args=(since_ms, self._beats), name="kvpool-catch-up",
+                         daemon=True).start()
 
-    def _rejoin(self, since_ms: int) -> None:
-        """Catch up once the member list can be read (NATS may still be out of reach); after a minute
-        (or three TTLs) without it, drop every block instead."""
+    def _rejoin(self, since_ms: int, beats: int) -> None:
+        """Catch up once a heartbeat has got through again (`beats` counted before the outage) and the
+        member list can be read; after a minute (or three TTLs) without both, drop every block instead.
+        Not before that heartbeat: until then what this worker can read of NATS may be a partition's
+        view (a NATS node cut off with it lists no live peer), and clients may still be writing its
+        keys elsewhere."""
         from .errors import KVPoolError
 
         with self._catching_up:
             give_up = time.monotonic() + max(60.0, 3 * self.config.member_ttl_s)
             while not self._stopping.is_set():
                 try:
+                    if self._beats == beats:
+                        raise PoolUnavailable("no heartbeat has got through since the outage")
                     members = self.membership.peers()
                 except KVPoolError as e:
                     if time.monotonic() < give_up:
-                        self._stopping.wait(1.0)
+                        self._stopping.wait(0.2)
                         continue
-                    log.warning("worker %s: members unreadable (%s); dropping its blocks", self.worker_id, e)
+                    log.warning("worker %s: not back in the cluster (%s); dropping its blocks", self.worker_id, e)
                     self.cache.clear()
                     break
                 try:
