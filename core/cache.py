@@ -164,11 +164,12 @@ class TieredCache:
                     b.version = CLOCK.now()
                 else:
                     CLOCK.observe(b.version)
-        stored: list[bool] = []
+        stored = self._stack.commit_many(blocks) or []
         try:
-            enter = self._enter
-            for b in blocks:
-                stored.append(enter(b))
+            if len(stored) < len(blocks):  # (None: not a plain batch)
+                enter = self._enter
+                for b in blocks:
+                    stored.append(enter(b))
         finally:
             if any(stored):
                 kept = [b for b, ok in zip(blocks, stored) if ok]

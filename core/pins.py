@@ -88,6 +88,10 @@ class Pins:
         """Whether `key` has a live pin (a block committed under it now is committed pinned)."""
         return self._until.get(key, 0.0) > time.monotonic()
 
+    def __bool__(self) -> bool:
+        """Whether any pin is live or waiting (none: committing a block need not ask)."""
+        return bool(self._until)
+
     def claim(self, key: bytes) -> bool:
         """`holds(key)`, for a block being committed under `key` (once per block put, so the common
         case of no pins at all costs one test): a pin that was waiting for this block now runs its

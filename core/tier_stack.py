@@ -110,6 +110,21 @@ class TierStack:
         if self.dram.arena.used_bytes > self._high_bytes:
             self.demote_due.notify()
 
+    def commit_many(self, blocks: list[DramBlock]) -> list[bool] | None:
+        """`commit` of each block in bulk where nothing but DRAM can know their keys (no device tier
+        holding one, no SSD copy, no tombstone, no pin, no listener; keys distinct): True for each
+        block stored, False for one whose key holds a version as new (its slot freed). None, having
+        done nothing, where that does not hold: the caller commits them one by one."""
+        keys = [b.key for b in blocks]
+        if (self.listeners or self.dram.pins or len(set(keys)) != len(keys) or not self.tombstones.none_of(keys)
+                or (self.ssd is not None and not self.ssd.none_of(keys))
+                or (self.device is not None and any(map(self.device.__contains__, keys)))):
+            return None
+        stored = self.dram.insert_many(blocks)
+        if self.dram.arena.used_bytes > self._high_bytes:
+            self.demote_due.notify()
+        return stored
+
     def version_of(self, key: bytes) -> int:
         """The version of the block of `key` this stack holds (DRAM, else SSD); 0 if none."""
         b = self.dram.blocks.get(key)

@@ -3,9 +3,9 @@
 `TcpTransport` streams block bytes in frames and receives replies straight into the caller's
 buffers (many small blocks per system call), hashing each group as it lands. `ShmTransport` maps the
 worker's arena and moves bytes with one memcpy each way, sending only control messages over the Unix
-socket: one ALLOC per batch, a COMMIT per few MiB copied (the worker verifies one part while the
-next is copied), one LEASE and one RELEASE per batch. Both are `PoolBackend`s
-(local mode) and the cluster's connections to its workers. Socket failures are PoolUnavailable /
+socket: a put ALLOCs and COMMITs its batch in parts (`kvpool.core.shm_put`: the worker reserves the
+next part and verifies the last while one is copied), a get sends one LEASE and one RELEASE per batch.
+Both are `PoolBackend`s (local mode) and the cluster's connections to its workers. Socket failures are PoolUnavailable /
 PoolTimeout. Every block's checksum is verified: a put damaged on its way is refused by the worker
 (CorruptBlock, nothing stored); a get damaged on its way is a miss, counted in `checksum_failures`
 and logged, the same as a block found corrupt at rest.
@@ -21,11 +21,13 @@ from typing import Any
 import numpy as np
 
 from . import protocol as P
+from .arena_pages import ArenaPages
 from .blocks import checksum
 from .buffers import Destination, finish_all, readable
 from .connection import Connection, raise_item, send_pin
 from .errors import BufferSizeError, ProtocolError
 from .pool_backend import leases_by_copy
+from .shm_put import PartedPut
 from .shm_refs import committed
 from .tiers.dram import DramArena
 from .versions import CLOCK
@@ -34,15 +36,12 @@ __all__ = ["TcpTransport", "ShmTransport", "connect"]
 
 log = logging.getLogger("kvpool.transport")
 
-_COMMIT_BYTES = 2 << 20
-"""A same-node put sends a COMMIT each time it has copied this many bytes (well within the shared cache),
-or a quarter of its batch if that is less, but not under `_MIN_COMMIT_BYTES`: the worker verifies and
-commits one part while the next is copied (on a quiet 2-core machine, 256 KiB blocks: 0.37 of memcpy
-in one part, 0.60 in parts of 2 MiB)."""
-_MIN_COMMIT_BYTES = 1 << 20
-"""Parts smaller than this cost more in messages than the overlap gains (16 KiB blocks)."""
-_COMMITS_IN_FLIGHT = 16
-"""COMMITs a same-node put sends before it reads their replies (their statuses are a few bytes each)."""
+_FRAME_BYTES = 4 << 20
+"""A TCP put sends its batch in frames of a quarter of it, at most this many bytes ..."""
+_MIN_FRAME_BYTES = 512 << 10
+"""... and at least this many (each frame costs the worker a request: 64 KiB blocks, frames of 1 MiB)."""
+_FRAMES_IN_FLIGHT = 8
+"""PUT frames sent before their replies are read (each reply is a byte per block)."""
 
 
 class TcpTransport(Connection):
@@ -51,22 +50,42 @@ class TcpTransport(Connection):
     def batch_put(self, keys: Sequence[bytes], buffers: Sequence[Any], pin_s: float = 0.0,
                   versions: Sequence[int] | None = None) -> None:
         """Store blocks; with `pin_s` > 0, pinned for that many seconds (see `batch_pin`). `versions`
-        (default: stamped now, `kvpool.core.versions`): a worker holding a newer one keeps it."""
-        views = [readable(b) for b in buffers]
-        stamps = _stamps(versions, len(keys))
-        for f in P.frames(len(keys), [v.nbytes for v in views]):
-            self._put_frame(keys[f], views[f], pin_s, stamps[f])
+        (default: stamped now, `kvpool.core.versions`): a worker holding a newer one keeps it.
 
-    def _put_frame(self, keys: Sequence[bytes], views: Sequence[memoryview], pin_s: float,
-                   versions: np.ndarray) -> None:
+        The batch goes in frames of a few MiB sent back to back (at most `_FRAMES_IN_FLIGHT`
+        unanswered): the worker receives, hashes and commits one while the next is hashed and sent.
+        A block the worker refuses fails alone; the error raised is the first failed block's."""
+        views = [readable(b) for b in buffers]
+        lens = [v.nbytes for v in views]
+        stamps = _stamps(versions, len(keys))
+        status: list[int] = []
+        with self._session() as sock:
+            sent = 0
+            for f in P.frames(len(keys), lens, min(_FRAME_BYTES, max(_MIN_FRAME_BYTES, sum(lens) // 4))):
+                if pin_s > 0:
+                    send_pin(sock, keys[f], pin_s)
+                self._send_put(sock, keys[f], views[f], stamps[f])
+                sent += 1
+                if sent > _FRAMES_IN_FLIGHT:
+                    status += self._put_reply(sock)
+                    sent -= 1
+            for _ in range(sent):
+                status += self._put_reply(sock)
+        failed = next((i for i, st in enumerate(status) if st), None)
+        if failed is not None:
+            raise_item(status[failed], keys[failed], lens[failed], self.info.max_block)
+
+    @staticmethod
+    def _send_put(sock: Any, keys: Sequence[bytes], views: Sequence[memoryview], versions: np.ndarray) -> None:
         sizes = np.array([v.nbytes for v in views], dtype="<i8")
         csums = np.array([checksum(v) for v in views], dtype="<u8")
-        with self._session() as sock:
-            if pin_s > 0:
-                send_pin(sock, keys, pin_s)
-            reply = self._roundtrip(P.Op.PUT, P.pack_batch(list(keys), sizes, csums, versions), list(views))
-        for key, st, size in zip(keys, np.frombuffer(reply.meta, dtype="<i1").tolist(), sizes.tolist()):
-            raise_item(st, key, size, self.info.max_block)
+        P.send_frame(sock, P.Op.PUT, P.pack_batch(list(keys), sizes, csums, versions), data=list(views))
+
+    @staticmethod
+    def _put_reply(sock: Any) -> list[int]:
+        reply = P.recv_frame(sock)
+        P.check_reply(reply, P.Op.PUT)
+        return np.frombuffer(reply.meta, dtype="<i1").tolist()
 
     def batch_get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[int]:
         """Sizes (-1 on a miss or a corrupt block); bytes land directly in the buffers."""
@@ -134,12 +153,15 @@ class ShmTransport(Connection):
         super().__init__(address, token, timeout_s)
         self._arena: memoryview | None = None
         self._arena_rw: memoryview | None = None
+        self._pages: ArenaPages | None = None
+        self._pages_rw: ArenaPages | None = None
 
     @property
     def arena(self) -> memoryview:
         """The worker's arena mapped read-only: what gets and leases read."""
         if self._arena is None:
             self._arena = self._attach(writable=False)
+            self._pages = ArenaPages(self._arena, writable=False)
         return self._arena
 
     @property
@@ -148,6 +170,7 @@ class ShmTransport(Connection):
         ALLOCs (the worker checks each block's checksum before it commits it)."""
         if self._arena_rw is None:
             self._arena_rw = self._attach(writable=True)
+            self._pages_rw = ArenaPages(self._arena_rw, writable=True)
         return self._arena_rw
 
     def _attach(self, writable: bool) -> memoryview:
@@ -168,65 +191,26 @@ class ShmTransport(Connection):
 
     def _put_frame(self, arena: memoryview, keys: Sequence[bytes], views: Sequence[memoryview], pin_s: float,
                    versions: np.ndarray) -> None:
-        """ALLOC the frame's slots, then copy and hash block by block, sending a COMMIT each time a
-        part (`_COMMIT_BYTES`) is written: the worker verifies and commits one part (while it is still in
-        the shared cache) as the next is copied. Replies are read at the end (at most
-        `_COMMITS_IN_FLIGHT` left unread)."""
+        """Copy the frame's blocks into slots of the arena part by part (`kvpool.core.shm_put`)."""
         lens = [v.nbytes for v in views]
-        sizes = np.array(lens, dtype="<i8")
-        part = min(_COMMIT_BYTES, max(_MIN_COMMIT_BYTES, sum(lens) // 4))
-        statuses: list[np.ndarray] = []
+        max_block = self.info.max_block
+        if max_block and lens and max(lens) > max_block:  # before anything is stored
+            i = int(np.argmax(lens))
+            raise_item(P.ITEM_TOO_LARGE, keys[i], lens[i], max_block)
         with self._session() as sock:
             if pin_s > 0:
                 send_pin(sock, keys, pin_s)
-            offsets = np.frombuffer(self._roundtrip(P.Op.ALLOC, P.pack_batch(list(keys), sizes)).meta, dtype="<i8")
-            if (offsets < 0).any():
-                held = offsets[offsets >= 0]
-                if held.size:
-                    P.send_frame(sock, P.Op.ABORT, held.tobytes())
-                i = int(np.argmax(offsets < 0))
-                raise_item(int(offsets[i]), keys[i], int(sizes[i]), self.info.max_block)
+            assert self._pages_rw is not None  # made with the mapping
+            put = PartedPut(sock, arena, self._pages_rw, keys, views, versions)
             try:
-                self._copy_and_commit(sock, arena, keys, views, offsets, sizes, versions, part, statuses)
+                offsets = put.run()
             except BaseException:
-                self.close()  # COMMITs may be unanswered; the worker frees the slots of a closed connection
+                self.close()  # replies may be unread; the worker frees the slots of a closed connection
                 raise
-        status = np.concatenate(statuses) if statuses else np.zeros(0, dtype="<i1")  # (an empty batch)
-        if status.any():
-            i = int(np.flatnonzero(status)[0])
-            raise_item(int(status[i]), keys[i], lens[i], self.info.max_block)
-        committed(self.info, keys, offsets, sizes, versions)  # where they lie, for whoever records it
-
-    def _copy_and_commit(self, sock: Any, arena: memoryview, keys: Sequence[bytes], views: Sequence[memoryview],
-                         offsets: np.ndarray, sizes: np.ndarray, versions: np.ndarray, part_bytes: int,
-                         statuses: list[np.ndarray]) -> None:
-        n = len(keys)
-        csums: list[int] = []
-        in_flight = 0
-        start = written = 0
-        for i, (off, v) in enumerate(zip(offsets.tolist(), views)):
-            slot = arena[off:off + v.nbytes]
-            slot[:] = v
-            csums.append(checksum(slot))  # of what landed in the arena, while it is in cache
-            written += v.nbytes
-            if written >= part_bytes or i == n - 1:
-                part = slice(start, i + 1)
-                meta = P.pack_batch(list(keys[part]), offsets[part], sizes[part], np.array(csums, dtype="<u8"),
-                                    versions[part])
-                P.send_frame(sock, P.Op.COMMIT, meta)
-                in_flight += 1
-                start, written, csums = i + 1, 0, []
-                if in_flight > _COMMITS_IN_FLIGHT:
-                    statuses.append(self._commit_reply(sock))
-                    in_flight -= 1
-        for _ in range(in_flight):
-            statuses.append(self._commit_reply(sock))
-
-    @staticmethod
-    def _commit_reply(sock: Any) -> np.ndarray:
-        reply = P.recv_frame(sock)
-        P.check_reply(reply, P.Op.COMMIT)
-        return np.frombuffer(reply.meta, dtype="<i1")
+        if put.status.any():
+            i = int(np.flatnonzero(put.status)[0])
+            raise_item(int(put.status[i]), keys[i], lens[i], max_block)
+        committed(self.info, keys, offsets, put.sizes, versions)  # where they lie, for whoever records it
 
     @contextmanager
     def batch_lease(self, keys: Sequence[bytes]) -> Iterator[list[memoryview | None]]:
@@ -249,6 +233,8 @@ class ShmTransport(Connection):
             if len(meta) != 40 * n:
                 raise ProtocolError(f"LEASE reply metadata is {len(meta)} bytes for {n} keys")
         ids, offsets, sizes = (np.frombuffer(meta, dtype="<i8", count=n, offset=8 * n * j) for j in range(3))
+        if self._pages is not None:  # (mapped by the caller first)
+            self._pages.ready(offsets, sizes)
         if versions is not None:
             versions += np.frombuffer(meta, dtype="<u8", count=n, offset=32 * n).tolist()
         try:
@@ -285,6 +271,7 @@ class ShmTransport(Connection):
 
     def close(self) -> None:
         super().close()
+        self._pages = self._pages_rw = None
         for name in ("_arena", "_arena_rw"):
             view: memoryview | None = getattr(self, name)
             if view is None:

@@ -95,6 +95,11 @@ class Tombstones:
     def discard(self, key: bytes) -> None:
         self._marks.pop(key, None)
 
+    def none_of(self, keys: list[bytes]) -> bool:
+        """Whether none of `keys` has a tombstone kept (expired ones may count: a caller then takes
+        the per-key path, which trims them)."""
+        return not self._marks or self._marks.keys().isdisjoint(keys)
+
     def version(self, key: bytes) -> int:
         """The version of `key`'s removal if it is still kept, else 0."""
         mark = self._marks.get(key)

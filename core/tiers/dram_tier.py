@@ -116,6 +116,29 @@ class DramTier:
         if self.pins.claim(block.key):
             block.pinned = True
 
+    def insert_many(self, blocks: list[DramBlock]) -> list[bool]:
+        """`insert` of each block (their keys distinct and unpinned), in bulk: a block older than or as
+        old as the one its key holds is not inserted (its slot is freed; False), a newer one replaces it."""
+        get = self.blocks.get
+        held = list(map(get, [b.key for b in blocks]))
+        stored = [True] * len(blocks)
+        if held.count(None) < len(held):  # replacements: the version decides, key by key
+            for i, (b, old) in enumerate(zip(blocks, held)):
+                if old is None:
+                    continue
+                if b.version <= old.version:
+                    self.unreserve(b.offset)
+                    stored[i] = False
+                else:
+                    self.drop(old.key)
+            blocks = [b for b, ok in zip(blocks, stored) if ok]
+        keys = [b.key for b in blocks]
+        self.blocks.update(zip(keys, blocks))
+        self.order.extend(keys)
+        self._reserved -= len(blocks)
+        self.timed += sum(1 for b in blocks if b.expires)
+        return stored
+
     def drop(self, key: bytes) -> DramBlock | None:
         """Unlink the block of `key` (None if there is none); its slot is freed now, or when its last
         lease ends."""

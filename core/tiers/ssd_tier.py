@@ -71,6 +71,10 @@ class SsdTier:
         """Whether each key is indexed (expired or not), in one C-level pass."""
         return list(map(self._sizes.__contains__, keys))
 
+    def none_of(self, keys: list[bytes]) -> bool:
+        """Whether none of `keys` is indexed, in one C-level pass."""
+        return self._sizes.keys().isdisjoint(keys)
+
     def size_of(self, key: bytes) -> int | None:
         return self._sizes.get(key)
 

@@ -1,5 +1,7 @@
-"""A same-node put copies and COMMITs in parts (the worker verifies one part while the next is copied):
-every block lands, a part the worker refuses fails only its own blocks, and the connection stays in step."""
+"""A same-node put ALLOCs ahead, copies and COMMITs in parts (the worker verifies one part while the next
+is copied): every block lands, a part the worker refuses fails only its own blocks, a batch that finds no
+room stops with nothing held, and the connection stays in step. A TCP put sends its frames back to back:
+a block refused in one fails alone."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -8,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvpool.core import transport
+from kvpool.core import shm_put, transport
 from kvpool.core.config import CacheConfig, WorkerConfig
-from kvpool.core.errors import CorruptBlock
+from kvpool.core.errors import CapacityError, CorruptBlock
 from kvpool.core.server import Worker
-from kvpool.core.transport import ShmTransport
+from kvpool.core.transport import ShmTransport, TcpTransport
 
 MiB = 1 << 20
 
@@ -29,10 +31,10 @@ def _blocks(n: int, size: int) -> list[np.ndarray]:
     return [np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8) for i in range(n)]
 
 
-@pytest.mark.parametrize("in_flight", [1, 16])
-def test_a_put_of_many_parts_lands_whole(worker: Worker, monkeypatch: pytest.MonkeyPatch, in_flight: int) -> None:
-    monkeypatch.setattr(transport, "_COMMIT_BYTES", 1 * MiB)  # (its floor: parts of 1 MiB)
-    monkeypatch.setattr(transport, "_COMMITS_IN_FLIGHT", in_flight)  # 1: replies read while parts go out
+@pytest.mark.parametrize("parts_per_alloc", [1, 3])
+def test_a_put_of_many_parts_lands_whole(worker: Worker, monkeypatch: pytest.MonkeyPatch, parts_per_alloc: int) -> None:
+    monkeypatch.setattr(shm_put, "PART_BYTES", 1 * MiB)
+    monkeypatch.setattr(shm_put, "PARTS_PER_ALLOC", parts_per_alloc)  # slots asked for a chunk ahead
     blocks = _blocks(40, 300 << 10) + _blocks(3, 3 * MiB)
     keys = [f"k{i}".encode() for i in range(len(blocks))]
     t = ShmTransport(worker.unix_path)
@@ -47,22 +49,22 @@ def test_a_put_of_many_parts_lands_whole(worker: Worker, monkeypatch: pytest.Mon
 
 
 def test_a_block_refused_in_one_part_fails_alone(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transport, "_COMMIT_BYTES", 1 * MiB)  # (its floor: parts of 1 MiB)
+    monkeypatch.setattr(shm_put, "PART_BYTES", 1 * MiB)
     blocks = _blocks(12, 512 << 10)
     keys = [f"k{i}".encode() for i in range(12)]
-    real_checksum = transport.checksum
+    real_checksum = shm_put.checksum
 
     def lying(data: memoryview | bytes) -> int:  # the client claims a wrong checksum for block 5
         real = real_checksum(data)
         return real ^ 1 if bytes(data[:64]) == blocks[5].tobytes()[:64] else real
 
-    monkeypatch.setattr(transport, "checksum", lying)
+    monkeypatch.setattr(shm_put, "checksum", lying)
     t = ShmTransport(worker.unix_path)
     try:
         with pytest.raises(CorruptBlock) as e:
             t.batch_put(keys, blocks)
         assert e.value.key == keys[5]
-        monkeypatch.setattr(transport, "checksum", real_checksum)
+        monkeypatch.setattr(shm_put, "checksum", real_checksum)
         assert t.batch_exists(keys) == [i != 5 for i in range(12)]  # the connection is in step
         assert worker.metrics.corrupt_blocks._value.get() == 1
         assert worker.cache.stats().dram_bytes == 11 * (512 << 10)  # the refused slot went back
@@ -78,5 +80,58 @@ def test_an_empty_batch_and_an_empty_block(worker: Worker) -> None:
         assert t.batch_get_into([], []) == []
         t.batch_put([b"empty", b"full"], [b"", b"x" * 1000])
         assert t.batch_get_into([b"empty", b"full"], [bytearray(0), bytearray(1000)]) == [0, 1000]
+    finally:
+        t.close()
+
+
+def test_a_batch_that_runs_out_of_room_holds_nothing(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """96 MiB arena (24 slabs of 4 MiB), the blocks pinned so none can be evicted for the next: a put of
+    4 MiB blocks stops at the first chunk without room (its slots granted in part, and the chunk asked
+    ahead), every slot it held goes back, and what was stored before it stays whole."""
+    monkeypatch.setattr(shm_put, "PART_BYTES", 1 * MiB)  # a part per block
+    monkeypatch.setattr(shm_put, "PARTS_PER_ALLOC", 2)  # chunks [0] [1 2] [3 4] ... of each frame
+    t = ShmTransport(worker.unix_path)
+    try:
+        small = [f"s{i}".encode() for i in range(13)]
+        t.batch_put(small, _blocks(13, 1 * MiB - 4096), pin_s=60)  # 4 slots a slab: 4 slabs, 20 left
+        blocks = _blocks(30, 4 * MiB - 4096)
+        keys = [f"k{i}".encode() for i in range(30)]
+        with pytest.raises(CapacityError) as e:  # frames of 6 (max_reserve); the 4th: [18] [19 20] [21 22] [23]
+            t.batch_put(keys, blocks, pin_s=60)
+        assert e.value.key == keys[20]
+        assert t.batch_exists(keys) == [i < 19 for i in range(30)]  # the connection is in step
+        got = [np.zeros_like(b) for b in blocks]
+        sizes = t.batch_get_into(keys, got)
+        assert all(np.array_equal(a, b) for a, b, n in zip(blocks, got, sizes) if n >= 0)
+        assert all(not c.reserved for c in worker._conns)  # block 19's slot went back
+        assert worker.cache.check() == []
+        t.batch_put([b"last"], _blocks(1, 4 * MiB - 4096), pin_s=60)  # ... and is free again
+    finally:
+        t.close()
+
+
+def test_a_tcp_put_of_many_frames_fails_only_the_refused_block(worker: Worker,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transport, "_FRAME_BYTES", 1 * MiB)
+    monkeypatch.setattr(transport, "_MIN_FRAME_BYTES", 1 * MiB)
+    monkeypatch.setattr(transport, "_FRAMES_IN_FLIGHT", 2)  # replies read while frames go out
+    blocks = _blocks(24, 256 << 10)
+    keys = [f"t{i}".encode() for i in range(24)]
+    real_checksum = transport.checksum
+
+    def lying(data: memoryview | bytes) -> int:  # the client claims a wrong checksum for block 17
+        real = real_checksum(data)
+        return real ^ 1 if bytes(data[:64]) == blocks[17].tobytes()[:64] else real
+
+    monkeypatch.setattr(transport, "checksum", lying)
+    t = TcpTransport(worker.address, token=worker.token)
+    try:
+        with pytest.raises(CorruptBlock) as e:
+            t.batch_put(keys, blocks)
+        assert e.value.key == keys[17]
+        assert t.batch_exists(keys) == [i != 17 for i in range(24)]
+        got = [np.zeros_like(b) for b in blocks]
+        t.batch_get_into(keys, got)
+        assert all(np.array_equal(a, b) for i, (a, b) in enumerate(zip(blocks, got)) if i != 17)
     finally:
         t.close()
