@@ -24,11 +24,12 @@ class ArenaPages:
     """The regions of one mapping (`DramArena.attach`'s view) this process has readied."""
 
     def __init__(self, view: memoryview, writable: bool) -> None:
-        self._mapping = view.obj
+        mapping = view.obj
+        self._mapping = mapping if isinstance(mapping, mmap.mmap) else None
         self._size = view.nbytes
         self._advice = _POPULATE_WRITE if writable else _POPULATE_READ
         self._ready: set[int] = set()
-        self._refused = not isinstance(self._mapping, mmap.mmap)
+        self._refused = self._mapping is None
 
     def ready(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
         """Map the regions that the blocks at `offsets` (of `sizes` bytes; offsets < 0 are skipped)
@@ -47,6 +48,7 @@ class ArenaPages:
 
     def _populate(self, region: int) -> None:
         start = region * REGION_BYTES
+        assert self._mapping is not None  # (else refused)
         try:
             self._mapping.madvise(self._advice, start, min(REGION_BYTES, self._size - start))
         except (OSError, ValueError):

@@ -85,7 +85,8 @@ class TcpTransport(Connection):
     def _put_reply(sock: Any) -> list[int]:
         reply = P.recv_frame(sock)
         P.check_reply(reply, P.Op.PUT)
-        return np.frombuffer(reply.meta, dtype="<i1").tolist()
+        status: list[int] = np.frombuffer(reply.meta, dtype="<i1").tolist()
+        return status
 
     def batch_get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[int]:
         """Sizes (-1 on a miss or a corrupt block); bytes land directly in the buffers."""
