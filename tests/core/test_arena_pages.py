@@ -14,7 +14,7 @@ from kvpool.core.tiers.dram import DramArena
 
 @pytest.fixture
 def arena() -> Iterator[DramArena]:
-    a = DramArena(3 * REGION_BYTES, slab_size=REGION_BYTES, prefault=True)
+    a = DramArena(48 * REGION_BYTES, slab_size=16 * REGION_BYTES, prefault=True)
     yield a
     a.close()
 
@@ -37,7 +37,8 @@ def test_a_readied_region_takes_no_faults_and_another_does(arena: DramArena) -> 
         pages = ArenaPages(view, writable=True)
         pages.ready(np.array([4096, -1], dtype="<i8"), np.array([1 << 20, 0], dtype="<i8"))  # region 0; a miss
         assert _faults_writing(view, 0, REGION_BYTES) < 64
-        assert _faults_writing(view, 2 * REGION_BYTES, REGION_BYTES) > 1000  # never readied: a fault a page
+        never = _faults_writing(view, 2 * REGION_BYTES, REGION_BYTES)  # a region never readied
+        assert never >= REGION_BYTES // 4096 // 2
         assert bytes(arena.view(0, 1)) == b"\x07"  # the same memory as the worker's
     finally:
         _unmap(view)
