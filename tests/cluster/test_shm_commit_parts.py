@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kvpool.core import shm_put, transport
+from kvpool.core.blocks import checksum
 from kvpool.core.config import CacheConfig, WorkerConfig
 from kvpool.core.errors import CapacityError, CorruptBlock
 from kvpool.core.server import Worker
@@ -34,6 +35,16 @@ def _wait_for(done: Callable[[], bool], timeout_s: float = 5.0) -> None:
     while not done():
         assert time.monotonic() < deadline, "not within 5 s"
         time.sleep(0.01)
+
+
+def _lying_about(block: np.ndarray) -> Callable[[memoryview | bytes], int]:
+    """A checksum function that is wrong for `block` (known by its first 64 bytes) only."""
+    head = block.tobytes()[:64]
+
+    def lying(data: memoryview | bytes) -> int:
+        real = checksum(data)
+        return real ^ 1 if bytes(data[:64]) == head else real
+    return lying
 
 
 def _blocks(n: int, size: int) -> list[np.ndarray]:
@@ -62,12 +73,7 @@ def test_a_block_refused_in_one_part_fails_alone(worker: Worker, monkeypatch: py
     blocks = _blocks(12, 512 << 10)
     keys = [f"k{i}".encode() for i in range(12)]
     real_checksum = shm_put.checksum
-
-    def lying(data: memoryview | bytes) -> int:  # the client claims a wrong checksum for block 5
-        real = real_checksum(data)
-        return real ^ 1 if bytes(data[:64]) == blocks[5].tobytes()[:64] else real
-
-    monkeypatch.setattr(shm_put, "checksum", lying)
+    monkeypatch.setattr(shm_put, "checksum", _lying_about(blocks[5]))  # the client claims a wrong one
     t = ShmTransport(worker.unix_path)
     try:
         with pytest.raises(CorruptBlock) as e:
@@ -126,13 +132,7 @@ def test_a_tcp_put_of_many_frames_fails_only_the_refused_block(worker: Worker,
     monkeypatch.setattr(transport, "_FRAMES_IN_FLIGHT", 2)  # replies read while frames go out
     blocks = _blocks(24, 256 << 10)
     keys = [f"t{i}".encode() for i in range(24)]
-    real_checksum = transport.checksum
-
-    def lying(data: memoryview | bytes) -> int:  # the client claims a wrong checksum for block 17
-        real = real_checksum(data)
-        return real ^ 1 if bytes(data[:64]) == blocks[17].tobytes()[:64] else real
-
-    monkeypatch.setattr(transport, "checksum", lying)
+    monkeypatch.setattr(transport, "checksum", _lying_about(blocks[17]))  # the client claims a wrong one
     t = TcpTransport(worker.address, token=worker.token)
     try:
         with pytest.raises(CorruptBlock) as e:
