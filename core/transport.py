@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import socket
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
@@ -42,6 +43,9 @@ _MIN_FRAME_BYTES = 512 << 10
 """... and at least this many (each frame costs the worker a request: 64 KiB blocks, frames of 1 MiB)."""
 _FRAMES_IN_FLIGHT = 8
 """PUT frames sent before their replies are read (each reply is a byte per block)."""
+_SPLIT_LEASE = range(8, 1025)
+"""A same-node get of so many blocks LEASEs them in two requests (see `_get_frame`); more would risk both
+sides blocking on full socket buffers, the second request's keys one way and the first's reply the other."""
 
 
 class TcpTransport(Connection):
@@ -223,28 +227,38 @@ class ShmTransport(Connection):
                    for off, size in zip(*stack.enter_context(self._lease_frame(keys[f])))]
 
     @contextmanager
-    def _lease_frame(self, keys: Sequence[bytes],
-                     versions: list[int] | None = None) -> Iterator[tuple[list[int], list[int]]]:
-        """Lease the blocks of `keys`: their offsets and sizes in the arena (offset < 0: a miss),
-        until the block exits; their versions are appended to `versions`. The worker verified each
-        block's checksum at commit."""
-        n = len(keys)
-        with self._session():  # a malformed reply drops the connection (PoolUnavailable), as any protocol error
-            meta = self._roundtrip(P.Op.LEASE, P.pack_batch(list(keys))).meta
-            if len(meta) != 40 * n:
-                raise ProtocolError(f"LEASE reply metadata is {len(meta)} bytes for {n} keys")
-        ids, offsets, sizes = (np.frombuffer(meta, dtype="<i8", count=n, offset=8 * n * j) for j in range(3))
-        if self._pages is not None:  # (mapped by the caller first)
-            self._pages.ready(offsets, sizes)
-        if versions is not None:
-            versions += np.frombuffer(meta, dtype="<u8", count=n, offset=32 * n).tolist()
+    def _lease_frame(self, keys: Sequence[bytes]) -> Iterator[tuple[list[int], list[int]]]:
+        """Lease the blocks of `keys`: their offsets and sizes in the arena (offset < 0: a miss), until
+        the block exits. The worker verified each block's checksum at commit."""
+        with self._session() as sock:  # a malformed reply drops the connection (PoolUnavailable), as any protocol error
+            P.send_frame(sock, P.Op.LEASE, P.pack_batch(list(keys)))
+            ids, offsets, sizes, _ = self._lease_reply(sock, len(keys))
         try:
             yield offsets.tolist(), sizes.tolist()
         finally:
-            held = ids[offsets >= 0]
-            if held.size:
-                with self._session() as sock:
-                    P.send_frame(sock, P.Op.RELEASE, held.tobytes())
+            self._release(ids[offsets >= 0])
+
+    def _lease_reply(self, sock: socket.socket, n: int) -> tuple[np.ndarray, ...]:
+        """A LEASE reply's columns for `n` keys: lease ids, offsets, sizes (the arena readied where they
+        lie) and versions."""
+        meta = self._reply_of(sock, P.Op.LEASE)
+        if len(meta) != 40 * n:
+            raise ProtocolError(f"LEASE reply metadata is {len(meta)} bytes for {n} keys")
+        ids, offsets, sizes, versions = (np.frombuffer(meta, dtype="<i8", count=n, offset=8 * n * j) for j in range(4))
+        if self._pages is not None:  # (mapped by the caller first)
+            self._pages.ready(offsets, sizes)
+        return ids, offsets, sizes, versions.view("<u8")
+
+    @staticmethod
+    def _reply_of(sock: socket.socket, op: int) -> bytes:
+        reply = P.recv_frame(sock)
+        P.check_reply(reply, op)
+        return reply.meta
+
+    def _release(self, ids: np.ndarray) -> None:
+        if ids.size:
+            with self._session() as sock:
+                P.send_frame(sock, P.Op.RELEASE, ids.tobytes())
 
     def batch_get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[int]:
         return self.batch_get_versions_into(keys, buffers)[0]
@@ -256,19 +270,38 @@ class ShmTransport(Connection):
         out: list[int] = []
         versions: list[int] = []
         for f in P.frames(len(keys)):
-            with self._lease_frame(keys[f], versions) as (offsets, sizes):
-                for key, off, size, dest in zip(keys[f], offsets, sizes, dests[f]):
-                    if off < 0:
-                        out.append(-1)
-                        continue
-                    view = dest.view
-                    if size > view.nbytes:
-                        raise BufferSizeError(f"block {key[:24]!r} is {size} bytes; the destination holds "
-                                              f"{view.nbytes}", key=key, size=size, limit=view.nbytes)
-                    view[:size] = arena[off:off + size]
-                    out.append(size)
+            out += self._get_frame(arena, keys[f], [d.view for d in dests[f]], versions)
         finish_all(dests, out)
         return out, _observed(versions)
+
+    def _get_frame(self, arena: memoryview, keys: Sequence[bytes], views: list[memoryview],
+                   versions: list[int]) -> list[int]:
+        """LEASE a frame's blocks in two requests sent back to back (a quarter of them, then the rest),
+        copy each part out as its reply arrives (the first while the worker serves the second), and
+        RELEASE them together."""
+        n = len(keys)
+        cut = n // 4 if n in _SPLIT_LEASE else n
+        parts = [p for p in (slice(0, cut), slice(cut, n)) if p.stop > p.start]
+        out: list[int] = []
+        held: list[np.ndarray] = []
+        with self._session() as sock:
+            for p in parts:
+                P.send_frame(sock, P.Op.LEASE, P.pack_batch(list(keys[p])))
+            try:
+                for p in parts:
+                    ids, offsets, sizes, vers = self._lease_reply(sock, p.stop - p.start)
+                    held.append(ids[offsets >= 0])
+                    versions += vers.tolist()
+                    out += _copy_out(arena, keys[p], offsets.tolist(), sizes.tolist(), views[p])
+            except BaseException:
+                if len(held) < len(parts):
+                    self.close()  # a reply is unread: the worker ends the leases of a closed connection
+                    held = []
+                raise
+            finally:
+                if held:
+                    P.send_frame(sock, P.Op.RELEASE, np.concatenate(held).tobytes())
+        return out
 
     def close(self) -> None:
         super().close()
@@ -285,6 +318,23 @@ class ShmTransport(Connection):
                     mapping.close()
             except BufferError:
                 pass  # a caller still holds a leased view; the mapping goes when it does
+
+
+def _copy_out(arena: memoryview, keys: Sequence[bytes], offsets: list[int], sizes: list[int],
+              views: list[memoryview]) -> list[int]:
+    """Copy each leased block (offset < 0: a miss) from the arena into its view; the sizes copied, -1
+    for each miss. A view too small for its block raises BufferSizeError."""
+    out: list[int] = []
+    for key, off, size, view in zip(keys, offsets, sizes, views):
+        if off < 0:
+            out.append(-1)
+            continue
+        if size > view.nbytes:
+            raise BufferSizeError(f"block {key[:24]!r} is {size} bytes; the destination holds {view.nbytes}",
+                                  key=key, size=size, limit=view.nbytes)
+        view[:size] = arena[off:off + size]
+        out.append(size)
+    return out
 
 
 def _stamps(versions: Sequence[int] | None, n: int) -> np.ndarray:

@@ -1,0 +1,68 @@
+"""A same-node get LEASEs a batch in two requests sent back to back and copies the first part while the
+worker serves the second: hits and misses land in both parts, a destination too small raises with no
+lease left held, and the connection stays in step."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpool.core.config import CacheConfig, WorkerConfig
+from kvpool.core.errors import BufferSizeError
+from kvpool.core.server import Worker
+from kvpool.core.transport import ShmTransport
+
+
+@pytest.fixture
+def worker(tmp_path: Path) -> Iterator[Worker]:
+    w = Worker(WorkerConfig(port=0, unix_path=str(tmp_path / "w.sock")),
+               CacheConfig(dram_bytes=64 << 20, dram_slab_size=4 << 20, prefault=False)).start()  # type: ignore[arg-type]
+    yield w
+    w.stop()
+
+
+def _leases_held(worker: Worker) -> int:
+    return sum(len(c.leases) for c in list(worker._conns))
+
+
+def test_hits_and_misses_in_both_parts(worker: Worker) -> None:
+    blocks = [np.full(5000 + i, i, dtype=np.uint8) for i in range(40)]
+    keys = [f"k{i}".encode() for i in range(40)]
+    t = ShmTransport(worker.unix_path)
+    try:
+        t.batch_put(keys[::2], blocks[::2])  # every other key: misses in the first part and in the rest
+        out = [np.zeros(6000, dtype=np.uint8) for _ in keys]
+        assert t.batch_get_into(keys, out) == [b.nbytes if i % 2 == 0 else -1 for i, b in enumerate(blocks)]
+        assert all(np.array_equal(o[:b.nbytes], b) for o, b in zip(out[::2], blocks[::2]))
+        assert all(not o.any() for o in out[1::2])
+        assert t.batch_exists(keys[:2]) == [True, False]  # in step
+        deadline = time.monotonic() + 5
+        while _leases_held(worker) and time.monotonic() < deadline:  # RELEASE needs no reply
+            time.sleep(0.01)
+        assert _leases_held(worker) == 0
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("small", [3, 30])  # in the first part; in the second
+def test_a_destination_too_small_raises_and_holds_nothing(worker: Worker, small: int) -> None:
+    keys = [f"k{i}".encode() for i in range(40)]
+    t = ShmTransport(worker.unix_path)
+    try:
+        t.batch_put(keys, [np.full(4096, i, dtype=np.uint8) for i in range(40)])
+        out = [np.zeros(4096 if i != small else 100, dtype=np.uint8) for i in range(40)]
+        with pytest.raises(BufferSizeError) as e:
+            t.batch_get_into(keys, out)
+        assert e.value.key == keys[small]
+        deadline = time.monotonic() + 5
+        while _leases_held(worker) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _leases_held(worker) == 0  # released, or ended with the connection
+        out[small] = np.zeros(4096, dtype=np.uint8)
+        assert t.batch_get_into(keys, out) == [4096] * 40  # the client carries on
+        assert all((o == i).all() for i, o in enumerate(out))
+    finally:
+        t.close()
