@@ -29,23 +29,27 @@ class ArenaPages:
         self._mapping = mapping if isinstance(mapping, mmap.mmap) else None
         self._size = view.nbytes
         self._advice = _POPULATE_WRITE if writable else _POPULATE_READ
-        self._ready: set[int] = set()
+        self._ready = np.zeros(-(-self._size // REGION_BYTES), dtype=bool)
+        """Whether each region has been readied (by the kernel's leave, or it refused: see `_refused`)."""
         self._refused = self._mapping is None
 
     def ready(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
         """Map the regions that the blocks at `offsets` (of `sizes` bytes; offsets < 0 are skipped)
-        touch, where this process has not yet."""
+        touch, where this process has not yet. Once they are, a check costs a few array operations."""
         if self._refused or not offsets.size:
             return
-        held = offsets >= 0
-        firsts = offsets[held] // REGION_BYTES
-        lasts = (offsets[held] + np.maximum(sizes[held], 1) - 1) // REGION_BYTES
-        regions = set(firsts.tolist())
-        spans = lasts > firsts
-        for first, last in zip(firsts[spans].tolist(), lasts[spans].tolist()):  # a block larger than a region
-            regions.update(range(first + 1, last + 1))
-        for r in regions - self._ready:
-            self._populate(r)
+        low, high = int(offsets.min()), int((offsets + sizes).max())
+        if low >= 0 and self._ready[low // REGION_BYTES:(high - 1) // REGION_BYTES + 1].all():
+            return  # the usual batch, once warm: every region between its first and last block is ready
+        firsts = np.maximum(offsets, 0) // REGION_BYTES  # (a miss asks for region 0: harmless)
+        lasts = (np.maximum(offsets, 0) + np.maximum(sizes, 1) - 1) // REGION_BYTES
+        done = self._ready
+        if done[firsts].all() and done[lasts].all():
+            return
+        for first, last in zip(firsts.tolist(), lasts.tolist()):
+            for region in range(first, last + 1):
+                if not done[region] and not self._refused:
+                    self._populate(region)
 
     def _populate(self, region: int) -> None:
         start = region * REGION_BYTES
@@ -55,4 +59,4 @@ class ArenaPages:
         except (OSError, ValueError):
             self._refused = True  # an older kernel: pages fault in at first touch
             return
-        self._ready.add(region)
+        self._ready[region] = True

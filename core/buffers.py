@@ -12,7 +12,7 @@ import numpy as np
 
 from .errors import BufferSizeError
 
-__all__ = ["readable", "Destination", "finish_all"]
+__all__ = ["readable", "Destination", "destination_views", "finish_all"]
 
 
 _FLAT_TYPES = frozenset({np.ndarray, bytearray, memoryview, bytes})
@@ -104,3 +104,15 @@ def finish_all(dests: Sequence[Destination], sizes: Sequence[int]) -> None:
     for size, dest in zip(sizes, dests):
         if dest._staged:
             dest.finish(size)
+
+
+def destination_views(buffers: Sequence[Any]) -> tuple[list[memoryview], list[Destination] | None]:
+    """Writable flat byte views of a batch's buffers, and the `Destination`s to `finish_all` after
+    writing into them: None when every buffer is a flat writable byte buffer already (numpy uint8
+    arrays, bytearrays, memoryviews: the usual batch), whose views are made in one pass."""
+    if all(type(b) in _FLAT_TYPES for b in buffers):
+        views: list[memoryview] = [memoryview(b) for b in buffers]
+        if all(v.format == "B" and v.ndim == 1 and v.c_contiguous and not v.readonly for v in views):
+            return views, None
+    dests = [Destination(b) for b in buffers]
+    return [d.view for d in dests], dests

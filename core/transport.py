@@ -24,7 +24,7 @@ import numpy as np
 from . import protocol as P
 from .arena_pages import ArenaPages
 from .blocks import checksum
-from .buffers import Destination, finish_all, readable
+from .buffers import Destination, destination_views, finish_all, readable
 from .connection import Connection, raise_item, send_pin
 from .errors import BufferSizeError, ProtocolError
 from .pool_backend import leases_by_copy
@@ -265,13 +265,14 @@ class ShmTransport(Connection):
 
     def batch_get_versions_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> tuple[list[int], list[int]]:
         """`batch_get_into`, and each key's version as the worker knows it (a miss: its removal's, or 0)."""
-        dests = [Destination(b) for b in buffers]
+        views, dests = destination_views(buffers)
         arena = self.arena
         out: list[int] = []
         versions: list[int] = []
         for f in P.frames(len(keys)):
-            out += self._get_frame(arena, keys[f], [d.view for d in dests[f]], versions)
-        finish_all(dests, out)
+            out += self._get_frame(arena, keys[f], views[f], versions)
+        if dests is not None:
+            finish_all(dests, out)
         return out, _observed(versions)
 
     def _get_frame(self, arena: memoryview, keys: Sequence[bytes], views: list[memoryview],
