@@ -1,14 +1,16 @@
 """Client side of the worker protocol: the two ways block bytes travel to and from one worker.
 
 `TcpTransport` streams block bytes in frames and receives replies straight into the caller's
-buffers (many small blocks per system call), hashing each group as it lands. `ShmTransport` maps the
-worker's arena and moves bytes with one memcpy each way, sending only control messages over the Unix
-socket: a put ALLOCs and COMMITs its batch in parts (`kvpool.core.shm_put`: the worker reserves the
-next part and verifies the last while one is copied), a get sends one LEASE and one RELEASE per batch.
-Both are `PoolBackend`s (local mode) and the cluster's connections to its workers. Socket failures are PoolUnavailable /
-PoolTimeout. Every block's checksum is verified: a put damaged on its way is refused by the worker
-(CorruptBlock, nothing stored); a get damaged on its way is a miss, counted in `checksum_failures`
-and logged, the same as a block found corrupt at rest.
+buffers (many small blocks per system call), hashing each group as it lands; a put sends its frames
+back to back. `ShmTransport` maps the worker's arena and moves bytes with one memcpy each way, sending
+only control messages over the Unix socket: a put ALLOCs and COMMITs its batch in parts
+(`kvpool.core.shm_put`: the worker reserves the next part and verifies the last while one is
+copied); a get LEASEs its batch in two requests sent back to back (the first part is copied while
+the worker serves the second) and RELEASEs it in one. Both are `PoolBackend`s (local mode) and the
+cluster's connections to its workers. Socket failures are PoolUnavailable / PoolTimeout. Every
+block's checksum is verified: a put damaged on its way is refused by the worker (CorruptBlock,
+nothing stored); a get damaged on its way is a miss, counted in `checksum_failures` and logged, the
+same as a block found corrupt at rest.
 """
 from __future__ import annotations
 
