@@ -242,14 +242,14 @@ class ShmTransport(Connection):
 
     def _lease_reply(self, sock: socket.socket, n: int) -> tuple[np.ndarray, ...]:
         """A LEASE reply's columns for `n` keys: lease ids, offsets, sizes (the arena readied where they
-        lie) and versions."""
+        lie) and versions (the reply also carries checksums, which a same-node reader does not need)."""
         meta = self._reply_of(sock, P.Op.LEASE)
         if len(meta) != 40 * n:
             raise ProtocolError(f"LEASE reply metadata is {len(meta)} bytes for {n} keys")
-        ids, offsets, sizes, versions = (np.frombuffer(meta, dtype="<i8", count=n, offset=8 * n * j) for j in range(4))
+        ids, offsets, sizes = (np.frombuffer(meta, dtype="<i8", count=n, offset=8 * n * j) for j in range(3))
         if self._pages is not None:  # (mapped by the caller first)
             self._pages.ready(offsets, sizes)
-        return ids, offsets, sizes, versions.view("<u8")
+        return ids, offsets, sizes, np.frombuffer(meta, dtype="<u8", count=n, offset=32 * n)  # (then checksums)
 
     @staticmethod
     def _reply_of(sock: socket.socket, op: int) -> bytes:

@@ -33,9 +33,13 @@ def test_hits_and_misses_in_both_parts(worker: Worker) -> None:
     keys = [f"k{i}".encode() for i in range(40)]
     t = ShmTransport(worker.unix_path)
     try:
-        t.batch_put(keys[::2], blocks[::2])  # every other key: misses in the first part and in the rest
+        stamps = [1000 + i for i in range(0, 40, 2)]
+        t.batch_put(keys[::2], blocks[::2], versions=stamps)  # every other key: misses in both parts
+        t.batch_remove([keys[1]], versions=[77])  # a removal's version is a miss's
         out = [np.zeros(6000, dtype=np.uint8) for _ in keys]
-        assert t.batch_get_into(keys, out) == [b.nbytes if i % 2 == 0 else -1 for i, b in enumerate(blocks)]
+        sizes, versions = t.batch_get_versions_into(keys, out)
+        assert sizes == [b.nbytes if i % 2 == 0 else -1 for i, b in enumerate(blocks)]
+        assert versions == [1000 + i if i % 2 == 0 else 77 if i == 1 else 0 for i in range(40)]
         assert all(np.array_equal(o[:b.nbytes], b) for o, b in zip(out[::2], blocks[::2]))
         assert all(not o.any() for o in out[1::2])
         assert t.batch_exists(keys[:2]) == [True, False]  # in step
