@@ -175,9 +175,7 @@ class Connection:
     def _roundtrip(self, op: int, meta: bytes = b"", data: list[memoryview] | None = None) -> P.Frame:
         assert self._sock is not None, "called outside a session"
         P.send_frame(self._sock, op, meta, data=data)
-        reply = P.recv_frame(self._sock)
-        P.check_reply(reply, op)
-        return reply
+        return P.recv_reply(self._sock, op)
 
     def call(self, op: int, meta: bytes = b"") -> P.Frame:
         with self._session():

@@ -30,7 +30,8 @@ from .keys import MAX_KEY_BYTES
 
 __all__ = ["MAGIC", "VERSION", "HEADER", "MAX_META", "MAX_DATA", "MAX_BATCH", "Op", "Status", "ITEM_QUOTA", "Frame",
     "header", "recv_exactly", "recv_checksum", "recv_into_all", "recv_frame", "send_frame", "pack_json", "unpack_json",
-    "frames", "pack_batch", "unpack_batch", "unpack_ids", "check_reply", "recv_blocks", "drain", "DRAIN_CHUNK"]
+    "frames", "pack_batch", "unpack_batch", "unpack_ids", "check_reply", "recv_reply", "recv_blocks", "drain",
+    "DRAIN_CHUNK"]
 
 MAGIC = b"KVPW"
 VERSION = 3
@@ -300,6 +301,13 @@ def unpack_ids(meta: bytes) -> np.ndarray:
         raise ProtocolError(f"id list of {len(meta)} bytes is not a whole number of int64 (max {MAX_BATCH})",
                             size=len(meta), limit=8 * MAX_BATCH)
     return np.frombuffer(meta, dtype="<i8")
+
+
+def recv_reply(sock: socket.socket, op: int) -> Frame:
+    """The next frame, checked as the worker's answer to a request of `op` (`check_reply`)."""
+    reply = recv_frame(sock)
+    check_reply(reply, op)
+    return reply
 
 
 def check_reply(frame: Frame, op: int) -> None:

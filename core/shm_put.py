@@ -111,8 +111,7 @@ class PartedPut:
 
     def _read(self) -> None:
         op, part = self._replies.popleft()
-        reply = P.recv_frame(self.sock)
-        P.check_reply(reply, op)
+        reply = P.recv_reply(self.sock, op)
         n = part.stop - part.start
         dtype = np.dtype("<i8" if op == P.Op.ALLOC else "<i1")
         if len(reply.meta) != n * dtype.itemsize:

@@ -89,9 +89,7 @@ class TcpTransport(Connection):
 
     @staticmethod
     def _put_reply(sock: Any) -> list[int]:
-        reply = P.recv_frame(sock)
-        P.check_reply(reply, P.Op.PUT)
-        status: list[int] = np.frombuffer(reply.meta, dtype="<i1").tolist()
+        status: list[int] = np.frombuffer(P.recv_reply(sock, P.Op.PUT).meta, dtype="<i1").tolist()
         return status
 
     def batch_get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[int]:
@@ -112,8 +110,7 @@ class TcpTransport(Connection):
         out: list[int] = []
         with self._session() as sock:
             P.send_frame(sock, P.Op.GET, P.pack_batch(list(keys)))
-            reply = P.recv_frame(sock)
-            P.check_reply(reply, P.Op.GET)
+            reply = P.recv_reply(sock, P.Op.GET)
             n = len(keys)
             if len(reply.meta) != 24 * n:
                 raise ProtocolError(f"GET reply metadata is {len(reply.meta)} bytes for {n} keys")
@@ -243,19 +240,13 @@ class ShmTransport(Connection):
     def _lease_reply(self, sock: socket.socket, n: int) -> tuple[np.ndarray, ...]:
         """A LEASE reply's columns for `n` keys: lease ids, offsets, sizes (the arena readied where they
         lie) and versions (the reply also carries checksums, which a same-node reader does not need)."""
-        meta = self._reply_of(sock, P.Op.LEASE)
+        meta = P.recv_reply(sock, P.Op.LEASE).meta
         if len(meta) != 40 * n:
             raise ProtocolError(f"LEASE reply metadata is {len(meta)} bytes for {n} keys")
         ids, offsets, sizes = (np.frombuffer(meta, dtype="<i8", count=n, offset=8 * n * j) for j in range(3))
         if self._pages is not None:  # (mapped by the caller first)
             self._pages.ready(offsets, sizes)
         return ids, offsets, sizes, np.frombuffer(meta, dtype="<u8", count=n, offset=32 * n)  # (then checksums)
-
-    @staticmethod
-    def _reply_of(sock: socket.socket, op: int) -> bytes:
-        reply = P.recv_frame(sock)
-        P.check_reply(reply, op)
-        return reply.meta
 
     def _release(self, ids: np.ndarray) -> None:
         if ids.size:

@@ -19,7 +19,7 @@ def _pin_frame(address: str, keys: list[bytes], seconds: np.ndarray) -> None:
         with t._session() as s:
             P.send_frame(s, P.Op.PIN, P.pack_batch(keys, seconds.astype("<f8")))
             P.send_frame(s, P.Op.STATS)  # the worker handles a connection's frames in order
-            P.check_reply(P.recv_frame(s), P.Op.STATS)
+            P.recv_reply(s, P.Op.STATS)
     finally:
         t.close()
 

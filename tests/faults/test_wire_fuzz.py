@@ -107,7 +107,7 @@ def _authenticate(s: socket.socket) -> None:
     nonce_c = secrets.token_bytes(NONCE_BYTES)
     P.send_frame(s, P.Op.AUTH, P.pack_json({"nonce": nonce_c.hex(),
                                              "proof": proof(TOKEN, nonce_w, nonce_c, "client").hex()}))
-    P.check_reply(P.recv_frame(s), P.Op.AUTH)
+    P.recv_reply(s, P.Op.AUTH)
 
 
 def _exchange(address: str | tuple[str, int], payload: bytes, authed: bool = False) -> None:
