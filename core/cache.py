@@ -164,9 +164,10 @@ class TieredCache:
                     b.version = CLOCK.now()
                 else:
                     CLOCK.observe(b.version)
-        stored = self._stack.commit_many(blocks) or []
+        bulk = self._stack.commit_many(blocks)  # None: not a plain batch, committed block by block
+        stored: list[bool] = bulk if bulk is not None else []
         try:
-            if len(stored) < len(blocks):  # (None: not a plain batch)
+            if bulk is None:
                 enter = self._enter
                 for b in blocks:
                     stored.append(enter(b))
