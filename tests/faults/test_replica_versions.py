@@ -90,6 +90,18 @@ def _change_while_away(c: PoolClient, truth: Truth, mine: list[str]) -> tuple[li
     return overwritten, removed
 
 
+def _change_while_paused(c: PoolClient, truth: Truth, mine: list[str], victim: WorkerProcess,
+                         away_s: float = 0.0) -> tuple[list[str], list[str]]:
+    """`_change_while_away` with the victim SIGSTOPped, kept stopped `away_s` seconds more, then resumed."""
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    try:
+        changed = _change_while_away(c, truth, mine)
+        time.sleep(away_s)
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+    return changed
+
+
 def _direct(w: WorkerProcess) -> PoolClient:
     return PoolClient(mode="local", worker=w.address, timeout_s=5)
 
@@ -112,11 +124,7 @@ def test_a_paused_replica_is_outvoted_then_repaired(nats, spawn):
         truth.put(c, keys, 0)
         victim = workers[1]
         mine = _owned_by(keys, ids, ids[1])
-        os.kill(victim.proc.pid, signal.SIGSTOP)
-        try:
-            overwritten, removed = _change_while_away(c, truth, mine)
-        finally:
-            os.kill(victim.proc.pid, signal.SIGCONT)
+        overwritten, removed = _change_while_paused(c, truth, mine, victim)
         time.sleep(SUSPECT_S + 0.5)  # the client asks the replica again
         with _direct(victim) as direct:  # it did miss them: what it holds is old
             assert direct.batch_exists(removed).count(True) == len(removed)
@@ -142,12 +150,7 @@ def test_a_replica_away_past_the_member_ttl_catches_up(nats, spawn):
         truth.put(c, keys, 0)
         victim = workers[2]
         mine = _owned_by(keys, ids, ids[2])
-        os.kill(victim.proc.pid, signal.SIGSTOP)
-        try:
-            overwritten, removed = _change_while_away(c, truth, mine)
-            time.sleep(4.0)  # past its 3 s TTL in all
-        finally:
-            os.kill(victim.proc.pid, signal.SIGCONT)
+        overwritten, removed = _change_while_paused(c, truth, mine, victim, away_s=4.0)  # past its 3 s TTL in all
         with _direct(victim) as direct:
             first = truth.check(direct, mine)  # at once: fenced or caught up, never stale
             assert not first.stale and not first.resurrected
