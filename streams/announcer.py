@@ -1,88 +1,114 @@
-"""Pipelined announcements: a producer's kv messages, published in order from the NATS loop while the
-producing thread goes on to its next layer.
+"""Pipelined announcements: a producer's kv and end messages, published in order on its `Wire` while
+the producing thread goes on to its next layer.
 
-Waking the loop thread and waiting for it, then for JetStream's acknowledgement, costs about as much as
-putting a 1 MiB layer into the pool, so waiting per layer would halve a handoff's rate. The caller only
-queues each announcement (`send`); one writer task on the loop publishes them in queue order with a
-reply subject of our own, and JetStream's acknowledgements are matched as they arrive (nats-py's
-`publish_async` is not used: it leaves a refused publish waiting forever). `flush` waits until
-everything queued is stored. An announcement the stream refused (e.g. StreamFull) is raised by the
-caller's next `ready` or `flush`.
+Waiting for JetStream's acknowledgement of each layer's announcement would add a round trip through
+the server to every layer. The caller only sends each announcement (`send`) with a reply subject of
+our own; acknowledgements are taken as they arrive, whenever the caller comes back (`ready`, `flush`).
+`flush` waits until everything sent is stored. An announcement the stream refused (e.g. StreamFull)
+is raised by the caller's next `ready` or `flush`. Each carries a message id (`Nats-Msg-Id`), so that
+after a broken connection the unacknowledged ones are sent again and JetStream stores each once.
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import itertools
 import json
+import time
+import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import nats.js.errors
 from nats.js import api
 
 from kvpool.core import Key
 
-from ._link import Link, translate
+from ._link import translate
 from .errors import StreamNotFound, StreamRefused, StreamTimeout
+from .wire import Msg, Wire
 
+_EXPECTED_STREAM, _MSG_ID = api.Header.EXPECTED_STREAM.value, api.Header.MSG_ID.value
+"""Header names (the enum's values: an enum member in an f-string is its qualified name)."""
 WINDOW = 256
-"""Announcements a caller may queue before `ready` waits for them all to be stored."""
+"""Announcements a caller may have unacknowledged before `ready` waits for them all to be stored."""
 
 
 class Announcer:
-    """Publishes kv announcements on `stream` for one producer. `stored(seq, subject, keys)` runs on the
-    loop for each one JetStream stored; `refused(keys)` runs in the caller's thread for each it refused."""
+    """Publishes announcements on `stream` for one producer over `wire`. `stored(seq, subject, keys)`
+    runs for each one JetStream stored; `refused(keys)` for each it refused (both in the caller's
+    thread)."""
 
-    def __init__(self, link: Link, stream: str, stored: Callable[[int, str, Sequence[Key]], None],
+    def __init__(self, wire: Wire, stream: str, stored: Callable[[int, str, Sequence[Key]], None],
                  refused: Callable[[Sequence[Key]], None]) -> None:
-        self._link, self.stream, self._stored, self._on_refused = link, stream, stored, refused
-        self._queue: asyncio.Queue[tuple[str, bytes, dict[str, str], Sequence[Key]]] = asyncio.Queue()
-        self._unacked: dict[str, tuple[str, Sequence[Key], asyncio.Future[None]]] = {}  # on the loop only
+        self._wire, self.stream, self._stored, self._on_refused = wire, stream, stored, refused
+        self._inbox = f"_INBOX.{uuid.uuid4().hex}"
+        self._id = uuid.uuid4().hex  # message ids: this producer's, then a counter
+        self._sid = wire.subscribe(self._inbox + ".*")
+        self._tokens = itertools.count()
+        self._unacked: dict[str, tuple[str, bytes, dict[str, str], Sequence[Key]]] = {}
+        self._seqs: dict[str, int] = {}  # tokens whose sequence `send(..., want_seq=True)` asked to keep
         self._refused: collections.deque[tuple[BaseException, Sequence[Key]]] = collections.deque()
-        self._queued = 0  # since the last flush; touched by the caller only
-        self._inbox = link.nc.new_inbox()
-        link.call(link.nc.subscribe(self._inbox + ".*", cb=self._on_ack), f"subscribe to acks of {stream!r}")
-        link.io.spawn(self._write())
+        self._reconnects = wire.reconnects
 
     def ready(self) -> None:
-        """Call before putting the blocks of the next announcement: raises an earlier refusal, and waits
-        for the queued announcements to be stored once WINDOW of them are in flight."""
-        if self._queued >= WINDOW:
+        """Call before putting the blocks of the next announcement: takes the acknowledgements that
+        arrived, raises an earlier refusal, and waits for all to be stored once WINDOW are in flight."""
+        if len(self._unacked) >= WINDOW:
             self.flush()
+        else:
+            self._take(self._wire.pending(self._sid))
         self._raise_refused()
 
-    def send(self, subj: str, body: bytes, headers: dict[str, str], keys: Sequence[Key]) -> None:
-        """Queue an announcement naming blocks `keys`; returns without waiting for the loop."""
-        self._link.io.loop.call_soon_threadsafe(self._queue.put_nowait, (subj, body, headers, keys))
-        self._queued += 1
+    def send(self, subj: str, body: bytes, headers: dict[str, str], keys: Sequence[Key]) -> str:
+        """Publish an announcement naming blocks `keys`; returns its token without waiting for the ack."""
+        token = str(next(self._tokens))
+        headers = {**headers, _EXPECTED_STREAM: self.stream, _MSG_ID: f"{self._id}.{token}"}
+        self._unacked[token] = (subj, body, headers, keys)
+        self._resend_if_reconnected()
+        self._wire.publish(subj, body, headers, reply=f"{self._inbox}.{token}")
+        return token
+
+    def publish(self, subj: str, body: bytes, headers: dict[str, str]) -> int:
+        """Publish a message after every announcement before it is stored; its stream sequence."""
+        self.flush()
+        token = self.send(subj, body, headers, ())
+        self._seqs[token] = 0
+        self.flush()
+        return self._seqs.pop(token)
 
     def flush(self) -> None:
-        """Wait until JetStream stored (or refused) every queued announcement; raise the first refusal.
-        With nothing queued since the last flush, nothing is waited for (no trip to the loop)."""
-        if self._queued:
-            self._link.call(self._drained(), f"acknowledgements of stream {self.stream!r}")
-            self._queued = 0
+        """Wait until JetStream stored (or refused) every announcement sent; raise the first refusal.
+        One still unanswered after the wire's timeout counts as refused (StreamTimeout)."""
+        deadline = time.monotonic() + self._wire.timeout_s
+        while self._unacked and time.monotonic() < deadline:
+            self._resend_if_reconnected()
+            msg = self._wire.next(self._sid, deadline - time.monotonic())
+            if msg is not None:
+                self._take([msg])
+        for token in list(self._unacked):
+            why = f"publish to stream {self.stream!r}: not acknowledged within {self._wire.timeout_s} s"
+            if self._wire.errors:
+                why += f" (the server said: {self._wire.errors[-1]})"
+                self._settle(token, StreamRefused(why))
+            else:
+                self._settle(token, StreamTimeout(why))
         self._raise_refused()
 
-    async def _write(self) -> None:
-        loop = asyncio.get_running_loop()
-        for n in itertools.count():
-            subj, body, headers, keys = await self._queue.get()
-            headers = {**headers, api.Header.EXPECTED_STREAM: self.stream}
-            token = str(n)
-            self._unacked[token] = (subj, keys, loop.create_future())
-            try:
-                await self._link.nc.publish(subj, body, reply=f"{self._inbox}.{token}", headers=headers)
-            except Exception as e:  # reported to the caller, like a refusal
-                self._settle(token, translate(e, f"publish to stream {self.stream!r}"))
-            self._queue.task_done()
+    def _resend_if_reconnected(self) -> None:
+        """After a reconnect, the unacknowledged announcements again (JetStream drops the duplicates)."""
+        if self._wire.reconnects != self._reconnects:
+            self._reconnects = self._wire.reconnects
+            for token, (subj, body, headers, _) in list(self._unacked.items()):
+                self._wire.publish(subj, body, headers, reply=f"{self._inbox}.{token}")
 
-    async def _on_ack(self, msg: Any) -> None:
+    def _take(self, acks: list[Msg]) -> None:
+        for msg in acks:
+            self._on_ack(msg)
+
+    def _on_ack(self, msg: Msg) -> None:
         """JetStream's answer to one announcement: its sequence, or why it was refused."""
         token = msg.subject.rsplit(".", 1)[1]
         what = f"publish to stream {self.stream!r}"
-        if (msg.headers or {}).get(api.Header.STATUS) == "503":
+        if msg.headers.get("Status") == "503":
             self._settle(token, StreamNotFound(f"{what}: no stream takes this subject"))
             return
         try:
@@ -99,34 +125,24 @@ class Announcer:
         entry = self._unacked.pop(token, None)
         if entry is None:
             return
-        subj, keys, done = entry
+        subj, _, _, keys = entry
         if isinstance(outcome, BaseException):
             self._refused.append((outcome, keys))
-        else:
+            return
+        if token in self._seqs:
+            self._seqs[token] = outcome
+        elif keys:
             self._stored(outcome, subj, keys)
-        done.set_result(None)
-
-    async def _drained(self) -> None:
-        """Until everything queued is written and answered; an announcement still unanswered after
-        the producer's timeout counts as refused (StreamTimeout), so one lost ack is reported once."""
-        timeout = self._link.timeout_s
-        try:
-            await asyncio.wait_for(self._queue.join(), timeout)
-        except asyncio.TimeoutError:
-            raise StreamTimeout(f"publish to stream {self.stream!r}: announcements not sent "
-                                f"within {timeout} s") from None
-        waiting = {token: done for token, (_, _, done) in self._unacked.items()}
-        if waiting:
-            await asyncio.wait(waiting.values(), timeout=timeout)
-        for token, done in waiting.items():
-            if not done.done():
-                self._settle(token, StreamTimeout(f"publish to stream {self.stream!r}: not acknowledged "
-                                                  f"within {timeout} s"))
 
     def _raise_refused(self) -> None:
         if not self._refused:
             return
         refused = [self._refused.popleft() for _ in range(len(self._refused))]
         for _, keys in refused:
-            self._on_refused(keys)
+            if keys:
+                self._on_refused(keys)
         raise refused[0][0]
+
+    def close(self) -> None:
+        """Close the wire (the announcer's own)."""
+        self._wire.close()

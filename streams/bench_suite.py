@@ -48,6 +48,7 @@ from ._link import Link
 from .admin import subject
 from .live import Feed
 from .payload import put_blocks
+from .wire import Wire
 
 _LAYERS, _BLOCK, _INLINE_CHUNK, _TINY = 32, 1 << 20, 512 << 10, 64
 _REMOTE = "kvpool-bench-remote-node"
@@ -200,7 +201,8 @@ def _latencies(url: str, pool: PoolClient, prefill: _Prefill, layers: np.ndarray
     receiver subscribes meanwhile); a notification's receiver subscribed before it asked."""
     out = np.zeros(_BLOCK, dtype=np.uint8)
     samples: dict[str, list[float]] = {"first_layer": [], "tiny_layer": [], "notify": []}
-    with HandoffReceiver("first", url, pool) as rx, contextlib.closing(Link(url)) as link:
+    with HandoffReceiver("first", url, pool) as rx, contextlib.closing(Link(url)) as link, \
+            contextlib.closing(Wire(url)) as wire:
         for r in range(n + 5):
             for what, want in (("first", layers[0]), ("tiny", layers[0, :_TINY])):
                 rid = f"{what}{r}"
@@ -216,7 +218,7 @@ def _latencies(url: str, pool: PoolClient, prefill: _Prefill, layers: np.ndarray
                 out.fill(0)
                 pool.batch_remove([f"bench/first/{rid}/L0"])
             rid = f"note{r}"
-            feed = Feed(link, "first", subject("first", "req", rid))
+            feed = Feed(link, wire, "first", subject("first", "req", rid))
             try:
                 prefill.start(f"note first {rid}")
                 burst = feed.live(30)

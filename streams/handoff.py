@@ -35,6 +35,7 @@ from .errors import ForgedMessage, HandoffError, HandoffTimeout, MalformedMessag
 from .live import Feed, Raw
 from .payload import fetch_many
 from .sealing import ChainCheck, verify
+from .wire import Wire
 
 log = logging.getLogger("kvpool.streams")
 
@@ -121,6 +122,11 @@ class HandoffReceiver:
         self._checks = Checks(self.stream, pool, limits, 0, secret)
         self.counts = {"rejected": 0, "recovered": 0, "in_place": 0, "from_pool": 0}
         self._link = Link(nats_url, timeout_s)
+        try:
+            self._wire = Wire(nats_url, timeout_s)  # the live messages, read in the caller's thread
+        except BaseException:
+            self._link.close()
+            raise
 
     def iter_layers(self, request_id: str, timeout: float = 10.0,
                     into: Into | None = None) -> Iterator[tuple[int, list[Key], list[memoryview]]]:
@@ -134,7 +140,7 @@ class HandoffReceiver:
         one reader: once the end arrives, the request's messages are purged from the stream, which also
         ends the producer's pins on their blocks."""
         filt = subject(self.stream, "req", check_token(request_id, "request id"))
-        feed = Feed(self._link, self.stream, filt)
+        feed = Feed(self._link, self._wire, self.stream, filt)
         rejected = [0]
         req = _Request(request_id, lambda raw, err: self._reject(request_id, raw, err, rejected))
         seen: set[int] = set()
@@ -241,7 +247,10 @@ class HandoffReceiver:
             "(live)" if raw.seq is None else raw.seq, rejected[0], err)
 
     def close(self) -> None:
-        self._link.close()
+        try:
+            self._wire.close()
+        finally:
+            self._link.close()
 
     def __enter__(self) -> HandoffReceiver:
         return self

@@ -2,9 +2,9 @@
 
 A producer publishes each message once, on its stream's subject. The NATS server routes it to the
 stream, which stores it, and in the same step to every plain (core NATS) subscriber of that subject.
-`Feed` takes that live copy: no JetStream consumer sits on the hot path (no store-then-deliver step, no
-pull round trip, no consumer state on the server). Core NATS delivery is at most once (a subscriber too
-slow for its pending limits, or a reconnect, loses messages), so the stream is the record: `stored()`
+`Feed` takes that live copy on a `Wire` (read in the caller's thread): no JetStream consumer sits on the
+hot path (no store-then-deliver step, no pull round trip, no consumer state on the server). Core NATS
+delivery is at most once (a reconnect loses what was in flight), so the stream is the record: `stored()`
 reads what the stream holds on the subject, from where the last read stopped, and the receiver calls it
 at start (messages published before it subscribed), on a gap in the request's chain, when nothing has
 arrived for a while, and before giving up. A message may so arrive twice; the receiver counts it once.
@@ -12,13 +12,13 @@ arrived for a while, and before giving up. A message may so arrive twice; the re
 from __future__ import annotations
 
 import dataclasses
-import queue
+import time
 from typing import Any
 
-import nats.errors
 import nats.js.errors
 
 from ._link import Link
+from .wire import Msg, Wire
 
 _RECOVER_BATCH = 4096
 """Stored messages one `stored()` reads at most (the rest on the next call)."""
@@ -47,42 +47,36 @@ class Raw:
 
 
 class Feed:
-    """The live subscription to `subj` (one subject of `stream`) and the stream's record of it."""
+    """The live subscription to `subj` (one subject of `stream`) on `wire`, and the stream's record of
+    it through `link`."""
 
-    def __init__(self, link: Link, stream: str, subj: str) -> None:
-        self._link, self.stream, self.subject = link, stream, subj
-        self._queue: queue.SimpleQueue[Raw] = queue.SimpleQueue()
+    def __init__(self, link: Link, wire: Wire, stream: str, subj: str) -> None:
+        self._link, self._wire, self.stream, self.subject = link, wire, stream, subj
         self._next_seq = 1
-        self._reconnects = self._reconnects_now()
-        self._sub = link.call(self._subscribe(), f"subscribe to {subj!r}")
-
-    async def _subscribe(self) -> Any:
-        sub = await self._link.nc.subscribe(self.subject, cb=self._on_live)
-        await self._link.nc.flush()  # the server has the subscription: every later publish reaches it live
-        return sub
-
-    async def _on_live(self, msg: Any) -> None:
-        self._queue.put(Raw(msg.subject, dict(msg.headers or {}), bytes(msg.data)))
+        self._reconnects = wire.reconnects
+        self._arrived: list[Raw] = []
+        self._sid = wire.subscribe(subj)  # in place at the server: every later publish reaches it live
 
     def live(self, timeout: float) -> list[Raw]:
-        """The next live message and every one already queued behind it; [] if none within `timeout` s."""
-        try:
-            out = [self._queue.get(timeout=max(timeout, 0.0))]
-        except queue.Empty:
-            return []
-        while True:
-            try:
-                out.append(self._queue.get_nowait())
-            except queue.Empty:
-                return out
+        """The next live message and every one already arrived behind it; [] if none within `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while not self._arrived:
+            first = self._wire.next(self._sid, deadline - time.monotonic())
+            if first is None:
+                return []
+            for msg in (first, *self._wire.pending(self._sid)):
+                self._on_live(msg)
+        out, self._arrived = self._arrived, []
+        return out
 
-    def _reconnects_now(self) -> int:
-        return int(self._link.nc.stats.get("reconnects", 0))
+    def _on_live(self, msg: Msg) -> None:
+        """Each message as it comes off the wire."""
+        self._arrived.append(Raw(msg.subject, msg.headers, msg.data))
 
     def reconnected(self) -> bool:
         """Whether the connection was re-established since the last call (or since subscribing): what
         was published while it was down never came live."""
-        now = self._reconnects_now()
+        now = self._wire.reconnects
         changed, self._reconnects = now != self._reconnects, now
         return changed
 
@@ -110,7 +104,4 @@ class Feed:
         return self._link.call(last(), f"read the last message on {self.subject!r}")
 
     def close(self) -> None:
-        try:
-            self._link.call(self._sub.unsubscribe(), "unsubscribe")
-        except (ConnectionError, TimeoutError, nats.errors.Error):
-            pass  # the server is gone, or the connection: the subscription went with it
+        self._wire.unsubscribe(self._sid)

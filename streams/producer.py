@@ -26,6 +26,7 @@ from .errors import StreamUnavailable
 from .payload import put_blocks, put_payload
 from .pins import PinKeeper
 from .sealing import Sealer, secret_from, sign
+from .wire import Wire
 
 INLINE_MAX = 256 << 10
 """Default largest payload sent inline, in bytes."""
@@ -73,7 +74,7 @@ class Producer:
         self.max_pinned_bytes = max_pinned_bytes
         self._link = Link(nats_url, timeout_s)
         self._pins: PinKeeper | None = None
-        self._announcer: Announcer | None = None
+        self._announcer: Announcer | None = None  # on a Wire of its own, made at the first handoff message
 
     def publish(self, data: Any, *, topic: str = "msg", headers: dict[str, str] | None = None) -> int:
         """Publish a dict/list (as JSON) or a bytes-like/numpy/torch payload; returns its stream sequence.
@@ -103,14 +104,23 @@ class Producer:
         layer = int(layer)
         subj = subject(self.stream, "req", check_token(request_id, "request id"))
         pool = self._need_pool("publish_kv")
-        if self._announcer is None:
-            self._announcer = Announcer(self._link, self.stream, self._stored, self._unpin)
-        self._announcer.ready()
+        announcer = self._announcing()
+        announcer.ready()
         ref = put_blocks(pool, block_keys, tensors, request=request_id, layer=layer, pin_s=self.pin_ttl_s)
         chain = self._chain(request_id)
         body = dataclasses.replace(ref, seal=chain.next()).encode()
         chain.layers += 1
-        self._announcer.send(subj, body, self._signed(subj, {env.KIND: env.KV}, body), ref.keys)
+        announcer.send(subj, body, self._signed(subj, {env.KIND: env.KV}, body), ref.keys)
+
+    def _announcing(self) -> Announcer:
+        if self._announcer is None:
+            wire = Wire(self._link.url, self._link.timeout_s)
+            try:
+                self._announcer = Announcer(wire, self.stream, self._stored, self._unpin)
+            except BaseException:
+                wire.close()
+                raise
+        return self._announcer
 
     def _chain(self, request_id: str) -> Sealer:
         chain = self._chains.get(request_id)
@@ -143,11 +153,10 @@ class Producer:
         if layers is not None and layers != chain.layers:
             raise InvalidArgument(f"end_request({request_id!r}, layers={layers}): this producer published "
                                   f"{chain.layers} layer(s) of it", size=layers, limit=chain.layers)
-        if self._announcer is not None:
-            self._announcer.flush()
         body = env.End(request_id, chain.layers, chain.next(last=True)).encode()
         self._chains.pop(request_id, None)
-        return self._send(subj, body, {env.KIND: env.END, env.TYPE: "json"})
+        headers = {env.KIND: env.END, env.TYPE: "json"}
+        return self._announcing().publish(subj, body, self._signed(subj, headers, body))
 
     def _stored(self, seq: int, subj: str, keys: Sequence[Key]) -> None:
         """JetStream stored kv announcement `seq`: its blocks stay pinned until it is consumed."""
@@ -202,7 +211,10 @@ class Producer:
         client is the caller's to close)."""
         try:
             if self._announcer is not None:
-                self._announcer.flush()
+                try:
+                    self._announcer.flush()
+                finally:
+                    self._announcer.close()
         finally:
             if self._pins is not None:
                 self._pins.close()

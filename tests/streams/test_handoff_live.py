@@ -53,9 +53,9 @@ def _live_filter(monkeypatch: pytest.MonkeyPatch, keep: Callable[[Any], bool]) -
     lost: list[Any] = []
     real = live.Feed._on_live
 
-    async def on_live(self: live.Feed, msg: Any) -> None:
+    def on_live(self: live.Feed, msg: Any) -> None:
         if keep(msg):
-            await real(self, msg)
+            real(self, msg)
         else:
             lost.append(msg)
     monkeypatch.setattr(live.Feed, "_on_live", on_live)
@@ -120,13 +120,13 @@ def test_live_messages_out_of_order_are_yielded_in_the_producers_order(nats, mak
     s, held = make_stream(), []
     real = live.Feed._on_live
 
-    async def reorder(self: live.Feed, msg: Any) -> None:
+    def reorder(self: live.Feed, msg: Any) -> None:
         if _layer_of(msg) == 1:  # layer 1 held back until layer 3 went through
             held.append(msg)
             return
-        await real(self, msg)
+        real(self, msg)
         if _layer_of(msg) == 3:
-            await real(self, held.pop())
+            real(self, held.pop())
     monkeypatch.setattr(live.Feed, "_on_live", reorder)
     with HandoffReceiver(s, nats.url, pool) as rx:
         producer = _handoff(nats.url, s, pool, "shuffled")
@@ -223,12 +223,12 @@ def test_copies_of_one_message_waiting_ahead_of_their_place_count_once(nats, mak
     s = make_stream()
     real = live.Feed._on_live
 
-    async def twice(self: live.Feed, msg: Any) -> None:
+    def twice(self: live.Feed, msg: Any) -> None:
         if _layer_of(msg) == 1:
             return
-        await real(self, msg)
+        real(self, msg)
         if _layer_of(msg) == 2:
-            await real(self, msg)
+            real(self, msg)
     monkeypatch.setattr(live.Feed, "_on_live", twice)
     with HandoffReceiver(s, nats.url, pool) as rx:
         producer = _handoff(nats.url, s, pool, "twice")
