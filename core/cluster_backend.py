@@ -143,6 +143,16 @@ class ClusterBackend:
         ids = list(live)
         return [rank(k, ids)[:self.replication] for k in keys]
 
+    def sole_owner(self, keys: Sequence[bytes]) -> WorkerInfo | None:
+        """The live member that placement gives every key of `keys` to, as their only copy; None when
+        the keys spread over several workers or have more than one copy."""
+        live = self._live()
+        owners = self._owners(keys, live)
+        first = owners[0] if owners else []
+        if len(first) != 1 or any(o != first for o in owners):
+            return None
+        return live[first[0]]
+
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout_s
 

@@ -177,6 +177,15 @@ class ShmTransport(Connection):
             self._pages_rw = ArenaPages(self._arena_rw, writable=True)
         return self._arena_rw
 
+    @contextmanager
+    def held(self) -> Iterator[tuple[socket.socket, memoryview, ArenaPages]]:
+        """The connection, the arena mapped read-write and its pages, held for a run of requests of
+        the caller's own (`kvpool.core.shm_stage.Stager`); failures as any exchange's."""
+        arena = self.writable_arena
+        with self._session() as sock:
+            assert self._pages_rw is not None  # made with the mapping
+            yield sock, arena, self._pages_rw
+
     def _attach(self, writable: bool) -> memoryview:
         with self._session():  # connecting fills self.info; a failure to map is the worker's, typed
             return DramArena.attach(self.info.arena, self.info.arena_size, writable)

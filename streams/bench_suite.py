@@ -9,8 +9,9 @@ request, every one comparing the bytes it received with the source after its clo
   each block from its own mapping of it, where the announcement says the producer committed it);
 - `handoff_tcp`: both sides reach the worker over TCP, as a prefill and a decode instance on other
   nodes than the worker would;
-- `pool_puts`: the prefill process only putting the layers in the pool, as `publish_kv` does, one
-  after the other (`handoff_vs_pool_puts`: how close the handoff comes to the pool's own put rate);
+- `pool_puts`: the prefill process only putting the layers in the pool, as `publish_kv` does (staged:
+  `kvpool.core.shm_stage`), one after the other, until the worker committed the last
+  (`handoff_vs_pool_puts`: how close the handoff comes to the pool's own put rate);
 - `memcpy`: numpy copying the same 32 MiB once (`handoff_vs_memcpy`; the producer's copy into the pool
   and the decode side's copy out make 0.5 its limit where nothing overlaps);
 - `raw_socket` (the same bytes put to a raw socket server and got back) and `raw_socket_oneway` (only
@@ -42,6 +43,7 @@ import numpy as np
 
 from kvpool.core import BenchError, PoolClient
 from kvpool.core.bench import BenchPool, best_in_turns, emit, filled, gbps, raw_socket, wait_members
+from kvpool.core.shm_stage import Stagers
 
 from . import Consumer, HandoffReceiver, Producer, StreamConfig, bench_yuanrong, create_stream
 from ._link import Link
@@ -124,7 +126,8 @@ def _prefill_main(url: str) -> None:
     layers = filled(_LAYERS * _BLOCK, 7).reshape(_LAYERS, _BLOCK)
     producers: dict[str, Producer] = {}
     with PoolClient(mode="cluster", nats_url=url) as pool, \
-            PoolClient(mode="cluster", nats_url=url, node_id=_REMOTE) as tcp_pool:
+            PoolClient(mode="cluster", nats_url=url, node_id=_REMOTE) as tcp_pool, \
+            contextlib.closing(Stagers(pool)) as stagers:
         wait_members(pool, 1)
         wait_members(tcp_pool, 1)
         print("ready", flush=True)
@@ -141,7 +144,9 @@ def _prefill_main(url: str) -> None:
                     p.end_request(rest[0], _LAYERS)
                 elif what == "puts":
                     for i in range(_LAYERS):
-                        put_blocks(pool, [f"bench/puts/{rest[0]}/L{i}"], [layers[i]], pin_s=p.pin_ttl_s)
+                        put_blocks(pool, [f"bench/puts/{rest[0]}/L{i}"], [layers[i]], pin_s=p.pin_ttl_s,
+                                   stagers=stagers)
+                    stagers.settle()
                 elif what == "note":  # the decode side subscribed before it asked
                     times.append(_now())
                     p.end_request(rest[0], 0)

@@ -10,25 +10,37 @@ checksum disagrees) it gets from the pool.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.core import BufferSizeError, Key, PoolClient, checksum, put_placed, read_placed, readable
+from kvpool.core import BufferSizeError, Key, Place, PoolClient, checksum, put_placed, read_placed, readable
+from kvpool.core.keys import keys_bytes
+from kvpool.core.shm_stage import Stagers
 
 from .envelope import Ref
 from .errors import CorruptPayload, PayloadError
 
 CHUNK_BYTES = 4 << 20
 """Largest block a by-reference payload is split into, in bytes."""
+COMMITTING_S = 0.5
+"""How long a reader asks again for a block its message names that the pool does not hold (yet)."""
 
 
 def put_blocks(pool: PoolClient, keys: Sequence[Key], buffers: Sequence[Any], *, request: str = "",
-               layer: int = -1, pin_s: float = 0.0) -> Ref:
-    """Store each buffer under its key (pinned for `pin_s` seconds if > 0); the reference to publish."""
+               layer: int = -1, pin_s: float = 0.0, stagers: Stagers | None = None) -> Ref:
+    """Store each buffer under its key (pinned for `pin_s` seconds if > 0); the reference to publish.
+    With `stagers`, a put to a worker on this node returns without waiting for it (`Stager`)."""
     views = [readable(b) for b in buffers]
-    places = put_placed(pool, list(keys), views, pin_s=pin_s)
-    return Ref(list(keys), [len(v) for v in views], [checksum(v) for v in views], request, layer,
-               places=places)
+    sizes = [len(v) for v in views]
+    names = keys_bytes(keys) if stagers is not None else []
+    stager = stagers.for_keys(names, sizes) if stagers is not None else None
+    places: list[Place | None]
+    if stager is not None:
+        places = list(stager.put(names, views, pin_s))
+    else:
+        places = put_placed(pool, list(keys), views, pin_s=pin_s)
+    return Ref(list(keys), sizes, [checksum(v) for v in views], request, layer, places=places)
 
 
 def put_payload(pool: PoolClient, key_prefix: str, data: Any, *, pin_s: float = 0.0) -> Ref:
@@ -85,12 +97,18 @@ def fetch_many(pool: PoolClient, refs: Sequence[Ref], intos: Sequence[Any], what
 
 def _get_verified(pool: PoolClient, keys: list[Key], sizes: list[int], sums: list[int], views: list[memoryview],
                   labels: list[str]) -> None:
-    """Get each block from the pool into its view, checking its size and checksum."""
-    try:
-        got = pool.batch_get_into(keys, views)
-    except BufferSizeError as e:
-        raise PayloadError(f"{labels[0]}: a block's size disagrees with its message: {e}", key=e.key, size=e.size,
-                           limit=e.limit) from e
+    """Get each block from the pool into its view, checking its size and checksum. A block the pool
+    does not hold is asked for again for up to COMMITTING_S: its producer's put may not be committed
+    yet (a producer's puts do not wait for the worker: `kvpool.core.shm_stage`)."""
+    got = _get(pool, keys, views, labels)
+    missing = [i for i, n in enumerate(got) if n < 0]
+    deadline, pause = time.monotonic() + COMMITTING_S, 0.001
+    while missing and time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+        for i, n in zip(missing, _get(pool, [keys[i] for i in missing], [views[i] for i in missing], labels)):
+            got[i] = n
+        missing = [i for i in missing if got[i] < 0]
     for key, size, want, n, view, what in zip(keys, sizes, sums, got, views, labels):
         if n < 0:
             raise PayloadError(f"{what}: block {key!r} ({size} bytes) is missing from the pool", key=key, size=size)
@@ -99,3 +117,11 @@ def _get_verified(pool: PoolClient, keys: list[Key], sizes: list[int], sums: lis
                                limit=size)
         if checksum(view) != want:
             raise CorruptPayload(f"{what}: block {key!r} fails its checksum", key=key, size=size)
+
+
+def _get(pool: PoolClient, keys: list[Key], views: list[memoryview], labels: list[str]) -> list[int]:
+    try:
+        return pool.batch_get_into(keys, views)
+    except BufferSizeError as e:
+        raise PayloadError(f"{labels[0]}: a block's size disagrees with its message: {e}", key=e.key, size=e.size,
+                           limit=e.limit) from e

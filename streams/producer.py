@@ -8,6 +8,7 @@ The prefill side of a KV handoff uses `publish_kv` per layer and `end_request` w
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import numbers
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool.core import ConfigError, InvalidArgument, Key, KVPoolError, PoolClient, readable
+from kvpool.core.shm_stage import Stagers
 
 from . import envelope as env
 from ._link import Link
@@ -75,6 +77,7 @@ class Producer:
         self._link = Link(nats_url, timeout_s)
         self._pins: PinKeeper | None = None
         self._announcer: Announcer | None = None  # on a Wire of its own, made at the first handoff message
+        self._stagers: Stagers | None = None  # publish_kv's puts to workers on this node
 
     def publish(self, data: Any, *, topic: str = "msg", headers: dict[str, str] | None = None) -> int:
         """Publish a dict/list (as JSON) or a bytes-like/numpy/torch payload; returns its stream sequence.
@@ -106,7 +109,10 @@ class Producer:
         pool = self._need_pool("publish_kv")
         announcer = self._announcing()
         announcer.ready()
-        ref = put_blocks(pool, block_keys, tensors, request=request_id, layer=layer, pin_s=self.pin_ttl_s)
+        if self._stagers is None:
+            self._stagers = Stagers(pool)
+        ref = put_blocks(pool, block_keys, tensors, request=request_id, layer=layer, pin_s=self.pin_ttl_s,
+                         stagers=self._stagers)
         chain = self._chain(request_id)
         body = dataclasses.replace(ref, seal=chain.next()).encode()
         chain.layers += 1
@@ -137,8 +143,10 @@ class Producer:
         return headers
 
     def flush(self) -> None:
-        """Wait until JetStream has stored every kv announcement sent so far (publish_kv does not wait);
-        raises the error of any it refused."""
+        """Wait until the pool committed every layer put so far and JetStream stored every kv announcement
+        sent (publish_kv waits for neither); raises the error of any refused."""
+        if self._stagers is not None:
+            self._stagers.settle()
         if self._announcer is not None:
             self._announcer.flush()
 
@@ -150,6 +158,8 @@ class Producer:
         checks it against what arrived); `layers`, if given, must agree with it."""
         subj = subject(self.stream, "req", check_token(request_id, "request id"))
         chain = self._chains.get(request_id) or Sealer()
+        if self._stagers is not None:
+            self._stagers.settle()  # a layer's put the worker refused fails the request here, not its end
         if layers is not None and layers != chain.layers:
             raise InvalidArgument(f"end_request({request_id!r}, layers={layers}): this producer published "
                                   f"{chain.layers} layer(s) of it", size=layers, limit=chain.layers)
@@ -209,16 +219,16 @@ class Producer:
         """Wait until JetStream stored every kv announcement (raising any refusal), release the pins of
         messages already done (the others expire within `pin_ttl_s`) and disconnect from NATS (the pool
         client is the caller's to close)."""
-        try:
-            if self._announcer is not None:
-                try:
-                    self._announcer.flush()
-                finally:
-                    self._announcer.close()
-        finally:
+        with contextlib.ExitStack() as stack:
+            stack.callback(self._link.close)
             if self._pins is not None:
-                self._pins.close()
-            self._link.close()
+                stack.callback(self._pins.close)
+            if self._announcer is not None:
+                stack.callback(self._announcer.close)
+                stack.callback(self._announcer.flush)
+            if self._stagers is not None:
+                stack.callback(self._stagers.close)
+                self._stagers.settle()
 
     def __enter__(self) -> Producer:
         return self

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvpool.core import Place, PoolClient, put_placed
-from kvpool.streams import HandoffReceiver, MalformedMessage, Producer, payload
+from kvpool.streams import HandoffReceiver, MalformedMessage, Producer, producer
 from kvpool.streams.envelope import Ref
 
 LAYERS, BLOCKS, BLOCK = 4, 2, 128 << 10
@@ -80,12 +80,12 @@ def test_a_slot_reused_since_the_announcement_falls_back_to_the_pool(nats, make_
     producer_pool, decode_pool = pools(), pools()
     layer0 = _keys("r2", 0)
     announced: list[Place | None] = []
-    real = payload.put_placed
+    real = producer.put_blocks
 
-    def record(pool: PoolClient, keys: list[str], *a: Any, **kw: Any) -> list[Place | None]:
-        places = real(pool, keys, *a, **kw)
-        announced.extend(places if keys == layer0 else [])
-        return places
+    def record(pool: PoolClient, keys: list[str], *a: Any, **kw: Any) -> Ref:
+        ref = real(pool, keys, *a, **kw)
+        announced.extend(ref.places or [] if list(keys) == layer0 else [])
+        return ref
 
     def reuse() -> None:  # the blocks of layer 0 leave their slots, others take them, then they come back
         producer_pool.batch_remove(layer0)
@@ -93,7 +93,7 @@ def test_a_slot_reused_since_the_announcement_falls_back_to_the_pool(nats, make_
         assert {p.offset for p in others if p is not None} == {p.offset for p in announced if p is not None}
         producer_pool.batch_put(layer0, _blocks("r2", 0))
 
-    monkeypatch.setattr(payload, "put_placed", record)
+    monkeypatch.setattr(producer, "put_blocks", record)
     _hand_off(nats.url, s, producer_pool, "r2", before_read=reuse)
     before = _served(decode_pool)
     counts = _receive(nats.url, s, decode_pool, "r2")
@@ -106,14 +106,16 @@ def test_an_offset_outside_the_arena_is_never_read(nats, make_stream, pools, mon
     within the receiver's own mapping, and a checksum decides."""
     s = make_stream()
     producer_pool, decode_pool = pools(), pools()
-    real = payload.put_placed
+    real = producer.put_blocks
     forged = [1 << 62, (64 << 20) - 1000, 12345]
 
-    def put_placed(*a: Any, **kw: Any) -> list[Place | None]:
-        return [None if p is None else dataclasses.replace(p, offset=forged[(p.offset // BLOCK) % len(forged)])
-                for p in real(*a, **kw)]
+    def put_blocks(*a: Any, **kw: Any) -> Ref:
+        ref = real(*a, **kw)
+        return dataclasses.replace(ref, places=[
+            None if p is None else dataclasses.replace(p, offset=forged[(p.offset // BLOCK) % len(forged)])
+            for p in ref.places or []])
 
-    monkeypatch.setattr(payload, "put_placed", put_placed)
+    monkeypatch.setattr(producer, "put_blocks", put_blocks)
     _hand_off(nats.url, s, producer_pool, "r3")
     before = _served(decode_pool)
     counts = _receive(nats.url, s, decode_pool, "r3")

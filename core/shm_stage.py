@@ -1,0 +1,215 @@
+"""Puts that do not wait for the worker: one producer's run of same-node puts (a handoff's layers).
+
+A same-node put (`shm_put`) waits for the worker twice: for its slots (ALLOC) and for the COMMIT of
+what it copied there. A producer that puts layer after layer of the same shape need wait for neither:
+`Stager` asks for the next put's slots as soon as a put is sent (the sizes of that put), copies the
+next put's blocks straight into them, sends their COMMIT and returns; it reads the worker's answers when
+it comes back. What that costs its caller:
+- a put returns before the worker has committed it: a reader on another node that asks the worker for
+  a block the moment it hears of it may find it not there yet (`kvpool.streams` retries such a miss
+  briefly); a reader on this node copies it from its place, checked against its checksum;
+- a refused commit (a block whose bytes disagree with its checksum: only a bug or bad memory does
+  that) raises from the next `put` or `settle`; so does a connection lost with commits unanswered
+  (PoolUnavailable: whether those were stored is not known).
+A Stager holds a connection of its own to the worker; the slots it keeps for a next put (one put's
+worth) go back when it closes, or when the worker sees the connection close.
+"""
+from __future__ import annotations
+
+import socket
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+from . import protocol as P
+from .auth import unix_socket_usable
+from .blocks import checksum
+from .client import PoolClient
+from .cluster_backend import ClusterBackend
+from .connection import raise_item, send_pin
+from .errors import KVPoolError, PoolUnavailable, ProtocolError
+from .shm_refs import Place
+from .transport import ShmTransport
+from .versions import CLOCK
+
+__all__ = ["Stager", "Stagers"]
+
+
+class Stager:
+    """Same-node puts through `transport` (a connection of the stager's own to the worker whose arena is
+    `arena`) that return without waiting for the worker (see the module's doc). Not thread-safe: one
+    producer's."""
+
+    def __init__(self, transport: ShmTransport, arena: str) -> None:
+        self.transport, self.arena = transport, arena  # (the arena of the worker it was made for)
+        self._owed: deque[tuple[int, list[bytes], np.ndarray]] = deque()
+        """(op, keys, sizes) of each request sent and not yet answered, in order."""
+        self._spare: tuple[tuple[int, ...], np.ndarray] | None = None
+        """(sizes, offsets) of slots reserved for a next put of those sizes."""
+        self._failed: BaseException | None = None
+
+    def fits(self, sizes: Sequence[int]) -> bool:
+        """Whether a put of blocks of `sizes` can go this way: one frame, and with the spare slots
+        within what the worker lets one connection hold reserved."""
+        info = self.transport.hello()
+        budget = (info.max_reserve or P.MAX_DATA) // 2
+        return bool(sizes) and len(P.frames(len(sizes), sizes, budget)) == 1 and sum(sizes) <= budget \
+            and max(sizes) <= info.max_block
+
+    def put(self, keys: list[bytes], views: Sequence[memoryview], pin_s: float = 0.0) -> list[Place]:
+        """Copy the blocks into the worker's arena and send their COMMIT (pinned `pin_s` seconds if > 0);
+        where each lies. Raises the failure of an earlier put first (see the module's doc)."""
+        sizes = np.array([v.nbytes for v in views], dtype="<i8")
+        versions = np.asarray(CLOCK.batch(len(keys)), dtype="<u8")
+        t = self.transport
+        try:
+            with t.held() as (sock, arena, pages):
+                self._answers(sock)
+                self._raise_failed()
+                offsets = self._slots(sock, keys, sizes)
+                pages.ready(offsets, sizes)
+                csums = np.empty(len(keys), dtype="<u8")
+                for i, (off, v) in enumerate(zip(offsets.tolist(), views)):
+                    slot = arena[off:off + v.nbytes]
+                    slot[:] = v
+                    csums[i] = checksum(slot)  # of what landed in the arena, while it is in cache
+                if pin_s > 0:
+                    send_pin(sock, keys, pin_s)
+                self._send(sock, P.Op.COMMIT, keys, sizes, P.pack_batch(keys, offsets, sizes, csums, versions))
+                self._send(sock, P.Op.ALLOC, keys, sizes, P.pack_batch(keys, sizes))  # the next put's slots
+        except PoolUnavailable:  # the connection is closed (PoolTimeout too)
+            self._forget()
+            raise
+        info = t.info
+        return [Place(info.worker_id, info.arena, off, size, version)
+                for off, size, version in zip(offsets.tolist(), sizes.tolist(), versions.tolist())]
+
+    def _send(self, sock: socket.socket, op: int, keys: list[bytes], sizes: np.ndarray, meta: bytes) -> None:
+        self._owed.append((op, keys, sizes))
+        P.send_frame(sock, op, meta)
+
+    def _slots(self, sock: socket.socket, keys: list[bytes], sizes: np.ndarray) -> np.ndarray:
+        """Offsets of slots for blocks of `sizes`: the spare ones if they are of those sizes, else
+        asked for now (the spare ones given back). CapacityError if the worker has no room."""
+        shape = tuple(sizes.tolist())
+        if self._spare is None or self._spare[0] != shape:
+            self._give_back(sock)
+            self._send(sock, P.Op.ALLOC, keys, sizes, P.pack_batch(keys, sizes))
+            self._answers(sock)
+        if self._spare is None:
+            raise_item(P.ITEM_FULL, keys[0], int(sizes.sum()), 0)
+        assert self._spare is not None
+        offsets, self._spare = self._spare[1], None
+        return offsets
+
+    def _answers(self, sock: socket.socket) -> None:
+        """Read the answer to every request sent (the worker answers in order)."""
+        while self._owed:
+            op, keys, sizes = self._owed[0]
+            meta = P.recv_reply(sock, op).meta
+            self._owed.popleft()
+            dtype = np.dtype("<i8" if op == P.Op.ALLOC else "<i1")
+            if len(meta) != len(keys) * dtype.itemsize:
+                raise ProtocolError(f"{P.Op(op).name} reply of {len(meta)} bytes for {len(keys)} blocks")
+            got = np.frombuffer(meta, dtype=dtype)
+            if op == P.Op.COMMIT:
+                bad = np.flatnonzero(got)
+                if bad.size and self._failed is None:
+                    i = int(bad[0])
+                    try:
+                        raise_item(int(got[i]), keys[i], int(sizes[i]), self.transport.info.max_block)
+                    except KVPoolError as e:  # kept for the caller's next put or settle
+                        self._failed = e
+            elif (got >= 0).all():
+                self._spare = (tuple(sizes.tolist()), got.copy())
+            elif (held := got[got >= 0]).size:  # no room for all: what was granted goes back
+                P.send_frame(sock, P.Op.ABORT, held.tobytes())
+
+    def _give_back(self, sock: socket.socket) -> None:
+        if self._spare is not None:
+            P.send_frame(sock, P.Op.ABORT, self._spare[1].tobytes())
+            self._spare = None
+
+    def _raise_failed(self) -> None:
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed
+
+    def _forget(self) -> None:
+        """The connection is closed: nothing is owed on it and its slots went back with it."""
+        self._owed.clear()
+        self._spare = None
+        self.transport.close()
+
+    def settle(self) -> None:
+        """Wait until the worker answered every put sent; raise the first failure."""
+        if self._owed:
+            try:
+                with self.transport.held() as (sock, _, _):
+                    self._answers(sock)
+            except PoolUnavailable:
+                self._forget()
+                raise
+        self._raise_failed()
+
+    def close(self) -> None:
+        """Give the spare slots back and close the connection (puts still unanswered are not waited for)."""
+        try:
+            if self._spare is not None and not self._owed:
+                with self.transport.held() as (sock, _, _):
+                    self._give_back(sock)
+        except PoolUnavailable:
+            pass  # gone already: the worker freed them with the connection
+        finally:
+            self._owed.clear()
+            self._spare = None
+            self.transport.close()
+
+
+class Stagers:
+    """A producer's stagers, one per same-node worker its puts went to: `for_keys` picks the one for a
+    put, or None where the put must go the ordinary way (another node, several owners or copies, an
+    embedded pool, blocks too large to keep spare slots for)."""
+
+    def __init__(self, pool: PoolClient) -> None:
+        self.pool = pool
+        self._stagers: dict[str, Stager] = {}  # by worker id
+
+    def for_keys(self, keys: Sequence[bytes], sizes: Sequence[int]) -> Stager | None:
+        backend = self.pool.backend
+        if isinstance(backend, ShmTransport):
+            info = backend.hello()
+            where = (backend.address, backend.token, backend.timeout_s)
+        elif isinstance(backend, ClusterBackend):
+            owner = backend.sole_owner(keys)
+            fanout = backend.fanout
+            if owner is None or owner.node_id != fanout.node_id or not unix_socket_usable(owner.unix):
+                return None
+            info = owner
+            where = (owner.unix, fanout.token, fanout.timeout_s)
+        else:
+            return None
+        stager = self._stagers.get(info.worker_id)
+        if stager is not None and stager.arena != info.arena:  # the worker restarted: its old self is gone
+            stager.close()
+            stager = None
+        if stager is None:
+            stager = self._stagers[info.worker_id] = Stager(ShmTransport(*where), info.arena)
+        return stager if stager.fits(sizes) else None
+
+    def settle(self) -> None:
+        """`Stager.settle` of each; raises the first failure after settling all."""
+        failure: BaseException | None = None
+        for stager in self._stagers.values():
+            try:
+                stager.settle()
+            except KVPoolError as e:
+                failure = failure or e
+        if failure is not None:
+            raise failure
+
+    def close(self) -> None:
+        for stager in self._stagers.values():
+            stager.close()
+        self._stagers.clear()

@@ -1,0 +1,127 @@
+"""Staged same-node puts (`kvpool.core.shm_stage`): they land where they say, the next put's slots are
+kept for a put of the same shape and given back otherwise and at close, a commit the worker refuses
+raises from the next put or settle (and the stager goes on), no room is a CapacityError with nothing
+held, and `Stagers` stages only what a same-node worker alone holds."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpool.core import PoolClient, shm_stage
+from kvpool.core.blocks import checksum
+from kvpool.core.config import CacheConfig, WorkerConfig
+from kvpool.core.errors import CapacityError, CorruptBlock
+from kvpool.core.server import Worker
+from kvpool.core.shm_stage import Stager, Stagers
+from kvpool.core.transport import ShmTransport
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def worker(tmp_path: Path) -> Iterator[Worker]:
+    w = Worker(WorkerConfig(port=0, unix_path=str(tmp_path / "w.sock")),
+               CacheConfig(dram_bytes=96 * MiB, dram_slab_size=4 * MiB, prefault=False)).start()  # type: ignore[arg-type]
+    yield w
+    w.stop()
+
+
+def _blocks(seed: int, *sizes: int) -> list[np.ndarray]:
+    return [np.random.default_rng([seed, i]).integers(0, 256, n, dtype=np.uint8) for i, n in enumerate(sizes)]
+
+
+def _stager(worker: Worker) -> Stager:
+    t = ShmTransport(worker.unix_path)
+    return Stager(t, t.hello().arena)
+
+
+def _reserved(worker: Worker) -> int:
+    return sum(sum(c.reserved.values()) for c in worker._conns)
+
+
+def _wait_for(done: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 5
+    while not done():
+        assert time.monotonic() < deadline, "not within 5 s"
+        time.sleep(0.01)
+
+
+def _stored(reader: ShmTransport, keys: list[bytes], blocks: list[np.ndarray]) -> bool:
+    out = [np.zeros_like(b) for b in blocks]
+    return reader.batch_get_into(keys, out) == [b.nbytes for b in blocks] and all(map(np.array_equal, out, blocks))
+
+
+def test_staged_puts_land_where_they_say_and_spare_slots_follow_the_shape(worker: Worker) -> None:
+    stager, reader = _stager(worker), ShmTransport(worker.unix_path)
+    try:
+        layers = [(f"L{i}/a".encode(), f"L{i}/b".encode()) for i in range(3)]
+        blocks = [_blocks(0, 256 << 10, 256 << 10), _blocks(1, 256 << 10, 256 << 10), _blocks(2, 1 * MiB, 4096)]
+        places = [stager.put(list(keys), [memoryview(b) for b in bl]) for keys, bl in zip(layers, blocks)]
+        stager.settle()
+        for keys, bl, pl in zip(layers, blocks, places):
+            assert _stored(reader, list(keys), bl)
+            for b, p in zip(bl, pl):  # the place is the committed block's slot, as a same-node reader copies it
+                assert bytes(reader.arena[p.offset:p.offset + p.size]) == b.tobytes()
+        assert _reserved(worker) == MiB + 4096  # one spare put's worth: the last put's shape
+    finally:
+        stager.close()
+    _wait_for(lambda: _reserved(worker) == 0)  # the spare went back
+    assert worker.cache.check() == []
+    reader.close()
+
+
+def test_a_commit_the_worker_refuses_raises_from_the_next_put_and_the_stager_goes_on(
+        worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    bad, good, later = _blocks(5, 64 << 10), _blocks(6, 64 << 10), _blocks(7, 64 << 10)
+    head = bad[0].tobytes()[:64]
+    monkeypatch.setattr(shm_stage, "checksum", lambda d: checksum(d) ^ (bytes(d[:64]) == head))  # lies for `bad`
+    stager, reader = _stager(worker), ShmTransport(worker.unix_path)
+    try:
+        stager.put([b"bad"], [memoryview(bad[0])])  # returns: the worker has not answered yet
+        with pytest.raises(CorruptBlock):
+            stager.put([b"good"], [memoryview(good[0])])
+        assert not _stored(reader, [b"good"], good)  # the put that raised stored nothing ...
+        stager.put([b"good"], [memoryview(good[0])])  # ... and the stager goes on
+        stager.put([b"bad"], [memoryview(bad[0])])
+        with pytest.raises(CorruptBlock):
+            stager.settle()
+        stager.put([b"later"], [memoryview(later[0])])
+        stager.settle()
+        assert _stored(reader, [b"good", b"later"], good + later)
+        assert reader.batch_get_into([b"bad"], [np.zeros(64 << 10, dtype=np.uint8)]) == [-1]
+    finally:
+        stager.close()
+        reader.close()
+
+
+def test_no_room_is_a_capacity_error_with_nothing_held(worker: Worker) -> None:
+    filler = ShmTransport(worker.unix_path)
+    stager = _stager(worker)
+    try:
+        with pytest.raises(CapacityError):
+            for i in range(200):  # pinned: nothing can be evicted for the stager
+                filler.batch_put([f"fill{i}".encode()], _blocks(i, 4 * MiB - 4096), pin_s=60)
+        with pytest.raises(CapacityError):
+            stager.put([b"x"], [memoryview(_blocks(9, 4 * MiB - 4096)[0])])
+        assert _reserved(worker) == 0
+    finally:
+        stager.close()
+        filler.close()
+
+
+def test_stagers_stage_only_a_same_node_workers_blocks_that_fit(worker: Worker) -> None:
+    with PoolClient(mode="local", worker=worker.unix_path) as local, \
+            PoolClient(mode="embedded", dram_bytes=16 * MiB) as embedded:
+        stagers = Stagers(local)
+        try:
+            assert stagers.for_keys([b"k"], [MiB]) is not None
+            assert stagers.for_keys([b"k"], [MiB]) is stagers.for_keys([b"j"], [4096])  # one per worker
+            assert stagers.for_keys([b"k"], [local.backend.hello().max_reserve]) is None  # no room for a spare too
+            assert stagers.for_keys([], []) is None
+        finally:
+            stagers.close()
+        assert Stagers(embedded).for_keys([b"k"], [MiB]) is None
