@@ -57,9 +57,10 @@ class Stager:
         return bool(sizes) and len(P.frames(len(sizes), sizes, budget)) == 1 and sum(sizes) <= budget \
             and max(sizes) <= info.max_block
 
-    def put(self, keys: list[bytes], views: Sequence[memoryview], pin_s: float = 0.0) -> list[Place]:
+    def put(self, keys: list[bytes], views: Sequence[memoryview], pin_s: float = 0.0) -> tuple[list[Place], list[int]]:
         """Copy the blocks into the worker's arena and send their COMMIT (pinned `pin_s` seconds if > 0);
-        where each lies. Raises the failure of an earlier put first (see the module's doc)."""
+        where each lies, and its checksum. Raises the failure of an earlier put first (see the module's
+        doc)."""
         sizes = np.array([v.nbytes for v in views], dtype="<i8")
         versions = np.asarray(CLOCK.batch(len(keys)), dtype="<u8")
         t = self.transport
@@ -83,7 +84,7 @@ class Stager:
             raise
         info = t.info
         return [Place(info.worker_id, info.arena, off, size, version)
-                for off, size, version in zip(offsets.tolist(), sizes.tolist(), versions.tolist())]
+                for off, size, version in zip(offsets.tolist(), sizes.tolist(), versions.tolist())], csums.tolist()
 
     def _send(self, sock: socket.socket, op: int, keys: list[bytes], sizes: np.ndarray, meta: bytes) -> None:
         self._owed.append((op, keys, sizes))

@@ -203,15 +203,17 @@ def _latencies(url: str, pool: PoolClient, prefill: _Prefill, layers: np.ndarray
                n: int) -> dict[str, list[float]]:
     """Samples in seconds of `first_layer`, `tiny_layer` and `notify`, taking turns, the decode side
     waiting before each starts: the prefill process sleeps `_SETTLE_S` before it times a layer (the
-    receiver subscribes meanwhile); a notification's receiver subscribed before it asked."""
+    receiver subscribes meanwhile); a notification's receiver subscribed before it asked. The 1 MiB and
+    the 64-byte layers come from producers of their own (a producer's layers are of one shape, as a
+    model's are)."""
     out = np.zeros(_BLOCK, dtype=np.uint8)
     samples: dict[str, list[float]] = {"first_layer": [], "tiny_layer": [], "notify": []}
-    with HandoffReceiver("first", url, pool) as rx, contextlib.closing(Link(url)) as link, \
-            contextlib.closing(Wire(url)) as wire:
+    with HandoffReceiver("first", url, pool) as first, HandoffReceiver("tiny", url, pool) as tiny, \
+            contextlib.closing(Link(url)) as link, contextlib.closing(Wire(url)) as wire:
         for r in range(n + 5):
-            for what, want in (("first", layers[0]), ("tiny", layers[0, :_TINY])):
+            for what, want, rx in (("first", layers[0], first), ("tiny", layers[0, :_TINY], tiny)):
                 rid = f"{what}{r}"
-                prefill.start(f"{what} first {rid}")
+                prefill.start(f"{what} {what} {rid}")  # each on a stream (and producer) of its own
                 got = []
                 for _ in rx.iter_layers(rid, timeout=30, into=lambda layer, nbytes: out[:nbytes]):
                     got.append(_now())
@@ -221,7 +223,7 @@ def _latencies(url: str, pool: PoolClient, prefill: _Prefill, layers: np.ndarray
                 if r >= 5:  # the first few warm up
                     samples[f"{what}_layer"].append(got[0] - (called if what == "first" else returned))
                 out.fill(0)
-                pool.batch_remove([f"bench/first/{rid}/L0"])
+                pool.batch_remove([f"bench/{what}/{rid}/L0"])
             rid = f"note{r}"
             feed = Feed(link, wire, "first", subject("first", "req", rid))
             try:
@@ -301,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
         assert url is not None
         tcp_pool = stack.enter_context(PoolClient(mode="cluster", nats_url=url, node_id=_REMOTE))
         wait_members(tcp_pool, 1)
-        for name in ("notes", "handoff", "handoff_tcp", "first", "inline"):  # in memory: the path, not the disk
+        for name in ("notes", "handoff", "handoff_tcp", "first", "tiny", "inline"):  # in memory: the path, not the disk
             create_stream(url, name, StreamConfig(memory=True))
         js_notify = _js_latency(url, "notes", samples)
         prefill = _Prefill(url)

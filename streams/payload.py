@@ -35,11 +35,10 @@ def put_blocks(pool: PoolClient, keys: Sequence[Key], buffers: Sequence[Any], *,
     sizes = [len(v) for v in views]
     names = keys_bytes(keys) if stagers is not None else []
     stager = stagers.for_keys(names, sizes) if stagers is not None else None
-    places: list[Place | None]
     if stager is not None:
-        places = list(stager.put(names, views, pin_s))
-    else:
-        places = put_placed(pool, list(keys), views, pin_s=pin_s)
+        staged, sums = stager.put(names, views, pin_s)
+        return Ref(list(keys), sizes, sums, request, layer, places=list[Place | None](staged))
+    places = put_placed(pool, list(keys), views, pin_s=pin_s)
     return Ref(list(keys), sizes, [checksum(v) for v in views], request, layer, places=places)
 
 

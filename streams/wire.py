@@ -376,7 +376,7 @@ class Wire:
             self._buf += data
             try:
                 msgs, pongs = self._parse()
-            except (ValueError, ConnectionError):
+            except (ValueError, IndexError, StreamUnavailable, OSError):  # a malformed MSG line; a PONG not sent
                 self._drop()  # not the protocol: start over on a fresh connection
                 return
         with self._cond:
@@ -393,7 +393,7 @@ class Wire:
             end = buf.find(b"\r\n", at)
             if end < 0:
                 if len(buf) - at > _MAX_LINE:
-                    raise ValueError("a protocol line longer than the limit")
+                    raise StreamUnavailable(f"NATS at {self.url} sent a protocol line longer than the limit")
                 break
             line = bytes(buf[at:end])
             op = line[:4].upper()
@@ -418,7 +418,7 @@ class Wire:
             elif op == b"-ERR":
                 self.errors.append(line[4:].strip().decode(errors="replace"))
             elif op not in (b"+OK", b"INFO"):
-                raise ValueError(f"unknown protocol line {line[:40]!r}")
+                raise StreamUnavailable(f"NATS at {self.url} sent a line outside the protocol: {line[:40]!r}")
             at = end + 2
         del buf[:at]
         return msgs, pongs

@@ -60,8 +60,10 @@ def test_staged_puts_land_where_they_say_and_spare_slots_follow_the_shape(worker
     try:
         layers = [(f"L{i}/a".encode(), f"L{i}/b".encode()) for i in range(3)]
         blocks = [_blocks(0, 256 << 10, 256 << 10), _blocks(1, 256 << 10, 256 << 10), _blocks(2, 1 * MiB, 4096)]
-        places = [stager.put(list(keys), [memoryview(b) for b in bl]) for keys, bl in zip(layers, blocks)]
+        staged = [stager.put(list(keys), [memoryview(b) for b in bl]) for keys, bl in zip(layers, blocks)]
         stager.settle()
+        places = [p for p, _ in staged]
+        assert [sums for _, sums in staged] == [[checksum(b) for b in bl] for bl in blocks]
         for keys, bl, pl in zip(layers, blocks, places):
             assert _stored(reader, list(keys), bl)
             for b, p in zip(bl, pl):  # the place is the committed block's slot, as a same-node reader copies it
