@@ -31,11 +31,12 @@ from .errors import (
     QuotaExceeded,
     StorageError,
 )
-from .keys import MAX_KEY_BYTES, Key, block_keys, key_bytes
+from .keys import MAX_KEY_BYTES, Key, block_keys, key_bytes, keys_bytes
 from .nats_creds import NatsCreds, Role, find_creds
 from .registry import AddParser, Subparsers
 from .shm_read import put_placed, read_placed
 from .shm_refs import Place
+from .shm_stage import Stagers
 
 __all__ = [
     "TieredCache", "PoolClient", "AsyncPoolClient", "CacheConfig", "block_keys", "MAX_KEY_BYTES",
@@ -46,5 +47,5 @@ __all__ = [
     # what the faces build on
     "ClientConfig", "load_config", "Key", "key_bytes", "checksum", "readable", "LoopThread", "nats_connect",
     "nats_failure", "nats_denied", "NatsCreds", "Role", "find_creds", "AddParser", "Subparsers",
-    "Place", "put_placed", "read_placed",
+    "Place", "put_placed", "read_placed", "Stagers", "keys_bytes",
 ]

@@ -41,9 +41,8 @@ from typing import IO, Any, cast
 
 import numpy as np
 
-from kvpool.core import BenchError, PoolClient
+from kvpool.core import BenchError, PoolClient, Stagers
 from kvpool.core.bench import BenchPool, best_in_turns, emit, filled, gbps, raw_socket, wait_members
-from kvpool.core.shm_stage import Stagers
 
 from . import Consumer, HandoffReceiver, Producer, StreamConfig, bench_yuanrong, create_stream
 from ._link import Link

@@ -14,9 +14,18 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.core import BufferSizeError, Key, Place, PoolClient, checksum, put_placed, read_placed, readable
-from kvpool.core.keys import keys_bytes
-from kvpool.core.shm_stage import Stagers
+from kvpool.core import (
+    BufferSizeError,
+    Key,
+    Place,
+    PoolClient,
+    Stagers,
+    checksum,
+    keys_bytes,
+    put_placed,
+    read_placed,
+    readable,
+)
 
 from .envelope import Ref
 from .errors import CorruptPayload, PayloadError

@@ -17,8 +17,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.core import ConfigError, InvalidArgument, Key, KVPoolError, PoolClient, readable
-from kvpool.core.shm_stage import Stagers
+from kvpool.core import ConfigError, InvalidArgument, Key, KVPoolError, PoolClient, Stagers, readable
 
 from . import envelope as env
 from ._link import Link
