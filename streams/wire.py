@@ -229,6 +229,8 @@ class Wire:
 
     def _reconnect(self) -> None:
         self._connect()
+        with self._cond:  # PINGs lost with the old connection are never answered: count them done
+            self._pongs = self._pings
         self.reconnects += 1
 
     def _drop(self) -> None:
