@@ -5,28 +5,18 @@ a block refused in one fails alone."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from kvpool.core import shm_put, transport
 from kvpool.core.blocks import checksum
-from kvpool.core.config import CacheConfig, WorkerConfig
 from kvpool.core.errors import CapacityError, CorruptBlock
 from kvpool.core.server import Worker
 from kvpool.core.transport import ShmTransport, TcpTransport
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def worker(tmp_path: Path) -> Iterator[Worker]:
-    w = Worker(WorkerConfig(port=0, unix_path=str(tmp_path / "w.sock")),
-               CacheConfig(dram_bytes=96 * MiB, dram_slab_size=4 * MiB, prefault=False)).start()  # type: ignore[arg-type]
-    yield w
-    w.stop()
 
 
 def _wait_for(done: Callable[[], bool], timeout_s: float = 5.0) -> None:

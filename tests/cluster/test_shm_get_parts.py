@@ -4,24 +4,13 @@ lease left held, and the connection stays in step."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvpool.core.config import CacheConfig, WorkerConfig
 from kvpool.core.errors import BufferSizeError
 from kvpool.core.server import Worker
 from kvpool.core.transport import ShmTransport
-
-
-@pytest.fixture
-def worker(tmp_path: Path) -> Iterator[Worker]:
-    w = Worker(WorkerConfig(port=0, unix_path=str(tmp_path / "w.sock")),
-               CacheConfig(dram_bytes=64 << 20, dram_slab_size=4 << 20, prefault=False)).start()  # type: ignore[arg-type]
-    yield w
-    w.stop()
 
 
 def _leases_held(worker: Worker) -> int:

@@ -5,29 +5,19 @@ held, and `Stagers` stages only what a same-node worker alone holds."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from kvpool.core import PoolClient, shm_stage
 from kvpool.core.blocks import checksum
-from kvpool.core.config import CacheConfig, WorkerConfig
 from kvpool.core.errors import CapacityError, CorruptBlock
 from kvpool.core.server import Worker
 from kvpool.core.shm_stage import Stager, Stagers
 from kvpool.core.transport import ShmTransport
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def worker(tmp_path: Path) -> Iterator[Worker]:
-    w = Worker(WorkerConfig(port=0, unix_path=str(tmp_path / "w.sock")),
-               CacheConfig(dram_bytes=96 * MiB, dram_slab_size=4 * MiB, prefault=False)).start()  # type: ignore[arg-type]
-    yield w
-    w.stop()
 
 
 def _blocks(seed: int, *sizes: int) -> list[np.ndarray]:

@@ -19,15 +19,10 @@ from kvpool.streams.wire import Wire
 _INFO = b'INFO {"server_id":"scripted","max_payload":1048576,"headers":true}\r\n'
 
 
-class Scripted:
-    """A NATS server that says INFO, answers PING with PONG (or the first CONNECT with `refuse`), and
-    keeps what each connection sent; the test writes to or closes a connection by its index."""
+class Listening:
+    """A loopback listener handing each connection to `take` on a thread of its own."""
 
-    def __init__(self, refuse: bytes | None = None) -> None:
-        self.refuse = refuse
-        self.refuse_pings = False  # set: PINGs go unanswered (a server about to drop the connection)
-        self.conns: list[socket.socket] = []
-        self.seen: list[bytearray] = []
+    def __init__(self) -> None:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"nats://127.0.0.1:{self._listener.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
@@ -38,11 +33,29 @@ class Scripted:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
-            seen = bytearray()
-            self.conns.append(conn)
-            self.seen.append(seen)
-            conn.sendall(_INFO)
-            threading.Thread(target=self._serve, args=(conn, seen), daemon=True).start()
+            self.take(conn)
+
+    def take(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class Scripted(Listening):
+    """A NATS server that says INFO, answers PING with PONG (or the first CONNECT with `refuse`), and
+    keeps what each connection sent; the test writes to or closes a connection by its index."""
+
+    def __init__(self, refuse: bytes | None = None) -> None:
+        self.refuse = refuse
+        self.refuse_pings = False  # set: PINGs go unanswered (a server about to drop the connection)
+        self.conns: list[socket.socket] = []
+        self.seen: list[bytearray] = []
+        super().__init__()
+
+    def take(self, conn: socket.socket) -> None:
+        seen = bytearray()
+        self.conns.append(conn)
+        self.seen.append(seen)
+        conn.sendall(_INFO)
+        threading.Thread(target=self._serve, args=(conn, seen), daemon=True).start()
 
     def _serve(self, conn: socket.socket, seen: bytearray) -> None:
         while True:
@@ -168,7 +181,7 @@ def test_two_threads_on_one_wire_each_get_their_own_messages_without_waiting_for
     wire.close()
 
 
-class Cuttable:
+class Cuttable(Listening):
     """A TCP relay to `target` whose connections the test can cut (both ways, at once); while `deaf` is
     set, what the server sends is dropped (an acknowledgement lost with the connection)."""
 
@@ -177,20 +190,13 @@ class Cuttable:
         self.target = (host, int(port))
         self.socks: list[socket.socket] = []
         self.deaf = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"nats://127.0.0.1:{self._listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.target)
-            self.socks += [client, server]
-            for a, b, deaf in ((client, server, None), (server, client, self.deaf)):
-                threading.Thread(target=self._pump, args=(a, b, deaf), daemon=True).start()
+    def take(self, client: socket.socket) -> None:
+        server = socket.create_connection(self.target)
+        self.socks += [client, server]
+        for a, b, deaf in ((client, server, None), (server, client, self.deaf)):
+            threading.Thread(target=self._pump, args=(a, b, deaf), daemon=True).start()
 
     @staticmethod
     def _pump(src: socket.socket, dst: socket.socket, deaf: threading.Event | None) -> None:
