@@ -28,6 +28,8 @@ from .wire import Msg, Wire
 
 _EXPECTED_STREAM, _MSG_ID = api.Header.EXPECTED_STREAM.value, api.Header.MSG_ID.value
 """Header names (the enum's values: an enum member in an f-string is its qualified name)."""
+_DENIED = "permissions violation"
+"""How nats-server's -ERR for a publish it denies begins (lowercased)."""
 WINDOW = 256
 """Announcements a caller may have unacknowledged before `ready` waits for them all to be stored."""
 
@@ -77,20 +79,24 @@ class Announcer:
 
     def flush(self) -> None:
         """Wait until JetStream stored (or refused) every announcement sent; raise the first refusal.
-        One still unanswered after the wire's timeout counts as refused (StreamTimeout)."""
-        deadline = time.monotonic() + self._wire.timeout_s
+        One still unanswered after the wire's timeout counts as refused (StreamTimeout); all unanswered
+        ones are refused at once (StreamRefused) when the server says this user may not publish."""
+        wire = self._wire
+        deadline, errors = time.monotonic() + wire.timeout_s, wire.error_count
         while self._unacked and time.monotonic() < deadline:
             self._resend_if_reconnected()
-            msg = self._wire.next(self._sid, deadline - time.monotonic())
+            msg = wire.next(self._sid, deadline - time.monotonic())
             if msg is not None:
                 self._take([msg])
+            elif wire.error_count != errors and _DENIED in wire.errors[-1].lower():
+                break  # the server will not store them: no acknowledgement is coming
         for token in list(self._unacked):
-            why = f"publish to stream {self.stream!r}: not acknowledged within {self._wire.timeout_s} s"
-            if self._wire.errors:
-                why += f" (the server said: {self._wire.errors[-1]})"
+            if wire.error_count != errors and _DENIED in wire.errors[-1].lower():
+                why = f"publish to stream {self.stream!r}: this NATS user may not do it ({wire.errors[-1]})"
                 self._settle(token, StreamRefused(why))
             else:
-                self._settle(token, StreamTimeout(why))
+                self._settle(token, StreamTimeout(f"publish to stream {self.stream!r}: not acknowledged within "
+                                                  f"{wire.timeout_s} s"))
         self._raise_refused()
 
     def _resend_if_reconnected(self) -> None:

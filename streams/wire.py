@@ -111,7 +111,9 @@ class Wire:
         self._pongs = self._pings = 0
         self._reading = False
         self.errors: collections.deque[str] = collections.deque(maxlen=_MAX_ERRORS)
-        """The server's -ERR lines on this connection (newest last): e.g. a publish it denied."""
+        """The server's -ERR lines (the newest last): e.g. a publish it denied."""
+        self.error_count = 0
+        """-ERR lines so far (a waiter in `next` wakes at one)."""
         self.reconnects = 0
         self._closed = False
         with self._io:
@@ -286,15 +288,17 @@ class Wire:
 
     def next(self, sid: int, timeout: float) -> Msg | None:
         """The next message of subscription `sid`, waiting up to `timeout` seconds; None if none came,
-        the subscription is gone, or the connection was made again meanwhile (`reconnects`: what was in
-        flight may be lost, and the caller may want to send it again)."""
-        reconnects = self.reconnects
+        the subscription is gone, the connection was made again meanwhile (`reconnects`: what was in
+        flight may be lost, and the caller may want to send it again), or the server sent an -ERR
+        (`errors`: e.g. a publish this user may not make)."""
+        reconnects, error_count = self.reconnects, self.error_count
 
         def ready() -> Msg | bool | None:
             q = self._queues.get(sid)
             if q:
                 return q.popleft()
-            return False if q is None or self.reconnects != reconnects else None
+            changed = self.reconnects != reconnects or self.error_count != error_count
+            return False if q is None or changed else None
         got = self._wait(ready, time.monotonic() + max(timeout, 0.0))
         return got if isinstance(got, Msg) else None
 
@@ -419,6 +423,7 @@ class Wire:
                 pongs += 1
             elif op == b"-ERR":
                 self.errors.append(line[4:].strip().decode(errors="replace"))
+                self.error_count += 1
             elif op not in (b"+OK", b"INFO"):
                 raise StreamUnavailable(f"NATS at {self.url} sent a line outside the protocol: {line[:40]!r}")
             at = end + 2

@@ -43,8 +43,8 @@ class Scripted(Listening):
     """A NATS server that says INFO, answers PING with PONG (or the first CONNECT with `refuse`), and
     keeps what each connection sent; the test writes to or closes a connection by its index."""
 
-    def __init__(self, refuse: bytes | None = None) -> None:
-        self.refuse = refuse
+    def __init__(self, refuse: bytes | None = None, deny: bool = False) -> None:
+        self.refuse, self.deny = refuse, deny
         self.refuse_pings = False  # set: PINGs go unanswered (a server about to drop the connection)
         self.conns: list[socket.socket] = []
         self.seen: list[bytearray] = []
@@ -66,6 +66,8 @@ class Scripted(Listening):
             if not data:
                 return
             seen += data
+            if self.deny and b"HPUB " in data:
+                conn.sendall(b"-ERR 'Permissions Violation for Publish to \"x\"'\r\n")
             for _ in range(data.count(b"PING\r\n")):
                 if not self.refuse_pings:
                     conn.sendall(self.refuse if self.refuse is not None and b"CONNECT" in seen else b"PONG\r\n")
@@ -133,6 +135,21 @@ def test_a_broken_connection_reconnects_and_subscribes_again(scripted):
     scripted.wait_seen(2, f"SUB a.b {sid}\r\n".encode())
     wire.flush()  # ... and does not hold up the next connection's flushes
     wire.close()
+
+
+def test_an_announcement_the_server_denies_is_refused_at_once_not_after_the_timeout():
+    s = Scripted(deny=True)
+    wire = Wire(s.url, 30)
+    try:
+        ann = Announcer(wire, "s", lambda seq, subj, keys: None, lambda keys: None)
+        ann.send("kvpool.stream.s.req.r", b"{}", {}, ["k"])
+        t = time.monotonic()
+        with pytest.raises(StreamRefused, match="may not"):
+            ann.flush()
+        assert time.monotonic() - t < 10  # (the timeout is 30 s)
+    finally:
+        wire.close()
+        s.close()
 
 
 def test_a_line_outside_the_protocol_drops_the_connection_for_a_fresh_one(scripted):
