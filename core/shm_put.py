@@ -23,7 +23,8 @@ from .arena_pages import ArenaPages
 from .blocks import checksum
 from .errors import ProtocolError
 
-__all__ = ["PART_BYTES", "MIN_PART_BYTES", "PARTS_PER_ALLOC", "alloc_chunks", "part_slices", "PartedPut"]
+__all__ = ["PART_BYTES", "MIN_PART_BYTES", "PARTS_PER_ALLOC", "alloc_chunks", "part_slices", "PartedPut",
+           "recv_column", "copy_in"]
 
 PART_BYTES = 2 << 20
 """A part is a quarter of its batch, but at most this (well within the shared cache: the worker
@@ -57,6 +58,27 @@ def alloc_chunks(parts: list[slice]) -> list[slice]:
         group = parts[i:i + PARTS_PER_ALLOC]
         out.append(slice(group[0].start, group[-1].stop))
     return out
+
+
+def recv_column(sock: socket.socket, op: int, n: int) -> np.ndarray:
+    """The answer to an ALLOC (each block's offset; < 0: its item status) or a COMMIT (each block's
+    item status; 0: stored) of `n` blocks."""
+    meta = P.recv_reply(sock, op).meta
+    dtype = np.dtype("<i8" if op == P.Op.ALLOC else "<i1")
+    if len(meta) != n * dtype.itemsize:
+        raise ProtocolError(f"{P.Op(op).name} reply of {len(meta)} bytes for {n} blocks")
+    return np.frombuffer(meta, dtype=dtype)
+
+
+def copy_in(arena: memoryview, offsets: np.ndarray, views: Sequence[memoryview]) -> np.ndarray:
+    """Copy each view into its slot of the arena; the checksum of each, hashed as it landed (while it is
+    in cache), for its COMMIT."""
+    csums = np.empty(len(views), dtype="<u8")
+    for i, (off, v) in enumerate(zip(offsets.tolist(), views)):
+        slot = arena[off:off + v.nbytes]
+        slot[:] = v
+        csums[i] = checksum(slot)
+    return csums
 
 
 class PartedPut:
@@ -111,12 +133,7 @@ class PartedPut:
 
     def _read(self) -> None:
         op, part = self._replies.popleft()
-        reply = P.recv_reply(self.sock, op)
-        n = part.stop - part.start
-        dtype = np.dtype("<i8" if op == P.Op.ALLOC else "<i1")
-        if len(reply.meta) != n * dtype.itemsize:
-            raise ProtocolError(f"{P.Op(op).name} reply of {len(reply.meta)} bytes for {n} blocks")
-        got = np.frombuffer(reply.meta, dtype=dtype)
+        got = recv_column(self.sock, op, part.stop - part.start)
         if op == P.Op.COMMIT:
             self.status[part] = got
             return
@@ -134,10 +151,4 @@ class PartedPut:
 
     def _copy_and_commit(self, part: slice) -> None:
         """Copy the part's blocks into their slots, hashing each as it lands, and COMMIT them."""
-        arena = self.arena
-        csums = []
-        for off, v in zip(self.offsets[part].tolist(), self.views[part]):
-            slot = arena[off:off + v.nbytes]
-            slot[:] = v
-            csums.append(checksum(slot))  # of what landed in the arena, while it is in cache
-        self._send(P.Op.COMMIT, part, np.array(csums, dtype="<u8"))
+        self._send(P.Op.COMMIT, part, copy_in(self.arena, self.offsets[part], self.views[part]))

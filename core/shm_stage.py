@@ -24,11 +24,11 @@ import numpy as np
 
 from . import protocol as P
 from .auth import unix_socket_usable
-from .blocks import checksum
 from .client import PoolClient
 from .cluster_backend import ClusterBackend
 from .connection import raise_item, send_pin
-from .errors import KVPoolError, PoolUnavailable, ProtocolError
+from .errors import KVPoolError, PoolUnavailable
+from .shm_put import copy_in, recv_column
 from .shm_refs import Place
 from .transport import ShmTransport
 from .versions import CLOCK
@@ -70,11 +70,7 @@ class Stager:
                 self._raise_failed()
                 offsets = self._slots(sock, keys, sizes)
                 pages.ready(offsets, sizes)
-                csums = np.empty(len(keys), dtype="<u8")
-                for i, (off, v) in enumerate(zip(offsets.tolist(), views)):
-                    slot = arena[off:off + v.nbytes]
-                    slot[:] = v
-                    csums[i] = checksum(slot)  # of what landed in the arena, while it is in cache
+                csums = copy_in(arena, offsets, views)
                 if pin_s > 0:
                     send_pin(sock, keys, pin_s)
                 self._send(sock, P.Op.COMMIT, keys, sizes, P.pack_batch(keys, offsets, sizes, csums, versions))
@@ -108,12 +104,8 @@ class Stager:
         """Read the answer to every request sent (the worker answers in order)."""
         while self._owed:
             op, keys, sizes = self._owed[0]
-            meta = P.recv_reply(sock, op).meta
+            got = recv_column(sock, op, len(keys))
             self._owed.popleft()
-            dtype = np.dtype("<i8" if op == P.Op.ALLOC else "<i1")
-            if len(meta) != len(keys) * dtype.itemsize:
-                raise ProtocolError(f"{P.Op(op).name} reply of {len(meta)} bytes for {len(keys)} blocks")
-            got = np.frombuffer(meta, dtype=dtype)
             if op == P.Op.COMMIT:
                 bad = np.flatnonzero(got)
                 if bad.size and self._failed is None:

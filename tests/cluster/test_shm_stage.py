@@ -10,7 +10,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from kvpool.core import PoolClient, shm_stage
+from kvpool.core import PoolClient, shm_put
 from kvpool.core.blocks import checksum
 from kvpool.core.errors import CapacityError, CorruptBlock
 from kvpool.core.server import Worker
@@ -70,7 +70,7 @@ def test_a_commit_the_worker_refuses_raises_from_the_next_put_and_the_stager_goe
         worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     bad, good, later = _blocks(5, 64 << 10), _blocks(6, 64 << 10), _blocks(7, 64 << 10)
     head = bad[0].tobytes()[:64]
-    monkeypatch.setattr(shm_stage, "checksum", lambda d: checksum(d) ^ (bytes(d[:64]) == head))  # lies for `bad`
+    monkeypatch.setattr(shm_put, "checksum", lambda d: checksum(d) ^ (bytes(d[:64]) == head))  # lies for `bad`
     stager, reader = _stager(worker), ShmTransport(worker.unix_path)
     try:
         stager.put([b"bad"], [memoryview(bad[0])])  # returns: the worker has not answered yet
