@@ -46,7 +46,8 @@ def put_blocks(pool: PoolClient, keys: Sequence[Key], buffers: Sequence[Any], *,
     stager = stagers.for_keys(names, sizes) if stagers is not None else None
     if stager is not None:
         staged, sums = stager.put(names, views, pin_s)
-        return Ref(list(keys), sizes, sums, request, layer, places=list[Place | None](staged))
+        at: list[Place | None] = list(staged)
+        return Ref(list(keys), sizes, sums, request, layer, places=at)
     places = put_placed(pool, list(keys), views, pin_s=pin_s)
     return Ref(list(keys), sizes, [checksum(v) for v in views], request, layer, places=places)
 
