@@ -110,6 +110,7 @@ class Wire:
         self._next_sid = 1
         self._pongs = self._pings = 0
         self._reading = False
+        self._polled: tuple[socket.socket, Any] | None = None
         self.errors: collections.deque[str] = collections.deque(maxlen=_MAX_ERRORS)
         """The server's -ERR lines (the newest last): e.g. a publish it denied."""
         self.error_count = 0
@@ -227,7 +228,10 @@ class Wire:
                 self._send(data)
             except OSError:
                 self._reconnect()
-                self._send(data)
+                try:
+                    self._send(data)
+                except OSError as e:  # a fresh connection failing at once: the server is in trouble
+                    raise StreamUnavailable(f"NATS at {self.url}: sending failed twice: {e!r}") from e
 
     def _reconnect(self) -> None:
         self._connect()
@@ -361,7 +365,7 @@ class Wire:
         pending = sock.pending() if isinstance(sock, ssl.SSLSocket) else 0
         if not pending:
             try:
-                readable, _, _ = select.select([sock], [], [], timeout)
+                readable = self._poller(sock).poll(int(timeout * 1000 + 0.999))
             except (OSError, ValueError):  # closed under us
                 readable = []
             if not readable:
@@ -391,6 +395,15 @@ class Wire:
                 q = self._queues.get(sid)
                 if q is not None:
                     q.append(msg)
+
+    def _poller(self, sock: socket.socket) -> Any:
+        """A poll object for `sock` (not select(): an engine process may hold file descriptors past
+        1024), made once per connection (only the thread with the reader's role calls this)."""
+        if self._polled is None or self._polled[0] is not sock:
+            poll = select.poll()
+            poll.register(sock, select.POLLIN)
+            self._polled = (sock, poll)
+        return self._polled[1]
 
     def _parse(self) -> tuple[list[tuple[int, Msg]], int]:
         """Complete messages and PONGs in the buffer (caller holds `_io`); PINGs are answered."""

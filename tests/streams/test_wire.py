@@ -5,6 +5,7 @@ sent again after a broken connection stored once."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -262,3 +263,22 @@ def test_announcements_unacknowledged_when_the_connection_broke_are_sent_again_a
     assert stream_info(nats.url, s)["messages"] == 1
     ann.close()
     relay.close()
+
+
+def test_a_wire_whose_socket_is_past_file_descriptor_1024_still_reads(nats):
+    """An engine process may hold a thousand files open: the wire waits with poll(), not select()."""
+    hold = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        pub, sub = Wire(nats.url), Wire(nats.url)
+        try:
+            assert sub._sock is not None and sub._sock.fileno() > 1024
+            sid = sub.subscribe("far")
+            pub.publish("far", b"away")
+            got = sub.next(sid, 5)
+            assert got is not None and got.data == b"away"
+        finally:
+            pub.close()
+            sub.close()
+    finally:
+        for fd in hold:
+            os.close(fd)
