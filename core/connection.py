@@ -36,7 +36,7 @@ from .records import PoolStats, WorkerInfo, WorkerStats
 from .tls import ca_file, client_context, server_name
 from .versions import CLOCK, Change
 
-__all__ = ["DEFAULT_MAX_BLOCK", "Connection", "raise_item", "send_pin"]
+__all__ = ["DEFAULT_MAX_BLOCK", "Connection", "raise_item", "send_pin", "pin_request"]
 
 log = logging.getLogger("kvpool.transport")
 
@@ -290,4 +290,9 @@ def raise_item(status: int, key: bytes, size: int, max_block: int) -> None:
 def send_pin(sock: socket.socket, keys: Sequence[bytes], pin_s: float) -> None:
     """A PIN frame; the worker handles a connection's frames in order, so a put sent after it on the
     same connection commits its blocks pinned."""
-    P.send_frame(sock, P.Op.PIN, P.pack_batch(list(keys), np.full(len(keys), pin_s, dtype="<f8")))
+    P.send_frame(sock, *pin_request(keys, pin_s))
+
+
+def pin_request(keys: Sequence[bytes], pin_s: float) -> tuple[int, bytes]:
+    """The PIN request (op, metadata) of `send_pin`, for `protocol.send_frames`."""
+    return P.Op.PIN, P.pack_batch(list(keys), np.full(len(keys), pin_s, dtype="<f8"))

@@ -195,12 +195,36 @@ def send_frame(sock: socket.socket, op: int, meta: bytes = b"", *, status: int =
                data: list[memoryview] | None = None) -> None:
     """Send header, metadata and data buffers with as few system calls as the kernel allows."""
     data = data or []
-    if isinstance(sock, ssl.SSLSocket):  # TLS (kvpool.core.tls) has no scatter-gather send
-        sock.sendall(header(op, status, req_id, meta, sum(len(d) for d in data)) + meta)
-        for d in data:
-            sock.sendall(d)
+    _send_all(sock, [header(op, status, req_id, meta, sum(len(d) for d in data)), meta, *data])
+
+
+def send_frames(sock: socket.socket, frames: Sequence[tuple[int, bytes]]) -> None:
+    """Send requests of (op, metadata) and no data back to back, in one system call where the kernel
+    takes them whole: the peer reads them in one wake-up rather than one each."""
+    bufs: list[Any] = []
+    for op, meta in frames:
+        bufs += [header(op, 0, 0, meta, 0), meta]
+    _send_all(sock, bufs)
+
+
+_TLS_JOIN = 64 << 10
+"""Buffers under this many bytes are joined into one TLS write (a record each would cost more)."""
+
+
+def _send_all(sock: socket.socket, bufs: list[Any]) -> None:
+    if isinstance(sock, ssl.SSLSocket):  # TLS (kvpool.core.tls) has no scatter-gather send: headers and
+        small = bytearray()             # metadata go joined, a block's data on its own
+        for b in bufs:
+            if len(b) < _TLS_JOIN:
+                small += b
+                continue
+            if small:
+                sock.sendall(small)
+                small = bytearray()
+            sock.sendall(b)
+        if small:
+            sock.sendall(small)
         return
-    bufs: list[Any] = [header(op, status, req_id, meta, sum(len(d) for d in data)), meta, *data]
     while bufs:
         sent = sock.sendmsg(bufs[:512])
         while sent and bufs:

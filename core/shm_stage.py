@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import socket
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from . import protocol as P
 from .auth import unix_socket_usable
 from .client import PoolClient
 from .cluster_backend import ClusterBackend
-from .connection import raise_item, send_pin
+from .connection import pin_request, raise_item
 from .errors import KVPoolError, PoolUnavailable
 from .shm_put import copy_in, recv_column
 from .shm_refs import Place
@@ -48,6 +48,10 @@ class Stager:
         self._spare: tuple[tuple[int, ...], np.ndarray] | None = None
         """(sizes, offsets) of slots reserved for a next put of those sizes."""
         self._failed: BaseException | None = None
+        self._held: list[tuple[int, bytes]] = []
+        """Requests of the last put, made with `hold` and not sent yet; (op, keys, sizes) of those owed
+        an answer once they are."""
+        self._held_owed: list[tuple[int, list[bytes], np.ndarray]] = []
 
     def fits(self, sizes: Sequence[int]) -> bool:
         """Whether a put of blocks of `sizes` can go this way: one frame, and with the spare slots
@@ -57,30 +61,52 @@ class Stager:
         return bool(sizes) and len(P.frames(len(sizes), sizes, budget)) == 1 and sum(sizes) <= budget \
             and max(sizes) <= info.max_block
 
-    def put(self, keys: list[bytes], views: Sequence[memoryview], pin_s: float = 0.0) -> tuple[list[Place], list[int]]:
+    def put(self, keys: list[bytes], views: Sequence[memoryview], pin_s: float = 0.0, *,
+            hold: bool = False) -> tuple[list[Place], list[int]]:
         """Copy the blocks into the worker's arena and send their COMMIT (pinned `pin_s` seconds if > 0);
         where each lies, and its checksum. Raises the failure of an earlier put first (see the module's
-        doc)."""
+        doc). `hold`: the COMMIT waits for `send_held` (or this stager's next call): a producer announces
+        the blocks first, and the worker's commit does not delay the announcement (a reader on this node
+        copies them from their places, checked against their checksums, before or after the commit)."""
         sizes = np.array([v.nbytes for v in views], dtype="<i8")
         versions = np.asarray(CLOCK.batch(len(keys)), dtype="<u8")
         t = self.transport
         try:
             with t.held() as (sock, arena, pages):
+                self._send_held(sock)
                 self._answers(sock)
                 self._raise_failed()
                 offsets = self._slots(sock, keys, sizes)
                 pages.ready(offsets, sizes)
                 csums = copy_in(arena, offsets, views)
-                if pin_s > 0:
-                    send_pin(sock, keys, pin_s)
-                self._send(sock, P.Op.COMMIT, keys, sizes, P.pack_batch(keys, offsets, sizes, csums, versions))
-                self._send(sock, P.Op.ALLOC, keys, sizes, P.pack_batch(keys, sizes))  # the next put's slots
+                self._held = [pin_request(keys, pin_s)] if pin_s > 0 else []
+                self._held += [(P.Op.COMMIT, P.pack_batch(keys, offsets, sizes, csums, versions)),
+                               (P.Op.ALLOC, P.pack_batch(keys, sizes))]  # the next put's slots
+                self._held_owed = [(P.Op.COMMIT, keys, sizes), (P.Op.ALLOC, keys, sizes)]
+                if not hold:
+                    self._send_held(sock)
         except PoolUnavailable:  # the connection is closed (PoolTimeout too)
             self._forget()
             raise
         info = t.info
         return [Place(info.worker_id, info.arena, off, size, version)
                 for off, size, version in zip(offsets.tolist(), sizes.tolist(), versions.tolist())], csums.tolist()
+
+    def send_held(self) -> None:
+        """Send the COMMIT of a put made with `hold` (nothing if none is held)."""
+        if self._held:
+            try:
+                with self.transport.held() as (sock, _, _):
+                    self._send_held(sock)
+            except PoolUnavailable:
+                self._forget()
+                raise
+
+    def _send_held(self, sock: socket.socket) -> None:
+        if self._held:
+            P.send_frames(sock, self._held)  # one wake-up of the worker for the pin, commit and next alloc
+            self._owed += self._held_owed
+            self._held, self._held_owed = [], []
 
     def _send(self, sock: socket.socket, op: int, keys: list[bytes], sizes: np.ndarray, meta: bytes) -> None:
         self._owed.append((op, keys, sizes))
@@ -132,14 +158,16 @@ class Stager:
     def _forget(self) -> None:
         """The connection is closed: nothing is owed on it and its slots went back with it."""
         self._owed.clear()
+        self._held, self._held_owed = [], []
         self._spare = None
         self.transport.close()
 
     def settle(self) -> None:
         """Wait until the worker answered every put sent; raise the first failure."""
-        if self._owed:
+        if self._owed or self._held:
             try:
                 with self.transport.held() as (sock, _, _):
+                    self._send_held(sock)
                     self._answers(sock)
             except PoolUnavailable:
                 self._forget()
@@ -147,15 +175,19 @@ class Stager:
         self._raise_failed()
 
     def close(self) -> None:
-        """Give the spare slots back and close the connection (puts still unanswered are not waited for)."""
+        """Send a held put's COMMIT, give the spare slots back and close the connection (puts still
+        unanswered are not waited for)."""
         try:
-            if self._spare is not None and not self._owed:
+            if self._held or (self._spare is not None and not self._owed):
                 with self.transport.held() as (sock, _, _):
-                    self._give_back(sock)
+                    self._send_held(sock)
+                    if not self._owed:
+                        self._give_back(sock)
         except PoolUnavailable:
             pass  # gone already: the worker freed them with the connection
         finally:
             self._owed.clear()
+            self._held, self._held_owed = [], []
             self._spare = None
             self.transport.close()
 
@@ -191,12 +223,19 @@ class Stagers:
             stager = self._stagers[info.worker_id] = Stager(ShmTransport(*where), info.arena)
         return stager if stager.fits(sizes) else None
 
+    def send_held(self) -> None:
+        """`Stager.send_held` of each; raises the first failure after trying all."""
+        self._each(Stager.send_held)
+
     def settle(self) -> None:
         """`Stager.settle` of each; raises the first failure after settling all."""
+        self._each(Stager.settle)
+
+    def _each(self, call: Callable[[Stager], None]) -> None:
         failure: BaseException | None = None
         for stager in self._stagers.values():
             try:
-                stager.settle()
+                call(stager)
             except KVPoolError as e:
                 failure = failure or e
         if failure is not None:

@@ -37,15 +37,16 @@ COMMITTING_S = 0.5
 
 
 def put_blocks(pool: PoolClient, keys: Sequence[Key], buffers: Sequence[Any], *, request: str = "",
-               layer: int = -1, pin_s: float = 0.0, stagers: Stagers | None = None) -> Ref:
+               layer: int = -1, pin_s: float = 0.0, stagers: Stagers | None = None, hold: bool = False) -> Ref:
     """Store each buffer under its key (pinned for `pin_s` seconds if > 0); the reference to publish.
-    With `stagers`, a put to a worker on this node returns without waiting for it (`Stager`)."""
+    With `stagers`, a put to a worker on this node returns without waiting for it (`Stager`); with
+    `hold` too, its COMMIT waits for `stagers.send_held()` (the caller announces the blocks first)."""
     views = [readable(b) for b in buffers]
     sizes = [len(v) for v in views]
     names = keys_bytes(keys) if stagers is not None else []
     stager = stagers.for_keys(names, sizes) if stagers is not None else None
     if stager is not None:
-        staged, sums = stager.put(names, views, pin_s)
+        staged, sums = stager.put(names, views, pin_s, hold=hold)
         at: list[Place | None] = list(staged)
         return Ref(list(keys), sizes, sums, request, layer, places=at)
     places = put_placed(pool, list(keys), views, pin_s=pin_s)

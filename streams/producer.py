@@ -111,11 +111,14 @@ class Producer:
         if self._stagers is None:
             self._stagers = Stagers(pool)
         ref = put_blocks(pool, block_keys, tensors, request=request_id, layer=layer, pin_s=self.pin_ttl_s,
-                         stagers=self._stagers)
-        chain = self._chain(request_id)
-        body = dataclasses.replace(ref, seal=chain.next()).encode()
-        chain.layers += 1
-        announcer.send(subj, body, self._signed(subj, {env.KIND: env.KV}, body), ref.keys)
+                         stagers=self._stagers, hold=True)
+        try:
+            chain = self._chain(request_id)
+            body = dataclasses.replace(ref, seal=chain.next()).encode()
+            chain.layers += 1
+            announcer.send(subj, body, self._signed(subj, {env.KIND: env.KV}, body), ref.keys)
+        finally:  # the worker commits the layer while the announcement is on its way, not before
+            self._stagers.send_held()
 
     def _announcing(self) -> Announcer:
         if self._announcer is None:

@@ -1,7 +1,8 @@
 """Staged same-node puts (`kvpool.core.shm_stage`): they land where they say, the next put's slots are
-kept for a put of the same shape and given back otherwise and at close, a commit the worker refuses
-raises from the next put or settle (and the stager goes on), no room is a CapacityError with nothing
-held, and `Stagers` stages only what a same-node worker alone holds."""
+kept for a put of the same shape and given back otherwise and at close, a held put is committed (pinned)
+once sent and not before, a commit the worker refuses raises from the next put or settle (and the
+stager goes on), no room is a CapacityError with nothing held, and `Stagers` stages only what a
+same-node worker alone holds."""
 from __future__ import annotations
 
 import time
@@ -62,6 +63,30 @@ def test_staged_puts_land_where_they_say_and_spare_slots_follow_the_shape(worker
     finally:
         stager.close()
     _wait_for(lambda: _reserved(worker) == 0)  # the spare went back
+    assert worker.cache.check() == []
+    reader.close()
+
+
+def test_a_held_put_is_committed_pinned_once_sent_and_not_before(worker: Worker) -> None:
+    stager, reader = _stager(worker), ShmTransport(worker.unix_path)
+    first, second, last = _blocks(3, 64 << 10), _blocks(4, 64 << 10), _blocks(5, 64 << 10)
+    try:
+        (place,), _ = stager.put([b"first"], [memoryview(first[0])], pin_s=60, hold=True)
+        assert bytes(reader.arena[place.offset:place.offset + place.size]) == first[0].tobytes()  # in place ...
+        assert not _stored(reader, [b"first"], first)  # ... but not committed: nothing was sent
+        assert worker.cache.stats().pins == 0
+        stager.send_held()  # pin, commit and the next put's slots, in one send
+        stager.settle()
+        assert _stored(reader, [b"first"], first) and worker.cache.stats().pins == 1
+        stager.put([b"second"], [memoryview(second[0])], hold=True)
+        stager.put([b"last"], [memoryview(last[0])], hold=True)  # sends the one held before it first
+        stager.settle()  # sends the last one held
+        assert _stored(reader, [b"second", b"last"], second + last)
+        stager.put([b"closing"], [memoryview(first[0])], hold=True)
+    finally:
+        stager.close()  # a put still held is sent, not dropped
+    _wait_for(lambda: _stored(reader, [b"closing"], first))
+    _wait_for(lambda: _reserved(worker) == 0)
     assert worker.cache.check() == []
     reader.close()
 
