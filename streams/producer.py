@@ -94,9 +94,10 @@ class Producer:
     def publish_kv(self, request_id: str, layer: int, block_keys: Sequence[Key], tensors: Sequence[Any]) -> None:
         """Put one layer's KV blocks in the pool under `block_keys` and announce them to the decode side.
 
-        `tensors`: one buffer (bytes-like, numpy, torch) per key. Returns once the blocks are in the pool
-        and the announcement is sent, without waiting for JetStream to acknowledge it, so that the next
-        layer's put overlaps this one's publish; `end_request` waits for the acknowledgements. An
+        `tensors`: one buffer (bytes-like, numpy, torch) per key. Returns once the blocks are in the pool's
+        memory and the announcement is sent, without waiting for JetStream to acknowledge it (nor, on this
+        node, for the worker to commit them: their commit goes just after the announcement), so that the
+        next layer's put overlaps this one's publish; `end_request` waits for both. An
         announcement the stream refused (e.g. StreamFull) raises from the next call."""
         if len(block_keys) != len(tensors):
             raise InvalidArgument(f"{len(block_keys)} block keys but {len(tensors)} tensors")
