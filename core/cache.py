@@ -387,14 +387,20 @@ class TieredCache:
             return self._moves.alloc_many(sizes)
 
     def commit_many(self, keys: Sequence[bytes], offsets: Sequence[int], sizes: Sequence[int],
-                    csums: Sequence[int], versions: Sequence[int] | None = None) -> list[bool]:
+                    csums: Sequence[int], versions: Sequence[int] | None = None, *,
+                    checked: bool = True) -> list[bool]:
         """`commit` of each block (canonical keys; no pin of its own, no TTL) under one lock: a same-node
         writer's batch. A live pin on a key pins its block, as for `commit`. `versions` as for `commit`
-        (default: stamped now); False for each block not stored (its key holds a newer version)."""
+        (default: stamped now); False for each block not stored (its key holds a newer version).
+        `checked=False`: the caller has not hashed the blocks' bytes against `csums`; the cache does
+        at each block's first read (a lease, a get, a write to SSD), and a block that fails is a miss."""
         blocks = list(map(DramBlock, keys, offsets, sizes, csums, repeat(0.0)))
         if versions is not None:
             for b, v in zip(blocks, versions):
                 b.version = v
+        if not checked:
+            for b in blocks:
+                b.checked = False
         with self._lock:
             stored = self._admit_many(blocks)
             self._stack.counters.puts += len(blocks)

@@ -68,6 +68,8 @@ class Op(IntEnum):
     PIN = 15      # keys + seconds f8 (<= 0: unpin) -> (no reply); a put that follows it commits pinned
     CHANGES = 16  # json {"since_ms", "from_seq"} -> covered_since_ms u64, next_seq i64 (-1: done), then keys +
     #               versions u8, removed u1: the changes the worker accepted since then (`kvpool.core.catch_up`)
+    COMMIT_UNCHECKED = 17  # same node: as COMMIT, but the worker takes the checksums on the writer's word for
+    #                        now and hashes each block at its first read (a handoff's reader checks its own copy)
 
 
 class Status(IntEnum):

@@ -4,13 +4,16 @@ A same-node put (`shm_put`) waits for the worker twice: for its slots (ALLOC) an
 what it copied there. A producer that puts layer after layer of the same shape need wait for neither:
 `Stager` asks for the next put's slots as soon as a put is sent (the sizes of that put), copies the
 next put's blocks straight into them, sends their COMMIT and returns; it reads the worker's answers when
-it comes back. What that costs its caller:
+it comes back. The COMMIT is COMMIT_UNCHECKED: the worker does not hash the blocks then, but at each
+one's first read through it (a block whose bytes disagree with its checksum, which only a bug or bad
+memory makes, is then a miss): a handoff's reader copies the layer from its place and checks its own
+copy, so the bytes of a layer that nobody else reads are hashed once on each side, not twice on the
+producer's. What that costs its caller:
 - a put returns before the worker has committed it: a reader on another node that asks the worker for
   a block the moment it hears of it may find it not there yet (`kvpool.streams` retries such a miss
   briefly); a reader on this node copies it from its place, checked against its checksum;
-- a refused commit (a block whose bytes disagree with its checksum: only a bug or bad memory does
-  that) raises from the next `put` or `settle`; so does a connection lost with commits unanswered
-  (PoolUnavailable: whether those were stored is not known).
+- a refused commit raises from the next `put` or `settle`; so does a connection lost with commits
+  unanswered (PoolUnavailable: whether those were stored is not known).
 A Stager holds a connection of its own to the worker; the slots it keeps for a next put (one put's
 worth) go back when it closes, or when the worker sees the connection close.
 """
@@ -80,9 +83,9 @@ class Stager:
                 pages.ready(offsets, sizes)
                 csums = copy_in(arena, offsets, views)
                 self._held = [pin_request(keys, pin_s)] if pin_s > 0 else []
-                self._held += [(P.Op.COMMIT, P.pack_batch(keys, offsets, sizes, csums, versions)),
+                self._held += [(P.Op.COMMIT_UNCHECKED, P.pack_batch(keys, offsets, sizes, csums, versions)),
                                (P.Op.ALLOC, P.pack_batch(keys, sizes))]  # the next put's slots
-                self._held_owed = [(P.Op.COMMIT, keys, sizes), (P.Op.ALLOC, keys, sizes)]
+                self._held_owed = [(P.Op.COMMIT_UNCHECKED, keys, sizes), (P.Op.ALLOC, keys, sizes)]
                 if not hold:
                     self._send_held(sock)
         except PoolUnavailable:  # the connection is closed (PoolTimeout too)
@@ -132,7 +135,7 @@ class Stager:
             op, keys, sizes = self._owed[0]
             got = recv_column(sock, op, len(keys))
             self._owed.popleft()
-            if op == P.Op.COMMIT:
+            if op == P.Op.COMMIT_UNCHECKED:
                 bad = np.flatnonzero(got)
                 if bad.size and self._failed is None:
                     i = int(bad[0])

@@ -105,6 +105,9 @@ class TierMoves:
         ssd = stack.ssd
         if ssd is None or not blocks:
             return
+        blocks = [b for b in blocks if b.checked or self.verified(b)]  # a corrupt one is dropped, not written
+        if not blocks:
+            return
         with stack.lock:
             superseded = ssd.supersede(b.key for b in blocks)
         metas = [b.meta for b in blocks]
@@ -218,13 +221,23 @@ class TierMoves:
                 found = [None if b is not None and b.expired(now) else b for b in found]
             touch = dram.order.touch
             hits = 0
-            for b in found:
+            unchecked: list[int] = []
+            for i, b in enumerate(found):
                 if b is not None:
                     b.leases += 1  # DramTier.lease, inlined on the hottest path
                     touch(b.key)
                     hits += 1
+                    if not b.checked:
+                        unchecked.append(i)
             dram.leases += hits
             stack.counters.hits_dram += hits
+        for i in unchecked:  # committed on their writer's word: hashed at their first read, before any byte goes out
+            b = found[i]
+            if b is not None and not self.verified(b):
+                with stack.lock:
+                    dram.release(b)
+                found[i] = None
+                hits -= 1
         if hits < len(found):
             found = [b if b is not None else self._acquire_one(k) for k, b in zip(keys, found)]
         return found
@@ -257,10 +270,14 @@ class TierMoves:
         return None
 
     def verified(self, b: DramBlock) -> bool:
-        """False if `verify_dram_reads` is set and the leased block's bytes fail their checksum (the
-        block is then dropped: a miss). Lock not held."""
+        """False if the leased block's bytes fail their checksum, hashed where the block was committed
+        unchecked (the first time only) or `verify_dram_reads` is set (every time); the block is then
+        dropped: a miss. Lock not held."""
         stack = self._stack
-        if not stack.config.verify_dram_reads or checksum(stack.dram.view(b)) == b.checksum:
+        if b.checked and not stack.config.verify_dram_reads:
+            return True
+        if checksum(stack.dram.view(b)) == b.checksum:
+            b.checked = True
             return True
         with stack.lock:
             stack.counters.checksum_failures += 1

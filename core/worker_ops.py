@@ -53,7 +53,8 @@ class RequestHandlers(ConnectionServing):
             P.Op.HELLO: self._hello, P.Op.AUTH: self._auth, P.Op.PUT: self._put, P.Op.GET: self._get,
             P.Op.EXISTS: self._exists, P.Op.PREFIX: self._prefix, P.Op.REMOVE: self._remove,
             P.Op.CLEAR: self._clear, P.Op.STATS: self._stats, P.Op.ALLOC: self._alloc,
-            P.Op.COMMIT: self._commit, P.Op.ABORT: self._abort, P.Op.LEASE: self._lease,
+            P.Op.COMMIT: self._commit, P.Op.COMMIT_UNCHECKED: self._commit_unchecked, P.Op.ABORT: self._abort,
+            P.Op.LEASE: self._lease,
             P.Op.RELEASE: self._release, P.Op.PIN: self._pin, P.Op.CHANGES: self._changes,
         }
         self._bytes_in, self._bytes_out = self.metrics.bytes.labels("in"), self.metrics.bytes.labels("out")
@@ -208,18 +209,19 @@ class RequestHandlers(ConnectionServing):
                             csums[idx].tolist(), versions[idx].tolist())
 
     def _commit_blocks(self, keys: list[bytes], offsets: list[int], sizes: list[int], csums: list[int],
-                       versions: list[int]) -> None:
-        """Commit checked blocks under one lock (`TieredCache.commit_many`), each block's size told to the
-        tenants' tally. A key named twice is committed in turns, so the tally sees each block's own size."""
+                       versions: list[int], checked: bool = True) -> None:
+        """Commit blocks under one lock (`TieredCache.commit_many`; `checked`: their bytes were hashed
+        against `csums`), each block's size told to the tenants' tally. A key named twice is committed
+        in turns, so the tally sees each block's own size."""
         if not self.tenants:
-            self.cache.commit_many(keys, offsets, sizes, csums, versions)
+            self.cache.commit_many(keys, offsets, sizes, csums, versions, checked=checked)
             return
         usage = self.tenant_usage
         runs = [slice(0, len(keys))] if len(set(keys)) == len(keys) else [slice(i, i + 1) for i in range(len(keys))]
         for r in runs:
             usage.committing_many(dict(zip(keys[r], sizes[r])))
             try:
-                self.cache.commit_many(keys[r], offsets[r], sizes[r], csums[r], versions[r])
+                self.cache.commit_many(keys[r], offsets[r], sizes[r], csums[r], versions[r], checked=checked)
             finally:
                 usage.committing_many(None)
 
@@ -345,11 +347,14 @@ class RequestHandlers(ConnectionServing):
         offsets[want] = [P.ITEM_FULL if off is None else off for off in got]
         self._reply(conn, frame, offsets.tobytes())
 
-    def _commit(self, conn: Conn, frame: P.Frame) -> None:
+    def _commit(self, conn: Conn, frame: P.Frame, check: bool = True) -> None:
         # A same-node writer copies into the arena itself and sends the checksum of what it wrote; the
         # worker hashes the slot again before it commits, so a block whose bytes do not match what its
         # writer claims is refused (ITEM_CORRUPT: the client's CorruptBlock), never served as a hit.
         # The batch is checked whole (slots, then checksums), then committed under one lock.
+        # COMMIT_UNCHECKED (`check` False) commits at once; the cache hashes each block at its first
+        # read instead (a miss if it fails), so a block nobody reads through the worker (a handoff's
+        # layer, which its reader copies in place and checks itself) is never hashed here.
         keys, (offsets, sizes, csums, versions) = P.unpack_batch(frame.meta, "<i8", "<i8", "<u8", "<u8")
         offs, lens = offsets.tolist(), sizes.tolist()
         reserved = conn.reserved
@@ -360,9 +365,12 @@ class RequestHandlers(ConnectionServing):
                     reserved[off] = size  # given back when the connection closes
             off, size = next((o, n) for o, n, c in zip(offs, lens, claimed) if c != n)
             raise ProtocolError(f"COMMIT of offset {off} ({size} bytes) that this connection did not reserve")
-        arena = self.cache.arena
-        corrupt = np.fromiter(map(checksum, map(arena.view, offs, lens)), dtype="<u8", count=len(offs)) != csums
         status = np.zeros(len(keys), dtype="<i1")
+        arena = self.cache.arena
+        if check:
+            corrupt = np.fromiter(map(checksum, map(arena.view, offs, lens)), dtype="<u8", count=len(offs)) != csums
+        else:
+            corrupt = np.zeros(len(keys), dtype=bool)
         if corrupt.any():
             for off in offsets[corrupt].tolist():
                 self.cache.abort(off)
@@ -372,9 +380,12 @@ class RequestHandlers(ConnectionServing):
             keys = [k for k, bad in zip(keys, corrupt.tolist()) if not bad]
             offsets, sizes, csums, versions = offsets[good], sizes[good], csums[good], versions[good]
             offs, lens = offsets.tolist(), sizes.tolist()
-        self._commit_blocks(keys, offs, lens, csums.tolist(), versions.tolist())  # older than held: not stored
+        self._commit_blocks(keys, offs, lens, csums.tolist(), versions.tolist(), check)  # older than held: not stored
         self._bytes_in.inc(sum(lens))
         self._reply(conn, frame, status.tobytes())
+
+    def _commit_unchecked(self, conn: Conn, frame: P.Frame) -> None:
+        self._commit(conn, frame, check=False)
 
     def _abort(self, conn: Conn, frame: P.Frame) -> None:
         for off in P.unpack_ids(frame.meta).tolist():

@@ -37,7 +37,7 @@ _SOCK_BUF = 8 << 20  # room for the sender to run ahead while a received chunk i
 _PREAUTH_META = 4096
 """Metadata bytes a frame may carry before its connection authenticates (HELLO and AUTH need little)."""
 
-_SHM_OPS = frozenset({P.Op.ALLOC, P.Op.COMMIT, P.Op.ABORT, P.Op.LEASE, P.Op.RELEASE})
+_SHM_OPS = frozenset({P.Op.ALLOC, P.Op.COMMIT, P.Op.COMMIT_UNCHECKED, P.Op.ABORT, P.Op.LEASE, P.Op.RELEASE})
 
 
 class Conn:

@@ -51,6 +51,7 @@ class DramBlock:
     live: bool = True  # False once replaced, removed or evicted; the slot is freed at zero leases
     on_ssd: bool = False  # an identical copy is committed in the SSD tier
     version: int = 0  # kvpool.core.versions; 0: none
+    checked: bool = True  # False: committed on its writer's checksum, its bytes not hashed yet (see TierMoves.checked)
 
     @property
     def meta(self) -> BlockMeta:

@@ -1,7 +1,8 @@
 """Staged same-node puts (`kvpool.core.shm_stage`): they land where they say, the next put's slots are
 kept for a put of the same shape and given back otherwise and at close, a held put is committed (pinned)
-once sent and not before, a commit the worker refuses raises from the next put or settle (and the
-stager goes on), no room is a CapacityError with nothing held, and `Stagers` stages only what a
+once sent and not before, a block whose bytes disagree with its checksum is a miss at its first read
+through the worker (same node or TCP), a commit the worker refuses raises from the next put or settle
+(and the stager goes on), no room is a CapacityError with nothing held, and `Stagers` stages only what a
 same-node worker alone holds."""
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import numpy as np
 import pytest
 
 from kvpool.core import PoolClient, shm_put
+from kvpool.core import protocol as P
 from kvpool.core.blocks import checksum
 from kvpool.core.errors import CapacityError, CorruptBlock
 from kvpool.core.server import Worker
 from kvpool.core.shm_stage import Stager, Stagers
-from kvpool.core.transport import ShmTransport
+from kvpool.core.transport import ShmTransport, TcpTransport
 
 MiB = 1 << 20
 
@@ -41,7 +43,7 @@ def _wait_for(done: Callable[[], bool]) -> None:
         time.sleep(0.01)
 
 
-def _stored(reader: ShmTransport, keys: list[bytes], blocks: list[np.ndarray]) -> bool:
+def _stored(reader: ShmTransport | TcpTransport, keys: list[bytes], blocks: list[np.ndarray]) -> bool:
     out = [np.zeros_like(b) for b in blocks]
     return reader.batch_get_into(keys, out) == [b.nbytes for b in blocks] and all(map(np.array_equal, out, blocks))
 
@@ -91,11 +93,48 @@ def test_a_held_put_is_committed_pinned_once_sent_and_not_before(worker: Worker)
     reader.close()
 
 
-def test_a_commit_the_worker_refuses_raises_from_the_next_put_and_the_stager_goes_on(
+def test_a_staged_block_whose_bytes_disagree_is_a_miss_at_its_first_read(
+        worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    bad, good = _blocks(5, 64 << 10), _blocks(6, 64 << 10)
+    head = bad[0].tobytes()[:64]
+    monkeypatch.setattr(shm_put, "checksum", lambda d: checksum(d) ^ (bytes(d[:64]) == head))  # lies for `bad`
+    stager, reader, remote = _stager(worker), ShmTransport(worker.unix_path), TcpTransport(worker.address)
+    try:
+        stager.put([b"bad"], [memoryview(bad[0])])
+        stager.put([b"good"], [memoryview(good[0])])
+        stager.settle()  # committed unchecked: the worker hashes a block at its first read, not here
+        out = np.zeros(64 << 10, dtype=np.uint8)
+        assert reader.batch_get_into([b"bad"], [out]) == [-1]  # the lease found it corrupt: a miss ...
+        assert remote.batch_get_into([b"bad"], [out]) == [-1]  # ... and it was dropped
+        assert _stored(reader, [b"good"], good) and _stored(remote, [b"good"], good)
+        assert worker.cache.stats().checksum_failures == 1
+    finally:
+        stager.close()
+        reader.close()
+        remote.close()
+
+
+def test_a_remote_first_read_checks_a_staged_block_too(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = _blocks(5, 64 << 10)
+    monkeypatch.setattr(shm_put, "checksum", lambda d: checksum(d) ^ 1)  # lies for every block
+    stager, remote = _stager(worker), TcpTransport(worker.address)
+    try:
+        stager.put([b"bad"], [memoryview(bad[0])])
+        stager.settle()
+        assert remote.batch_get_into([b"bad"], [np.zeros(64 << 10, dtype=np.uint8)]) == [-1]
+        assert worker.cache.stats().checksum_failures == 1  # the worker's check, not the client's
+        assert remote.checksum_failures == 0
+    finally:
+        stager.close()
+        remote.close()
+
+
+def test_a_refused_commit_raises_from_the_next_put_and_the_stager_goes_on(
         worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     bad, good, later = _blocks(5, 64 << 10), _blocks(6, 64 << 10), _blocks(7, 64 << 10)
     head = bad[0].tobytes()[:64]
     monkeypatch.setattr(shm_put, "checksum", lambda d: checksum(d) ^ (bytes(d[:64]) == head))  # lies for `bad`
+    monkeypatch.setitem(worker._handlers, P.Op.COMMIT_UNCHECKED, worker._commit)  # a worker that checks at once
     stager, reader = _stager(worker), ShmTransport(worker.unix_path)
     try:
         stager.put([b"bad"], [memoryview(bad[0])])  # returns: the worker has not answered yet
