@@ -2,20 +2,23 @@
 
 A same-node put (`shm_put`) waits for the worker twice: for its slots (ALLOC) and for the COMMIT of
 what it copied there. A producer that puts layer after layer of the same shape need wait for neither:
-`Stager` asks for the next put's slots as soon as a put is sent (the sizes of that put), copies the
-next put's blocks straight into them, sends their COMMIT and returns; it reads the worker's answers when
-it comes back. The COMMIT is COMMIT_UNCHECKED: the worker does not hash the blocks then, but at each
-one's first read through it (a block whose bytes disagree with its checksum, which only a bug or bad
-memory makes, is then a miss): a handoff's reader copies the layer from its place and checks its own
-copy, so the bytes of a layer that nobody else reads are hashed once on each side, not twice on the
-producer's. What that costs its caller:
+`Stager` keeps the slots of the next `LOOKAHEAD` puts asked for (the sizes of the last put), copies
+the next put's blocks straight into them, sends their COMMIT and returns; it reads the worker's
+answers when it comes back, only as far as the slots it needs.
+
+The COMMIT is COMMIT_UNCHECKED: the worker does not hash the blocks then, but at each one's first read
+through it (a block whose bytes disagree with its checksum, which only a bug or bad memory makes, is
+then a miss): a handoff's reader copies the layer from its place and checks its own copy, so the bytes
+of a layer that nobody else reads are hashed once on each side, not twice on the producer's.
+
+What that costs its caller:
 - a put returns before the worker has committed it: a reader on another node that asks the worker for
   a block the moment it hears of it may find it not there yet (`kvpool.streams` retries such a miss
   briefly); a reader on this node copies it from its place, checked against its checksum;
-- a refused commit raises from the next `put` or `settle`; so does a connection lost with commits
+- a refused commit raises from a later `put` or `settle`; so does a connection lost with commits
   unanswered (PoolUnavailable: whether those were stored is not known).
-A Stager holds a connection of its own to the worker; the slots it keeps for a next put (one put's
-worth) go back when it closes, or when the worker sees the connection close.
+A Stager holds a connection of its own to the worker; the slots it keeps for next puts (`LOOKAHEAD`
+puts' worth) go back when it closes, or when the worker sees the connection close.
 """
 from __future__ import annotations
 
@@ -36,7 +39,12 @@ from .shm_refs import Place
 from .transport import ShmTransport
 from .versions import CLOCK
 
-__all__ = ["Stager", "Stagers"]
+__all__ = ["Stager", "Stagers", "LOOKAHEAD"]
+
+LOOKAHEAD = 2
+"""Puts whose slots a stager keeps asked for ahead: the worker commits one put while the producer copies
+the next, and the producer never waits for the worker's answer to the put it just made (one ahead, the
+answer it waited for took as long as the worker's whole turn: 450 -> 360 us per 1 MiB put here)."""
 
 
 class Stager:
@@ -48,8 +56,8 @@ class Stager:
         self.transport, self.arena = transport, arena  # (the arena of the worker it was made for)
         self._owed: deque[tuple[int, list[bytes], np.ndarray]] = deque()
         """(op, keys, sizes) of each request sent and not yet answered, in order."""
-        self._spare: tuple[tuple[int, ...], np.ndarray] | None = None
-        """(sizes, offsets) of slots reserved for a next put of those sizes."""
+        self._spares: deque[tuple[tuple[int, ...], np.ndarray]] = deque()
+        """(sizes, offsets) of slots reserved for next puts of those sizes, oldest first."""
         self._failed: BaseException | None = None
         self._held: list[tuple[int, bytes]] = []
         """Requests of the last put, made with `hold` and not sent yet; (op, keys, sizes) of those owed
@@ -60,7 +68,7 @@ class Stager:
         """Whether a put of blocks of `sizes` can go this way: one frame, and with the spare slots
         within what the worker lets one connection hold reserved."""
         info = self.transport.hello()
-        budget = (info.max_reserve or P.MAX_DATA) // 2
+        budget = (info.max_reserve or P.MAX_DATA) // (1 + LOOKAHEAD)
         return bool(sizes) and len(P.frames(len(sizes), sizes, budget)) == 1 and sum(sizes) <= budget \
             and max(sizes) <= info.max_block
 
@@ -77,15 +85,16 @@ class Stager:
         try:
             with t.held() as (sock, arena, pages):
                 self._send_held(sock)
-                self._answers(sock)
-                self._raise_failed()
                 offsets = self._slots(sock, keys, sizes)
                 pages.ready(offsets, sizes)
                 csums = copy_in(arena, offsets, views)
                 self._held = [pin_request(keys, pin_s)] if pin_s > 0 else []
-                self._held += [(P.Op.COMMIT_UNCHECKED, P.pack_batch(keys, offsets, sizes, csums, versions)),
-                               (P.Op.ALLOC, P.pack_batch(keys, sizes))]  # the next put's slots
-                self._held_owed = [(P.Op.COMMIT_UNCHECKED, keys, sizes), (P.Op.ALLOC, keys, sizes)]
+                self._held.append((P.Op.COMMIT_UNCHECKED, P.pack_batch(keys, offsets, sizes, csums, versions)))
+                self._held_owed = [(P.Op.COMMIT_UNCHECKED, keys, sizes)]
+                ahead = len(self._spares) + sum(op == P.Op.ALLOC for op, _, _ in self._owed)
+                for _ in range(LOOKAHEAD - ahead):  # the next puts' slots
+                    self._held.append((P.Op.ALLOC, P.pack_batch(keys, sizes)))
+                    self._held_owed.append((P.Op.ALLOC, keys, sizes))
                 if not hold:
                     self._send_held(sock)
         except PoolUnavailable:  # the connection is closed (PoolTimeout too)
@@ -116,22 +125,29 @@ class Stager:
         P.send_frame(sock, op, meta)
 
     def _slots(self, sock: socket.socket, keys: list[bytes], sizes: np.ndarray) -> np.ndarray:
-        """Offsets of slots for blocks of `sizes`: the spare ones if they are of those sizes, else
-        asked for now (the spare ones given back). CapacityError if the worker has no room."""
+        """Offsets of slots for blocks of `sizes`: the oldest spare ones, reading the worker's answers
+        only until they are there; else asked for now (spare ones of other sizes given back). Raises
+        the failure of an earlier put first; CapacityError if the worker has no room."""
         shape = tuple(sizes.tolist())
-        if self._spare is None or self._spare[0] != shape:
+        while self._owed and not (self._spares and self._spares[0][0] == shape):
+            self._answer(sock)
+        if not self._spares or self._spares[0][0] != shape:
             self._give_back(sock)
             self._send(sock, P.Op.ALLOC, keys, sizes, P.pack_batch(keys, sizes))
             self._answers(sock)
-        if self._spare is None:
+        self._raise_failed()
+        if not self._spares:
             raise_item(P.ITEM_FULL, keys[0], int(sizes.sum()), 0)
-        assert self._spare is not None
-        offsets, self._spare = self._spare[1], None
-        return offsets
+        return self._spares.popleft()[1]
 
     def _answers(self, sock: socket.socket) -> None:
-        """Read the answer to every request sent (the worker answers in order)."""
+        """Read the answer to every request sent."""
         while self._owed:
+            self._answer(sock)
+
+    def _answer(self, sock: socket.socket) -> None:
+        """Read the answer to the oldest request sent (the worker answers in order)."""
+        if self._owed:
             op, keys, sizes = self._owed[0]
             got = recv_column(sock, op, len(keys))
             self._owed.popleft()
@@ -144,14 +160,14 @@ class Stager:
                     except KVPoolError as e:  # kept for the caller's next put or settle
                         self._failed = e
             elif (got >= 0).all():
-                self._spare = (tuple(sizes.tolist()), got.copy())
+                self._spares.append((tuple(sizes.tolist()), got.copy()))
             elif (held := got[got >= 0]).size:  # no room for all: what was granted goes back
                 P.send_frame(sock, P.Op.ABORT, held.tobytes())
 
     def _give_back(self, sock: socket.socket) -> None:
-        if self._spare is not None:
-            P.send_frame(sock, P.Op.ABORT, self._spare[1].tobytes())
-            self._spare = None
+        if self._spares:
+            P.send_frame(sock, P.Op.ABORT, np.concatenate([offsets for _, offsets in self._spares]).tobytes())
+            self._spares.clear()
 
     def _raise_failed(self) -> None:
         failed, self._failed = self._failed, None
@@ -162,7 +178,7 @@ class Stager:
         """The connection is closed: nothing is owed on it and its slots went back with it."""
         self._owed.clear()
         self._held, self._held_owed = [], []
-        self._spare = None
+        self._spares.clear()
         self.transport.close()
 
     def settle(self) -> None:
@@ -181,7 +197,7 @@ class Stager:
         """Send a held put's COMMIT, give the spare slots back and close the connection (puts still
         unanswered are not waited for)."""
         try:
-            if self._held or (self._spare is not None and not self._owed):
+            if self._held or (self._spares and not self._owed):
                 with self.transport.held() as (sock, _, _):
                     self._send_held(sock)
                     if not self._owed:
@@ -191,7 +207,7 @@ class Stager:
         finally:
             self._owed.clear()
             self._held, self._held_owed = [], []
-            self._spare = None
+            self._spares.clear()
             self.transport.close()
 
 

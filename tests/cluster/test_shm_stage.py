@@ -1,7 +1,7 @@
 """Staged same-node puts (`kvpool.core.shm_stage`): they land where they say, the next put's slots are
 kept for a put of the same shape and given back otherwise and at close, a held put is committed (pinned)
 once sent and not before, a block whose bytes disagree with its checksum is a miss at its first read
-through the worker (same node or TCP), a commit the worker refuses raises from the next put or settle
+through the worker (same node or TCP), a commit the worker refuses raises from a later put or settle
 (and the stager goes on), no room is a CapacityError with nothing held, and `Stagers` stages only what a
 same-node worker alone holds."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kvpool.core import protocol as P
 from kvpool.core.blocks import checksum
 from kvpool.core.errors import CapacityError, CorruptBlock
 from kvpool.core.server import Worker
-from kvpool.core.shm_stage import Stager, Stagers
+from kvpool.core.shm_stage import LOOKAHEAD, Stager, Stagers
 from kvpool.core.transport import ShmTransport, TcpTransport
 
 MiB = 1 << 20
@@ -61,7 +61,7 @@ def test_staged_puts_land_where_they_say_and_spare_slots_follow_the_shape(worker
             assert _stored(reader, list(keys), bl)
             for b, p in zip(bl, pl):  # the place is the committed block's slot, as a same-node reader copies it
                 assert bytes(reader.arena[p.offset:p.offset + p.size]) == b.tobytes()
-        assert _reserved(worker) == MiB + 4096  # one spare put's worth: the last put's shape
+        assert _reserved(worker) == LOOKAHEAD * (MiB + 4096)  # spare puts' worth, of the last put's shape
     finally:
         stager.close()
     _wait_for(lambda: _reserved(worker) == 0)  # the spare went back
