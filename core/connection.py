@@ -220,7 +220,7 @@ class Connection:
 
     def batch_remove(self, keys: Sequence[bytes], versions: Sequence[int] | None = None) -> list[bool]:
         """Remove blocks as of `versions` (default: stamped now): True where one was removed."""
-        stamps = np.asarray(versions if versions is not None else CLOCK.batch(len(keys)), dtype="<u8")
+        stamps = np.asarray(versions, dtype="<u8") if versions is not None else CLOCK.batch_array(len(keys))
         out: list[bool] = []
         for f in P.frames(len(keys)):
             reply = self.call(P.Op.REMOVE, P.pack_batch(list(keys[f]), stamps[f]))

@@ -80,7 +80,7 @@ class Stager:
         the blocks first, and the worker's commit does not delay the announcement (a reader on this node
         copies them from their places, checked against their checksums, before or after the commit)."""
         sizes = np.array([v.nbytes for v in views], dtype="<i8")
-        versions = np.asarray(CLOCK.batch(len(keys)), dtype="<u8")
+        versions = CLOCK.batch_array(len(keys))
         t = self.transport
         try:
             with t.held() as (sock, arena, pages):

@@ -342,7 +342,7 @@ def _copy_out(arena: memoryview, keys: Sequence[bytes], offsets: list[int], size
 
 def _stamps(versions: Sequence[int] | None, n: int) -> np.ndarray:
     """The versions a put sends: the caller's, else `n` stamped now."""
-    return np.asarray(versions if versions is not None else CLOCK.batch(n), dtype="<u8")
+    return np.asarray(versions, dtype="<u8") if versions is not None else CLOCK.batch_array(n)
 
 
 def _observed(versions: list[int]) -> list[int]:
