@@ -63,14 +63,22 @@ class Stager:
         """Requests of the last put, made with `hold` and not sent yet; (op, keys, sizes) of those owed
         an answer once they are."""
         self._held_owed: list[tuple[int, list[bytes], np.ndarray]] = []
+        self._fitted: tuple[int, ...] | None = None  # the last shape `fits` said yes to
 
     def fits(self, sizes: Sequence[int]) -> bool:
         """Whether a put of blocks of `sizes` can go this way: one frame, and with the spare slots
-        within what the worker lets one connection hold reserved."""
+        within what the worker lets one connection hold reserved (the answer for the last shape that
+        fitted is kept: a producer's layers have one shape)."""
+        shape = tuple(sizes)
+        if shape == self._fitted:
+            return True
         info = self.transport.hello()
         budget = (info.max_reserve or P.MAX_DATA) // (1 + LOOKAHEAD)
-        return bool(sizes) and len(P.frames(len(sizes), sizes, budget)) == 1 and sum(sizes) <= budget \
+        fit = bool(sizes) and len(P.frames(len(sizes), sizes, budget)) == 1 and sum(sizes) <= budget \
             and max(sizes) <= info.max_block
+        if fit:
+            self._fitted = shape
+        return fit
 
     def put(self, keys: list[bytes], views: Sequence[memoryview], pin_s: float = 0.0, *,
             hold: bool = False) -> tuple[list[Place], list[int]]:
@@ -228,7 +236,7 @@ class Stagers:
         elif isinstance(backend, ClusterBackend):
             owner = backend.sole_owner(keys)
             fanout = backend.fanout
-            if owner is None or owner.node_id != fanout.node_id or not unix_socket_usable(owner.unix):
+            if owner is None or owner.node_id != fanout.node_id:
                 return None
             info = owner
             where = (owner.unix, fanout.token, fanout.timeout_s)
@@ -239,6 +247,8 @@ class Stagers:
             stager.close()
             stager = None
         if stager is None:
+            if isinstance(backend, ClusterBackend) and not unix_socket_usable(where[0]):
+                return None  # another user's worker: reached over TCP
             stager = self._stagers[info.worker_id] = Stager(ShmTransport(*where), info.arena)
         return stager if stager.fits(sizes) else None
 

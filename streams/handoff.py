@@ -4,8 +4,9 @@ The prefill side (`Producer.publish_kv` per layer, then `Producer.end_request`) 
 in the pool and publishes a `kv` message on `kvpool.stream.<stream>.req.<request_id>`. `iter_layers`
 takes each message live, the moment the NATS server routes it (`live.Feed`: a core NATS subscription on
 the subject; no JetStream consumer and no round trip per layer), and reads the stream's stored copy of
-the subject where the live path may have missed one: at start, on a gap in the request's chain, after
-`RECOVER_S` without news, and before giving up. It copies each layer's blocks into the caller's buffer, on the
+the subject where the live path may have missed one: at start unless the request's first message comes
+live within `FIRST_LIVE_S`, on a gap in the request's chain, after `RECOVER_S` without news, and before
+giving up. It copies each layer's blocks into the caller's buffer, on the
 producer's node straight from the worker's shared memory where the message says the producer committed
 them (no request to the worker; `payload.fetch_many`), elsewhere from the pool, and ends at the `end`
 message.
@@ -45,6 +46,9 @@ one (a slow subscriber, a reconnect); also how soon a lost message is found when
 Each read-back that finds nothing doubles the wait, up to `RECOVER_MAX_S` (so that many receivers
 waiting on a slow prefill do not poll JetStream), and progress resets it."""
 RECOVER_MAX_S = 2.0
+FIRST_LIVE_S = 0.002
+"""How long a receiver waits for its request's first message to come live before it reads the stream
+back (where a request published before the receiver subscribed is found)."""
 _AHEAD = 1024
 """Messages ahead of their place in the chain a receiver holds while it waits for the ones before."""
 _END_STORED_S = 1.0
@@ -146,13 +150,16 @@ class HandoffReceiver:
         seen: set[int] = set()
         try:
             last = time.monotonic()
-            burst, recover = feed.stored(), False  # what was published before we subscribed
-            quiet = RECOVER_S
+            # What was published before we subscribed is read back only if the first message to come
+            # live is not the request's first (a gap), or none comes within FIRST_LIVE_S: a receiver
+            # that is there before its producer (the usual case) never reads the stream back.
+            burst, recover = [], False
+            quiet = FIRST_LIVE_S
             while True:
                 if not burst and (recover or feed.reconnected()):
                     burst, recover = feed.stored(), False
                     if not burst:
-                        quiet = min(2 * quiet, RECOVER_MAX_S)
+                        quiet = max(RECOVER_S, min(2 * quiet, RECOVER_MAX_S))
                 elif not burst:
                     idle = time.monotonic() - last
                     if idle >= timeout:

@@ -147,6 +147,16 @@ def test_a_late_receiver_takes_the_stored_messages_then_the_live_ones_each_once(
     assert rx.counts["rejected"] == 0 and rx.counts["recovered"] >= 1   # layer 0 was stored before we came
 
 
+def test_a_request_published_whole_before_the_receiver_came_is_read_back(nats, make_stream, pool):
+    s = make_stream()
+    _handoff(nats.url, s, pool, "early").join(20)  # layers and end stored; nothing will come live
+    t = time.monotonic()
+    with HandoffReceiver(s, nats.url, pool) as rx:
+        got = _receive(rx, "early")
+    assert got == list(range(LAYERS)) and rx.counts["recovered"] == LAYERS + 1
+    assert time.monotonic() - t < 2  # read back after a first look for live ones, not after a timeout
+
+
 def test_a_forged_live_end_is_dropped_with_a_secret(nats, make_stream, pool, monkeypatch):
     """The receiver is waiting (the live path) when a forger who cannot sign publishes an `end`."""
     monkeypatch.setenv("KVPOOL_STREAM_SECRET", "live-secret")
