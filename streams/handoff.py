@@ -153,7 +153,8 @@ class HandoffReceiver:
             # What was published before we subscribed is read back only if the first message to come
             # live is not the request's first (a gap), or none comes within FIRST_LIVE_S: a receiver
             # that is there before its producer (the usual case) never reads the stream back.
-            burst, recover = [], False
+            burst: list[Raw] = []
+            recover = False
             quiet = FIRST_LIVE_S
             while True:
                 if not burst and (recover or feed.reconnected()):
