@@ -151,8 +151,8 @@ class HandoffReceiver:
         try:
             last = time.monotonic()
             # What was published before we subscribed is read back only if the first message to come
-            # live is not the request's first (a gap), or none comes within FIRST_LIVE_S: a receiver
-            # that is there before its producer (the usual case) never reads the stream back.
+            # live is not the request's first (a gap), or none comes within FIRST_LIVE_S: a receiver that
+            # starts as its producer does (layers racing in) takes them live, not one get_msg each.
             burst: list[Raw] = []
             recover = False
             quiet = FIRST_LIVE_S
