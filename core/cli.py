@@ -13,7 +13,13 @@ from typing import Any
 
 from .registry import add_command
 
-__all__ = ["COMMANDS", "EXIT_ERROR", "cmd_worker", "cmd_up", "cmd_status", "build_parser", "main"]
+__all__ = ["COMMANDS", "EXIT_ERROR", "PARENT_ENV", "cmd_worker", "cmd_up", "cmd_status", "build_parser", "main"]
+
+log = logging.getLogger("kvpool.cli")
+
+PARENT_ENV = "KVPOOL_PARENT_PID"
+"""A `kvpool worker` started with this set to its parent's pid stops once that process is gone (a
+bench or test process that was killed never leaves a worker, and its shared memory, behind)."""
 
 COMMANDS: dict[str, str] = {
     "bench": "kvpool.core.bench",
@@ -82,12 +88,15 @@ def _stop_signal() -> threading.Event:
     return done
 
 
-def _wait_for_stop(done: threading.Event) -> None:
+def _wait_for_stop(done: threading.Event, parent: int | None = None) -> None:
     """Block until `done`, waking twice a second: Python runs signal handlers in the main thread only,
     and a signal the kernel delivers to another thread does not interrupt an unbounded wait, so a
-    SIGTERM could otherwise go unnoticed for ever."""
+    SIGTERM could otherwise go unnoticed for ever. With `parent`, also until this process's parent is
+    no longer that process (it died, even by kill -9, and this one was handed to another)."""
     while not done.wait(0.5):
-        pass
+        if parent is not None and os.getppid() != parent:
+            log.warning("the process that started this worker (pid %d) is gone: stopping", parent)
+            return
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -95,7 +104,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     done = _stop_signal()
     worker = _build_worker(args).start()
     print(f"kvpool worker {worker.worker_id}: tcp {worker.address}, same-node {worker.unix_path}", flush=True)
-    _wait_for_stop(done)
+    parent = os.environ.get(PARENT_ENV)
+    _wait_for_stop(done, int(parent) if parent and parent.isdigit() else None)
     worker.stop()
     return 0
 
@@ -228,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KVPoolError as e:
-        logging.getLogger("kvpool.cli").debug("kvpool %s failed", args.command, exc_info=True)
+        log.debug("kvpool %s failed", args.command, exc_info=True)
         print(f"kvpool {args.command}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return EXIT_ERROR
 

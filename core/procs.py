@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from .auth import token_path
+from .cli import PARENT_ENV
 from .errors import PoolTimeout, PoolUnavailable
 from .nats_server import free_port
 from .tiers.dram import arena_names
@@ -22,7 +23,8 @@ _READY_LINE = "kvpool worker "
 
 class WorkerProcess:
     """`kvpool worker` in a child process with its own state dir; `stop()` is SIGTERM (then SIGABRT,
-    which leaves the stuck worker's stacks in `log_path`), `kill()` -9."""
+    which leaves the stuck worker's stacks in `log_path`), `kill()` -9. The worker stops by itself
+    within a second of this process's end, if this process never stopped it (`cli.PARENT_ENV`)."""
 
     def __init__(self, state_dir: str | os.PathLike[str], *, nats_url: str | None = None,
                  dram_bytes: str = "256MiB", ssd: bool = False, node_id: str | None = None,
@@ -41,7 +43,7 @@ class WorkerProcess:
         # The worker's token file is this process's (KVPOOL_TOKEN_FILE, else its own state dir's): clients
         # here find the token the worker makes, though the worker keeps the rest of its state apart.
         child_env = {**os.environ, "KVPOOL_STATE_DIR": str(self.state_dir), "KVPOOL_TOKEN_FILE": str(token_path()),
-                     **(env or {})}
+                     PARENT_ENV: str(os.getpid()), **(env or {})}  # it stops once we are gone, however we went
         if node_id:
             child_env["KVPOOL_NODE_ID"] = node_id
         self.log_path = self.state_dir / f"worker-{self.port}.log"

@@ -118,3 +118,42 @@ def test_worker_id_flag_names_the_worker(tmp_path: Path) -> None:
         assert worker_id(w) == "rack1-w7"
     finally:
         w.stop()
+
+
+_STARTER = """
+import sys, time
+from kvpool.core.procs import WorkerProcess
+w = WorkerProcess(sys.argv[1], dram_bytes="64MiB", env={"KVPOOL_DRAM_SLAB_SIZE": "1MiB"}).wait_ready()
+print(w.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited and not yet reaped by whoever adopted it, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_worker_whose_starter_was_killed_stops_and_unlinks_its_arena(tmp_path: Path) -> None:
+    starter = subprocess.Popen([sys.executable, "-c", _STARTER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    pid = 0
+    try:
+        assert starter.stdout is not None
+        pid = int(starter.stdout.readline())
+        assert _running(pid) and arena_names(pid)
+        starter.kill()  # kill -9: the starter's WorkerProcess never stops the worker
+        starter.wait()
+        assert poll(lambda: not _running(pid), 10), "the orphaned worker is still running"
+        assert not arena_names(pid)  # it stopped as on SIGTERM: its arena is gone with it
+    finally:
+        starter.kill()
+        starter.wait()
+        if starter.stdout is not None:
+            starter.stdout.close()
+        if pid and _running(pid):
+            os.kill(pid, 9)
+            for name in arena_names(pid):
+                os.unlink(f"/dev/shm/{name}")
