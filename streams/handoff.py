@@ -6,10 +6,9 @@ takes each message live, the moment the NATS server routes it (`live.Feed`: a co
 the subject; no JetStream consumer and no round trip per layer), and reads the stream's stored copy of
 the subject where the live path may have missed one: at start unless the request's first message comes
 live within `FIRST_LIVE_S`, on a gap in the request's chain, after `RECOVER_S` without news, and before
-giving up. It copies each layer's blocks into the caller's buffer, on the
-producer's node straight from the worker's shared memory where the message says the producer committed
-them (no request to the worker; `payload.fetch_many`), elsewhere from the pool, and ends at the `end`
-message.
+giving up. It copies each layer's blocks into the caller's buffer, on the producer's node straight from
+the worker's shared memory where the message says the producer committed them (no request to the
+worker; `payload.fetch_many`), elsewhere from the pool, and ends at the `end` message.
 
 Anyone who can publish to the stream can publish on that subject, so each message is checked before it
 counts: its kind, body and limits (`envelope`), its signature where a stream secret is set, and its place
