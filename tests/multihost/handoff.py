@@ -27,7 +27,8 @@ def main() -> int:
     role, opts = sys.argv[1], json.loads(sys.argv[2])
     request = opts["request"]
     with PoolClient(mode="cluster", nats_url=opts["nats_url"], token=opts["token"]) as pool:
-        pool.wait_for_members(lambda m: len(m) >= 3, 15)
+        if not pool.wait_for_members(lambda m: len(m) >= 3, 30):
+            raise SystemExit(f"{role}: the cluster's three workers were not all members within 30 s")
         if role == "prefill":
             with Producer(opts["stream"], opts["nats_url"], pool=pool) as p:
                 for layer in range(LAYERS):
