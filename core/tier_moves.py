@@ -98,16 +98,17 @@ class TierMoves:
         while self._writes:
             self._written.wait()
 
-    def demote(self, blocks: list[DramBlock]) -> None:
+    def demote(self, blocks: list[DramBlock]) -> int:
         """Write blocks, leased or with the lock held, to SSD in one transaction and index them (they
-        stay in DRAM). A full SSD tier drops them from the cache's care cleanly (counted)."""
+        stay in DRAM); how many were written. A full SSD tier drops them from the cache's care cleanly
+        (counted)."""
         stack = self._stack
         ssd = stack.ssd
         if ssd is None or not blocks:
-            return
+            return 0
         blocks = [b for b in blocks if b.checked or self.verified(b)]  # a corrupt one is dropped, not written
         if not blocks:
-            return
+            return 0
         with stack.lock:
             superseded = ssd.supersede(b.key for b in blocks)
         metas = [b.meta for b in blocks]
@@ -119,7 +120,7 @@ class TierMoves:
             with stack.lock:
                 ssd.unsupersede(superseded)  # the old copies are still there
                 stack.counters.dropped += len(blocks)  # SSD full: the blocks leave the cache cleanly
-            return
+            return 0
         finally:
             del items
         with stack.lock:
@@ -140,6 +141,7 @@ class TierMoves:
                         listener.copied(b.key, "ssd")
             stack.counters.demotions += len(blocks)
             self._trim_ssd()
+        return len(blocks)
 
     def _trim_ssd(self) -> None:
         """Drop the first SSD blocks to go above the SSD tier's high watermark. Lock held."""
@@ -319,7 +321,7 @@ class TierMoves:
 
     def flush(self) -> int:
         """Write every DRAM block without an SSD copy to SSD, in batches of `_FLUSH_BATCH` (they stay in
-        DRAM); returns how many. Lock not held."""
+        DRAM); returns how many were written. Lock not held."""
         stack = self._stack
         if stack.ssd is None:
             return 0
@@ -327,10 +329,11 @@ class TierMoves:
             stack.check_open()
             pending = [b for b in stack.dram.blocks.values() if not b.on_ssd]
             self.begin_write(pending)
+        written = 0
         try:
             for i in range(0, len(pending), _FLUSH_BATCH):
-                self.demote(pending[i:i + _FLUSH_BATCH])
+                written += self.demote(pending[i:i + _FLUSH_BATCH])
         finally:
             with stack.lock:
                 self.end_write(pending)
-        return len(pending)
+        return written

@@ -63,7 +63,7 @@ def test_a_block_whose_bytes_disagree_is_not_written_to_ssd(make_cache: Callable
     bad, good = payload("bad", 64 * KiB), payload("good", 64 * KiB)
     _commit_unchecked(cache, b"bad", bad, claimed=checksum(bad) ^ 1)
     _commit_unchecked(cache, b"good", good)
-    cache.flush()
+    assert cache.flush() == 1  # the good one
     assert not cache.exists(b"bad") and cache.stats().checksum_failures == 1
     cache.close()
     reopened = make_cache(ssd_path=ssd_dir, ssd_sync=False)  # DRAM is empty: reads come from SSD
