@@ -321,11 +321,15 @@ class TierMoves:
 
     def flush(self) -> int:
         """Write every DRAM block without an SSD copy to SSD, in batches of `_FLUSH_BATCH` (they stay in
-        DRAM); returns how many were written. Lock not held."""
+        DRAM); returns how many were written. It first waits for the writes in flight: a block is never
+        in two writes at once (the later one's index entry could outlive a deletion queued between
+        them). Lock not held."""
         stack = self._stack
         if stack.ssd is None:
             return 0
         with stack.lock:
+            stack.check_open()
+            self.wait_for_writes()
             stack.check_open()
             pending = [b for b in stack.dram.blocks.values() if not b.on_ssd]
             self.begin_write(pending)

@@ -82,3 +82,53 @@ def test_threads_never_see_wrong_bytes(make_cache: Callable[..., TieredCache], s
     assert cache.check() == []
     for k in keys:
         check(k, cache.get(k))
+
+
+def test_flush_waits_for_the_demoters_write_in_flight(make_cache: Callable[..., TieredCache], ssd_dir: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block is in one SSD write at a time: a flush that starts while the demoter writes waits for
+    it (else both write a block, and an eviction queued between them deletes the copy the later one
+    indexes: a block indexed on SSD that LMDB does not hold)."""
+    from kvpool.core.tiers.ssd import SsdStore
+
+    batch_put = SsdStore.batch_put
+    in_flight: set[bytes] = set()
+    overlaps: list[bytes] = []
+    entered, release = threading.Event(), threading.Event()
+    guard = threading.Lock()
+
+    def watched(store: SsdStore, items: list) -> int:  # type: ignore[type-arg]
+        items = list(items)
+        keys = {k for k, _, _ in items}
+        with guard:
+            overlaps.extend(keys & in_flight)
+            in_flight.update(keys)
+        try:
+            if not entered.is_set():
+                entered.set()
+                release.wait(10)  # the first write (the demoter's) stays in flight until released
+            return batch_put(store, items)
+        finally:
+            with guard:
+                in_flight.difference_update(keys)
+
+    monkeypatch.setattr(SsdStore, "batch_put", watched)
+    cache = make_cache(dram_bytes=4 * MiB, dram_slab_size=1 * MiB, ssd_path=ssd_dir, ssd_sync=False,
+                       high_watermark=0.5, low_watermark=0.25)
+    for i in range(24):
+        cache.put(f"f{i}", payload(f"f{i}", 100 * KiB))
+    assert entered.wait(10), "the demoter never wrote"
+    flushed: list[int] = []
+    flusher = threading.Thread(target=lambda: flushed.append(cache.flush()))
+    flusher.start()
+    try:
+        flusher.join(0.3)
+        assert flusher.is_alive(), "flush went ahead of the write in flight"
+    finally:
+        release.set()
+    flusher.join(10)
+    assert not flusher.is_alive() and flushed and not overlaps
+    assert cache.check() == []
+    for i in range(24):
+        got = cache.get(f"f{i}")
+        assert got is None or got == payload(f"f{i}", 100 * KiB)
