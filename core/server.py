@@ -177,7 +177,7 @@ class Worker(RequestHandlers):
         """What the worker registers in the cluster and answers to HELLO."""
         s = self.cache.stats()
         return {"worker_id": self.worker_id, "node_id": self.node_id, "tcp": self.address,
-                "unix": self.unix_path, "arena": self.cache.arena.name, "arena_size": self.cache.arena.size,
+                "unix": self.unix_path, "arena": self.cache.arena.name, "arena_size": self.cache.arena.length,
                 "dram_capacity": s.dram_capacity, "dram_bytes": s.dram_bytes,
                 "ssd_bytes": s.ssd_bytes, "hits": s.hits_dram + s.hits_ssd + s.hits_device,
                 "misses": s.misses, "max_block": self.cache.max_block, "max_reserve": self.max_reserve,

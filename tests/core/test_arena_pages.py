@@ -32,7 +32,7 @@ def _faults_writing(view: memoryview, start: int, n: int) -> int:
 
 
 def test_a_readied_region_takes_no_faults_and_another_does(arena: DramArena) -> None:
-    view = DramArena.attach(arena.name, arena.size, writable=True)
+    view = DramArena.attach(arena.name, arena.length, writable=True)
     try:
         pages = ArenaPages(view, writable=True)
         pages.ready(np.array([4096, -1], dtype="<i8"), np.array([1 << 20, 0], dtype="<i8"))  # region 0; a miss
@@ -45,7 +45,7 @@ def test_a_readied_region_takes_no_faults_and_another_does(arena: DramArena) -> 
 
 
 def test_a_block_across_regions_readies_each(arena: DramArena) -> None:
-    view = DramArena.attach(arena.name, arena.size, writable=False)
+    view = DramArena.attach(arena.name, arena.length, writable=False)
     try:
         pages = ArenaPages(view, writable=False)
         pages.ready(np.array([REGION_BYTES - 4096], dtype="<i8"), np.array([REGION_BYTES + 8192], dtype="<i8"))

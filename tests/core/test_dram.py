@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.core.errors import ConfigError
-from kvpool.core.tiers.dram import DramArena, arena_names, size_classes, sweep_dead_arenas
+from kvpool.core.tiers.dram import PHASE, DramArena, arena_names, size_classes, sweep_dead_arenas
 
 from corehelp import KiB, MiB
 
@@ -37,7 +37,7 @@ def test_arena_is_created_0600_even_with_a_permissive_umask() -> None:
         st_ = os.stat(f"/dev/shm/{a.name}")
         assert stat.S_IMODE(st_.st_mode) == 0o600
         assert st_.st_uid == os.getuid()
-        assert st_.st_size == 2 * MiB
+        assert st_.st_size == a.length == 2 * MiB + PHASE
     finally:
         a.close()
 
@@ -109,10 +109,24 @@ def _fill_and_check(arena: DramArena) -> None:
         slots.append((off, n, i))
     spans = sorted((off, off + arena.slot_size(off)) for off, _, _ in slots)
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
-    assert spans[-1][1] <= arena.size
+    assert spans[0][0] >= PHASE and spans[-1][1] <= arena.length
     for off, n, i in slots:
         assert arena.view(off, n) == bytes([i]) * n
     assert arena.check() == [] and arena.allocated() == {off for off, _, _ in slots}
+
+
+def test_page_sized_slots_start_mid_page() -> None:
+    """Slots of page-multiple classes start `PHASE` bytes into a page: far from where buffers start
+    (a page boundary, malloc's 16 bytes in, torch's 64), which a copy between them would 4K-alias."""
+    arena = DramArena(8 * MiB, slab_size=1 * MiB, prefault=False)
+    try:
+        offs = [arena.alloc(n) for n in (4 * KiB, 16 * KiB, 64 * KiB, 64 * KiB, 256 * KiB, 1 * MiB)]
+        assert {(o or 0) % PAGE for o in offs} == {PHASE}
+        for o in offs:
+            arena.free(o or 0)
+        assert arena.check() == [] and arena.used_bytes == 0
+    finally:
+        arena.close()
 
 
 def test_check_reports_broken_allocator_bookkeeping(arena: DramArena) -> None:
