@@ -328,7 +328,6 @@ class TierMoves:
         if stack.ssd is None:
             return 0
         with stack.lock:
-            stack.check_open()
             self.wait_for_writes()
             stack.check_open()
             pending = [b for b in stack.dram.blocks.values() if not b.on_ssd]

@@ -205,7 +205,7 @@ class DramArena:
             elif free_slabs:
                 slab_no = free_slabs.pop()
                 csize = classes[cls]
-                base = slab_no * self.slab_size + PHASE
+                base = self._base(slab_no)
                 count = self.slab_size // csize
                 slab = _Slab(cls, [base + i * csize for i in range(count - 1, -1, -1)])
                 slabs[slab_no] = slab
@@ -221,7 +221,7 @@ class DramArena:
         return out
 
     def free(self, offset: int) -> None:
-        slab_no = (offset - PHASE) // self.slab_size
+        slab_no = self.slab_of(offset)
         slab = self._slabs[slab_no]
         slab.free.append(offset)
         slab.used -= 1
@@ -254,12 +254,16 @@ class DramArena:
     def slab_of(self, offset: int) -> int:
         return (offset - PHASE) // self.slab_size
 
+    def _base(self, slab_no: int) -> int:
+        """The offset of slab `slab_no`'s first slot."""
+        return slab_no * self.slab_size + PHASE
+
     def allocated(self) -> set[int]:
         """Offsets of every slot handed out and not freed (for `check`; linear in the slots)."""
         out: set[int] = set()
         for slab_no, slab in self._slabs.items():
             csize = self.classes[slab.cls]
-            base = slab_no * self.slab_size + PHASE
+            base = self._base(slab_no)
             out.update(range(base, base + self.slab_size // csize * csize, csize))
             out.difference_update(slab.free)
         return out
@@ -273,7 +277,7 @@ class DramArena:
         for slab_no, slab in self._slabs.items():
             csize = self.classes[slab.cls]
             count = self.slab_size // csize
-            base = slab_no * self.slab_size + PHASE
+            base = self._base(slab_no)
             if slab.used <= 0 or slab.used + len(slab.free) != count or len(set(slab.free)) != len(slab.free):
                 errors.append(f"slab {slab_no}: {slab.used} used + {len(slab.free)} free slots of {csize} bytes; "
                               f"it has {count}")
