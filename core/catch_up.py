@@ -2,7 +2,9 @@
 
 While a worker is away (stopped, killed, paused, cut off from NATS past the member TTL), clients write
 its keys to other workers, so what it holds may be older than what they hold. When it returns it asks
-every live peer for the changes it accepted since the worker left (`Op.CHANGES`, from each peer's
+every live peer (back from lapsed heartbeats, also every peer it heard from since a member TTL before
+it left: one whose own heartbeats lapse just then is not listed live) for the changes it accepted since
+the worker left (`Op.CHANGES`, from each peer's
 `versions.ChangeLog`) and drops each block older than one of them (a miss costs a recompute; a stale
 hit would cost a wrong answer). If a peer does not answer, or its log does not reach back to when the
 worker left, the worker cannot prove any block fresh and drops them all. Until it is done its reads

@@ -50,6 +50,9 @@ class Membership:
         self.replicas = replicas
         self._io = LoopThread("kvpool-nats")
         self._members: dict[str, tuple[float, WorkerInfo]] = {}  # worker id -> (heard at, its entry)
+        # every worker heard since the watch began, by when it was last heard (not moved on a reconnect, kept
+        # after it leaves): whom a worker back from an absence asks what changed meanwhile
+        self._heard: dict[str, tuple[float, WorkerInfo]] = {}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._registered: str | None = None
@@ -160,7 +163,7 @@ class Membership:
         self._io.spawn(beat())
 
     def peers(self, timeout_s: float = 5.0) -> dict[str, WorkerInfo]:
-        """The members registered now, read from the bucket once (a worker, which does not watch it).
+        """The members registered now (heard from within `ttl_s`), read from the bucket once.
         Raises PoolUnavailable if NATS does not answer within `timeout_s`."""
         async def read() -> dict[str, WorkerInfo]:
             from nats.js.errors import NoKeysError
@@ -233,7 +236,7 @@ class Membership:
             if info is None:
                 self._members.pop(entry.key, None)
             else:
-                self._members[entry.key] = (time.monotonic(), info)
+                self._members[entry.key] = self._heard[entry.key] = (time.monotonic(), info)
             self._changed.notify_all()
 
     def members(self) -> dict[str, WorkerInfo]:
@@ -242,6 +245,13 @@ class Membership:
         with self._lock:
             now = self._lost_at if self._lost_at is not None else time.monotonic()
             return {w: info for w, (seen, info) in self._members.items() if now - seen <= self.ttl_s}
+
+    def heard_since(self, since: float) -> dict[str, WorkerInfo]:
+        """Every worker whose entry came in at or after `since` (time.monotonic()) while watching,
+        whether it is live now or not, even if it left since: the peers that may have taken writes
+        after that moment."""
+        with self._lock:
+            return {w: info for w, (seen, info) in self._heard.items() if seen >= since}
 
     async def _disconnected(self) -> None:
         with self._lock:

@@ -199,6 +199,7 @@ class Worker(RequestHandlers):
                 self._catch_up_at_start()
                 self.membership.register(self.worker_id, self.info, self.config.heartbeat_s,
                                          on_rejoin=self._left_cluster, on_beat=self._beat)
+                self.membership.watch()  # the peers it hears from: whom it asks after an absence
                 threading.Thread(target=self._keep_alive_stamp, name="kvpool-alive", daemon=True).start()
             if self.config.events or self.config.events_zmq:
                 from .worker_events import WorkerEvents
@@ -282,15 +283,19 @@ class Worker(RequestHandlers):
                     "it has caught up from its peers", self.worker_id, gap_s, self.config.member_ttl_s)
         self.cache.replicas.fence(True)
         since_ms = int((time.time() - gap_s) * 1000)
-        threading.Thread(target=self._rejoin, args=(since_ms, self._beats), name="kvpool-catch-up",
+        left = time.monotonic() - gap_s
+        threading.Thread(target=self._rejoin, args=(since_ms, left, self._beats), name="kvpool-catch-up",
                          daemon=True).start()
 
-    def _rejoin(self, since_ms: int, beats: int) -> None:
+    def _rejoin(self, since_ms: int, left: float, beats: int) -> None:
         """Catch up once a heartbeat has got through again (`beats` counted before the outage) and the
         member list can be read; after a minute (or three TTLs) without both, drop every block instead.
         Not before that heartbeat: until then what this worker can read of NATS may be a partition's
         view (a NATS node cut off with it lists no live peer), and clients may still be writing its
-        keys elsewhere."""
+        keys elsewhere. It asks the members live now and every peer it heard from since a member TTL
+        before it left (`left`, time.monotonic()): a client may have written to any of them meanwhile,
+        and one whose heartbeats lapse just now (a JetStream leader election stalls them all) is not
+        listed live, yet holds what changed; one that cannot answer makes it drop every block."""
         from .errors import KVPoolError
 
         with self._catching_up:
@@ -299,7 +304,8 @@ class Worker(RequestHandlers):
                 try:
                     if self._beats == beats:
                         raise PoolUnavailable("no heartbeat has got through since the outage")
-                    members = self.membership.peers()
+                    horizon = left - self.config.member_ttl_s - self.config.heartbeat_s
+                    members = {**self.membership.heard_since(horizon), **self.membership.peers()}
                 except KVPoolError as e:
                     if time.monotonic() < give_up:
                         self._stopping.wait(0.2)

@@ -219,3 +219,36 @@ def test_no_stale_reads_under_load_across_a_pause(nats, spawn):
         print(f"load: {r.ops} ops, {r.hits} exact hits, {r.misses} misses, {len(r.wrong)} stale or wrong")
         assert not r.wrong, f"stale or wrong reads: {r.wrong[:5]}"
         read_all(c, r.committed, versions=r.versions, unsure=r.unsure)
+
+
+def test_back_while_its_peers_heartbeats_lapse_it_asks_them_anyway(nats, spawn):
+    """A worker back from lapsed heartbeats asks every peer it heard from before it left, not only the
+    members listed live when it returns: a JetStream leader election can stall every worker's
+    heartbeats at once, and a peer that took its keys meanwhile then is listed nowhere. Here that peer
+    is paused past the TTL when the worker returns: it cannot answer, so the worker drops its blocks
+    instead of serving what the peer overwrote and removed (R=1: nothing else would outvote them)."""
+    victim, peer = (spawn(nats_url=nats.url, node_id=f"node{i}", env=FAST_TTL) for i in range(2))
+    ids = [worker_id(victim), worker_id(peer)]
+    truth = Truth()
+    with PoolClient(mode="cluster", nats_url=nats.url, node_id="client", timeout_s=TIMEOUT_S) as c:
+        wait_members(c, 2)
+        keys = [f"h{i}" for i in range(240)]
+        truth.put(c, keys, 0)
+        mine = [k for k in keys if rank(k.encode(), ids)[0] == ids[0]]
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        try:
+            wait_members(c, 1)  # the client dropped the victim: its keys go to the peer
+            _change_while_away(c, truth, mine)
+            os.kill(peer.proc.pid, signal.SIGSTOP)
+            time.sleep(float(FAST_TTL["KVPOOL_MEMBER_TTL_S"]) + 1)  # the peer's entry lapses too
+        finally:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+        try:
+            decided = ("could not learn every change", "keeping its blocks", "outdated blocks dropped")
+            assert poll(lambda: any(d in victim.log_tail() for d in decided), 20), victim.log_tail()
+            with _direct(victim) as direct:
+                seen = truth.check(direct, mine)
+            assert not seen.stale and not seen.resurrected, victim.log_tail()
+            assert "could not learn every change" in victim.log_tail()
+        finally:
+            os.kill(peer.proc.pid, signal.SIGCONT)
