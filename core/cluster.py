@@ -286,7 +286,9 @@ class Membership:
         return True
 
     def close(self) -> None:
-        """Leave the cluster (delete our entry) and disconnect."""
+        """Leave the cluster (delete our entry) and disconnect; again, nothing."""
+        if self._io.loop.is_closed():
+            return
         if self._registered:
             try:
                 self._io.run(self._kv.delete(self._registered), timeout=2)

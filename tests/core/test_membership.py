@@ -22,5 +22,6 @@ def test_a_worker_that_left_is_still_heard_since_before_it_left(nats):
         heard = watcher.heard_since(before)
         assert list(heard) == ["w-peer"] and heard["w-peer"].tcp == "127.0.0.1:1"  # it may have taken writes
         assert watcher.heard_since(time.monotonic()) == {}  # nothing heard since it left
+        peer.close()  # a second close does nothing
     finally:
         watcher.close()
