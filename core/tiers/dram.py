@@ -186,7 +186,7 @@ class DramArena:
         return bisect.bisect_left(self.classes, max(nbytes, 1))
 
     def slot_size(self, offset: int) -> int:
-        return self.classes[self._slabs[offset // self.slab_size].cls]
+        return self.classes[self._slabs[self.slab_of(offset)].cls]
 
     def alloc(self, nbytes: int) -> int | None:
         return self.alloc_many((nbytes,))[0]

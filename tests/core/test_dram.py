@@ -129,6 +129,21 @@ def test_page_sized_slots_start_mid_page() -> None:
         arena.close()
 
 
+def test_every_slot_knows_its_size_up_to_the_end_of_its_slab() -> None:
+    """The last small slots of a slab lie past the next slab's page-aligned start (slabs begin `PHASE`
+    in): their size is their own slab's class, whatever class the next slab holds."""
+    arena = DramArena(2 * MiB, slab_size=1 * MiB, prefault=False)
+    try:
+        csize = arena.classes[arena.class_of(KiB)]
+        small = [arena.alloc(KiB) for _ in range(MiB // csize)]  # fills slab 0
+        large = arena.alloc(64 * KiB)  # slab 1, another class
+        assert None not in small and large is not None and max(o or 0 for o in small) >= MiB
+        assert {arena.slot_size(o or 0) for o in small} == {csize}
+        assert arena.slot_size(large) == 64 * KiB
+    finally:
+        arena.close()
+
+
 def test_check_reports_broken_allocator_bookkeeping(arena: DramArena) -> None:
     offs = [arena.alloc(4 * KiB) for _ in range(3)]
     assert None not in offs and arena.check() == []
