@@ -298,13 +298,13 @@ class Worker(RequestHandlers):
         listed live, yet holds what changed; one that cannot answer makes it drop every block."""
         from .errors import KVPoolError
 
+        horizon = left - self.config.member_ttl_s - self.config.heartbeat_s
         with self._catching_up:
             give_up = time.monotonic() + max(60.0, 3 * self.config.member_ttl_s)
             while not self._stopping.is_set():
                 try:
                     if self._beats == beats:
                         raise PoolUnavailable("no heartbeat has got through since the outage")
-                    horizon = left - self.config.member_ttl_s - self.config.heartbeat_s
                     members = {**self.membership.heard_since(horizon), **self.membership.peers()}
                 except KVPoolError as e:
                     if time.monotonic() < give_up:
