@@ -207,6 +207,7 @@ class Worker(RequestHandlers):
                 self.events = WorkerEvents(self)
         except BaseException:
             self._stopping.set()
+            self.metrics.close()
             if self.membership is not None:
                 self.membership.close()
             self._close_listeners()
@@ -232,6 +233,7 @@ class Worker(RequestHandlers):
         self.cache.close()
         if self.events is not None:
             self.events.close()  # after the flush: its last tier moves are published too
+        self.metrics.close()
         log.info("worker %s stopped", self.worker_id)
 
     # ----- catching up after an absence (`kvpool.core.catch_up`) -------------------------------
@@ -320,9 +322,8 @@ class Worker(RequestHandlers):
                 break
             self.cache.replicas.fence(False)
 
-    def _close_listeners(self) -> None:
-        self._tcp.close()
-        self._unix.close()
+    def _close_listeners(self, timeout: float = 10.0) -> None:
+        self._stop_accepting(timeout)
         try:
             os.unlink(self.unix_path)
         except FileNotFoundError:

@@ -78,6 +78,7 @@ class ConnectionServing:
         self._conns: set[Conn] = set()
         self._conns_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self._acceptors: list[threading.Thread] = []  # one accept loop per listener
         self._accept_errors: dict[str, str] = {}  # transport -> the error last logged
         self._refusing: set[str] = set()  # connection limits already logged as reached
         self.throttle = AuthThrottle()
@@ -91,7 +92,22 @@ class ConnectionServing:
             t = threading.Thread(target=self._accept_loop, args=(lsock, transport), daemon=True,
                                  name=f"kvpool-accept-{transport}")
             t.start()
+            self._acceptors.append(t)
         threading.Thread(target=self._watchdog, daemon=True, name="kvpool-watchdog").start()
+
+    def _stop_accepting(self, timeout: float) -> None:
+        """Close the listeners and end their accept loops (`_stopping` is set). A thread blocked in
+        accept() is not woken by a close on Linux, and the socket would go on listening under it: a
+        shutdown wakes it first."""
+        for lsock in (self._tcp, self._unix):
+            try:
+                lsock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # not listening (yet, or any more)
+            lsock.close()
+        for t in self._acceptors:
+            t.join(timeout)
+        self._acceptors.clear()
 
     def _drain_connections(self, deadline: float) -> None:
         """Shut idle connections, wait for busy ones to finish their request (until `deadline`)."""

@@ -157,3 +157,43 @@ def test_a_worker_whose_starter_was_killed_stops_and_unlinks_its_arena(tmp_path:
             os.kill(pid, 9)
             for name in arena_names(pid):
                 os.unlink(f"/dev/shm/{name}")
+
+
+def _live_thread_names() -> list[str]:
+    import threading
+
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("kvpool-accept"))
+
+
+def test_an_in_process_worker_that_stops_frees_its_ports_and_threads(tmp_path: Path) -> None:
+    from kvpool.core.config import CacheConfig, WorkerConfig
+    from kvpool.core.server import Worker
+
+    cache = CacheConfig(dram_bytes=16 << 20, dram_slab_size=4 << 20, prefault=False)
+    metrics_port = free_port()
+    ports = []
+    for i in range(3):  # the same metrics port each time: free again once the last worker stopped
+        w = Worker(WorkerConfig(port=0, unix_path=str(tmp_path / f"w{i}.sock"), metrics_port=metrics_port),
+                   cache).start()
+        with PoolClient(mode="local", worker=w.unix_path, timeout_s=5) as c:
+            c.put("k", b"x" * 100)
+        ports.append(w.port)
+        w.stop()
+    assert _live_thread_names() == []  # accept loops end with stop (a close alone leaves accept() blocked)
+    for port in [*ports, metrics_port]:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def test_an_in_process_worker_that_cannot_start_frees_its_metrics_port(tmp_path: Path) -> None:
+    from kvpool.core.config import CacheConfig, WorkerConfig
+    from kvpool.core.server import Worker
+
+    cache = CacheConfig(dram_bytes=16 << 20, dram_slab_size=4 << 20, prefault=False)
+    metrics_port = free_port()
+    cfg = WorkerConfig(port=0, unix_path=str(tmp_path / "w.sock"), metrics_port=metrics_port,
+                       nats_url=f"nats://127.0.0.1:{free_port()}")
+    with pytest.raises(PoolUnavailable):
+        Worker(cfg, cache).start()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", metrics_port), timeout=2).close()
