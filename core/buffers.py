@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import BufferSizeError
+from .errors import BufferSizeError, InvalidArgument
 
 __all__ = ["readable", "Destination", "destination_views", "finish_all"]
 
@@ -39,7 +39,11 @@ def readable(buf: Any) -> memoryview:
         return _torch_host_bytes(buf).data.cast("B")
     if isinstance(buf, np.ndarray):
         return np.ascontiguousarray(buf).reshape(-1).view(np.uint8).data
-    mv = memoryview(buf)
+    try:
+        mv = memoryview(buf)
+    except TypeError:
+        raise InvalidArgument(f"a block's data must be bytes-like, a numpy array or a torch tensor, not "
+                              f"{type(buf).__name__}") from None
     if mv.format != "B" or mv.ndim != 1 or not mv.c_contiguous:
         mv = mv.cast("B") if mv.c_contiguous else memoryview(mv.tobytes())
     return mv

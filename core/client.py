@@ -24,6 +24,7 @@ from .config import CacheConfig, default_state_dir, load
 from .embedded_backend import EmbeddedBackend
 from .errors import ConfigError, InvalidArgument
 from .keys import Key, key_bytes, keys_bytes
+from .pins import pin_seconds
 from .pool_backend import MembersPredicate, PoolBackend
 from .records import PoolStats, WorkerInfo
 from .transport import connect
@@ -147,14 +148,14 @@ class PoolClient:
 
     def put(self, key: Key, data: Any, *, pin_s: float = 0.0) -> None:
         """Store `data` (bytes-like, numpy, torch) under `key`; see `batch_put`."""
-        self.backend.batch_put([key_bytes(key)], [data], pin_s)
+        self.backend.batch_put([key_bytes(key)], [data], pin_seconds(pin_s))
 
     def batch_put(self, keys: Sequence[Key], buffers: Sequence[Any], *, pin_s: float = 0.0) -> None:
         """Store each buffer under its key; raises on bad input or when no worker takes the block.
 
         `pin_s` > 0: the blocks are pinned (kept in DRAM, never evicted) for that many seconds, on every
         replica, from before they become visible; see `batch_pin`."""
-        self.backend.batch_put(_pairs(keys, buffers), buffers, pin_s)
+        self.backend.batch_put(_pairs(keys, buffers), buffers, pin_seconds(pin_s))
 
     def get(self, key: Key) -> bytes | None:
         """The block's bytes, or None on a miss."""
@@ -200,14 +201,14 @@ class PoolClient:
 
     def pin(self, key: Key, pin_s: float) -> None:
         """Keep the block in DRAM (never evicted) for `pin_s` seconds from now; see `batch_pin`."""
-        self.backend.batch_pin([key_bytes(key)], pin_s)
+        self.backend.batch_pin([key_bytes(key)], pin_seconds(pin_s))
 
     def batch_pin(self, keys: Sequence[Key], pin_s: float) -> None:
         """Keep blocks in DRAM (never evicted) for `pin_s` seconds from now, renewing earlier pins;
         `pin_s` <= 0 unpins them. A pin lasts at most `kvpool.core.pins.MAX_PIN_S` unless renewed, so
         a client that dies holding pins does not hold the memory forever. In cluster mode every
         current owner (replica) of each key is told; the call does not wait for the workers."""
-        self.backend.batch_pin(_keys(keys), pin_s)
+        self.backend.batch_pin(_keys(keys), pin_seconds(pin_s))
 
     def clear(self, prefix: Key | None = None) -> None:
         """Remove every block from the pool (every worker, in cluster mode); with `prefix`, only the

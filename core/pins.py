@@ -13,14 +13,18 @@ not pile up deadlines; and every operation is linear in the keys it names.
 from __future__ import annotations
 
 import heapq
+import math
+import numbers
 import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
+from .errors import InvalidArgument
+
 if TYPE_CHECKING:
     pass
 
-__all__ = ["MAX_PIN_S", "PENDING_PIN_S", "MAX_PENDING_PINS", "Pins"]
+__all__ = ["pin_seconds", "MAX_PIN_S", "PENDING_PIN_S", "MAX_PENDING_PINS", "Pins"]
 
 MAX_PIN_S = 3600.0
 """The longest a pin lasts without being renewed, in seconds (longer requests are cut to it)."""
@@ -35,6 +39,14 @@ class Pinnable(Protocol):
     """A DRAM block as the pins see it: pinned blocks are never evicted."""
 
     pinned: bool
+
+
+def pin_seconds(pin_s: object) -> float:
+    """`pin_s` as a pin's length in seconds; InvalidArgument unless it is a finite real number (a NaN
+    deadline would never pass, and would hold back the expiry of every pin behind it)."""
+    if isinstance(pin_s, bool) or not isinstance(pin_s, numbers.Real) or not math.isfinite(pin_s):
+        raise InvalidArgument(f"pin_s must be a finite number of seconds, not {pin_s!r}")
+    return float(pin_s)
 
 
 class Pins:
@@ -55,7 +67,7 @@ class Pins:
         unpins them. A key whose block is not in DRAM is pinned for at most PENDING_PIN_S (its block,
         committed meanwhile, gets the whole pin through `claim`)."""
         now = time.monotonic()
-        seconds = min(seconds, MAX_PIN_S)
+        seconds = min(pin_seconds(seconds), MAX_PIN_S)
         self._expire(now)
         for key in keys:
             block = self._blocks.get(key)

@@ -312,6 +312,8 @@ class RequestHandlers(ConnectionServing):
 
     def _pin(self, conn: Conn, frame: P.Frame) -> None:
         keys, (seconds,) = P.unpack_batch(frame.meta, "<f8")
+        if not np.isfinite(seconds).all():  # a NaN deadline never passes and holds back every other pin's
+            raise ProtocolError("PIN of a duration that is not a finite number of seconds")
         if not self._in_namespace(conn, frame, keys, reply=False):  # PIN has no reply: refused, logged
             return
         groups: dict[float, list[bytes]] = {}

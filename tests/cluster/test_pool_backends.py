@@ -112,3 +112,20 @@ def test_stats_and_members_are_typed_in_every_mode(client: PoolClient) -> None:
         assert info.worker_id == worker_id and info.max_block == client.max_block
         assert stats.workers[worker_id].cache == stats.total
     assert client.wait_for_members(lambda m: len(m) == len(members), 0.1)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "30", None])
+def test_a_pin_length_that_is_not_a_finite_number_is_refused(client: PoolClient, bad: object) -> None:
+    client.put("short", b"s", pin_s=0.2)
+    for call in (lambda: client.put("p", b"x", pin_s=bad), lambda: client.batch_put(["p"], [b"x"], pin_s=bad),  # type: ignore[arg-type]
+                 lambda: client.pin("short", bad), lambda: client.batch_pin(["short"], bad)):  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match="finite number of seconds"):
+            call()
+    assert client.exists("p") is False
+
+
+@pytest.mark.parametrize("bad", [None, "text", 12])
+def test_data_that_is_not_a_buffer_is_refused(client: PoolClient, bad: object) -> None:
+    with pytest.raises(InvalidArgument, match="bytes-like"):
+        client.put("d", bad)
+    assert client.exists("d") is False

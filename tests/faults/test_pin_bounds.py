@@ -2,10 +2,14 @@
 renewals do not pile up, and a frame is handled in time linear in its keys."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
+import pytest
 
 from kvpool.core import protocol as P
 from kvpool.core.client import PoolClient
+from kvpool.core.errors import KVPoolError
 from kvpool.core.pins import MAX_PENDING_PINS
 from kvpool.core.transport import TcpTransport
 
@@ -64,3 +68,15 @@ def test_a_frame_of_distinct_durations_is_linear(spawn) -> None:
         _pin_frame(w.address, keys, np.linspace(1, 3000, len(keys)))
     with PoolClient(mode="local", worker=w.address) as c:
         assert _stats(c)["pending_pins"] == len(keys)
+
+
+def test_a_pin_of_no_finite_length_closes_its_connection_and_other_pins_still_expire(spawn) -> None:
+    w = spawn()
+    with PoolClient(mode="local", worker=w.address) as c:
+        c.batch_put(["nan", "short"], [b"n" * 256, b"s" * 256])
+        with pytest.raises(KVPoolError):  # the worker drops a connection that sends a malformed frame
+            _pin_frame(w.address, [b"nan"], np.array([np.nan]))
+        c.pin("short", 0.2)
+        time.sleep(0.4)
+        c.pin("other", 0.0)  # any pin call applies the deadlines that have passed
+        assert _stats(c)["pins"] == 0  # a NaN deadline at the heap's top held back every later one
