@@ -47,10 +47,14 @@ class HybridClock:
             return self._last
 
     def observe(self, version: int) -> None:
-        """Merge a version seen (read, received): later stamps are above it."""
+        """Merge a version seen (read, received): later stamps are above it. A version stamped more
+        than CLOCK_SKEW_MS ahead of this clock counts as stamped that far ahead, no further: a forged
+        or broken one must not push this process's writes into the future (where they would beat
+        every other writer's later ones, or overflow the u64)."""
         if version > self._last:
+            ceiling = (int(time.time() * 1000) + CLOCK_SKEW_MS) << COUNTER_BITS
             with self._lock:
-                self._last = max(self._last, int(version))
+                self._last = max(self._last, min(int(version), ceiling))
 
     def batch(self, n: int) -> list[int]:
         """`n` versions at once, consecutive."""

@@ -10,7 +10,7 @@ import pytest
 
 from kvpool.core.blocks import BlockMeta, decode_header, encode_header
 from kvpool.core.cache import TieredCache
-from kvpool.core.versions import COUNTER_BITS, ChangeLog, HybridClock, Tombstones, wall_ms_of
+from kvpool.core.versions import CLOCK_SKEW_MS, COUNTER_BITS, ChangeLog, HybridClock, Tombstones, wall_ms_of
 
 
 def test_the_clock_follows_wall_time_and_never_goes_back() -> None:
@@ -26,11 +26,20 @@ def test_the_clock_follows_wall_time_and_never_goes_back() -> None:
 
 def test_the_clock_merges_versions_it_sees() -> None:
     clock = HybridClock()
-    ahead = (int(time.time() * 1000) + 60_000) << COUNTER_BITS  # a writer whose clock runs a minute ahead
+    ahead = (int(time.time() * 1000) + CLOCK_SKEW_MS // 2) << COUNTER_BITS  # a writer whose clock runs ahead
     clock.observe(ahead)
     assert clock.now() > ahead  # a write after reading it is stamped above it
     clock.observe(5)  # an old version changes nothing
     assert clock.now() > ahead
+
+
+@pytest.mark.parametrize("days", [1, 10**9])
+def test_a_version_from_beyond_the_clock_skew_moves_the_clock_only_that_far(days: int) -> None:
+    clock = HybridClock()
+    forged = min((int(time.time() * 1000) + days * 86_400_000) << COUNTER_BITS, (1 << 64) - 2)
+    clock.observe(forged)  # e.g. a stream message naming a version of its own making
+    assert wall_ms_of(clock.now()) <= int(time.time() * 1000) + CLOCK_SKEW_MS
+    assert clock.batch_array(3).size == 3  # no overflow past the u64
 
 
 def test_the_clock_is_monotonic_across_threads() -> None:
