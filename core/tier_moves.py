@@ -185,9 +185,10 @@ class TierMoves:
                     stack.drop_ssd(k, "corrupt")
                 return None
             current = dram.blocks.get(k)
-            if current is not None or k not in ssd:
-                # Put, removed or promoted by another reader while this one read SSD: what was
-                # read may be outdated, so it must not replace what is there now.
+            if current is not None or k not in ssd or ssd.version_of(k) != meta.version:
+                # Put, removed, replaced on SSD (put, flushed and evicted) or promoted by another reader
+                # while this one read SSD: what was read may be outdated, so it must not replace what
+                # is there now (a miss, if nothing is in DRAM).
                 dram.unreserve(offset)
                 if current is None:
                     return None

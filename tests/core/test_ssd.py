@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -215,3 +217,47 @@ def test_full_ssd_drops_demoted_blocks_cleanly(make_cache: Callable[..., TieredC
             assert got == payload(k, 200 * KiB)
             hits += 1
     assert 0 < hits < len(keys)
+
+
+def test_a_promotion_that_races_an_overwrite_never_brings_the_old_bytes_back(
+        make_cache: Callable[..., TieredCache], ssd_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """K is only on SSD; a get promotes it, and while its SSD read runs (outside the lock) K is put
+    anew, flushed and pushed out of DRAM: the promotion must not commit the old bytes it read."""
+    size = 256 * KiB
+    old, new = payload("old", size), payload("new", size)
+    cache = make_cache(dram_bytes=4 * MiB, dram_slab_size=MiB, ssd_path=ssd_dir, ssd_sync=False)
+    assert cache.ssd is not None
+
+    def push_out(tag: str) -> None:
+        for i in range(24):
+            cache.put(f"fill/{tag}/{i}", bytes(size))
+        cache.flush()
+
+    cache.put("K", old)
+    cache.flush()
+    push_out("a")
+    assert b"K" in cache.ssd and b"K" not in cache._stack.dram.blocks  # on SSD only: a get promotes it
+    store, read = cache.ssd.store, SsdStore.read
+    in_read, go_on = threading.Event(), threading.Event()
+
+    def paused_read(self: SsdStore, key: bytes, sink: Any) -> Any:
+        def pausing(meta: BlockMeta, view: memoryview) -> Any:
+            if key == b"K" and threading.current_thread().name == "reader":
+                in_read.set()
+                go_on.wait(10)
+            return sink(meta, view)
+        return read(self, key, pausing)
+
+    monkeypatch.setattr(store, "read", paused_read.__get__(store))
+    got: list[bytes | None] = []
+    reader = threading.Thread(target=lambda: got.append(cache.get("K")), name="reader")
+    reader.start()
+    assert in_read.wait(10)
+    cache.put("K", new)  # acknowledged: from here on a read is `new` or a miss
+    push_out("b")  # the new K goes to SSD and out of DRAM
+    assert b"K" not in cache._stack.dram.blocks
+    go_on.set()
+    reader.join(10)
+    assert got and got[0] in (old, new, None)  # the concurrent read may see either
+    assert cache.get("K") == new
+    assert cache.check() == []

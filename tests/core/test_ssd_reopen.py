@@ -186,14 +186,20 @@ def test_a_forged_index_that_passes_the_checks_serves_no_wrong_bytes(make_cache:
     fill(cache, KEYS[:4])
     cache.put("expired", payload("expired", 100), ttl_s=0.2)
     cache.flush()
+    assert cache.ssd is not None
+    versions = {k.encode(): cache.ssd.version_of(k.encode()) for k in KEYS[:4]}
     cache.close()
     index_file(ssd_dir).unlink()
     time.sleep(0.3)
     store = SsdStore(ssd_dir, map_size=256 * MiB, sync=False)
     try:
-        # LMDB holds KEYS[:4] and "expired": as many entries as these keys and the one "stale"
+        # LMDB holds KEYS[:4] and "expired": as many entries as these keys and the one "stale"; the
+        # index tells the truth about KEYS[0] only (KEYS[1]: its size; "expired": its expiry; a version
+        # the index gets wrong is a lie too: a promotion keeps a block only if the SSD still holds the
+        # version it read)
         sizes = {KEYS[0].encode(): 3000, KEYS[1].encode(): 2999, b"expired": 100, b"ghost": 3000}
-        assert ssd_index.save(store, ssd_index.Snapshot(sizes, {}, [KEYS[2].encode()]))
+        truth = {KEYS[0].encode(): versions[KEYS[0].encode()], KEYS[1].encode(): versions[KEYS[1].encode()]}
+        assert ssd_index.save(store, ssd_index.Snapshot(sizes, {}, [KEYS[2].encode()], truth))
     finally:
         store.close()
     again = make_cache(ssd_path=ssd_dir, ssd_map_size=256 * MiB)
