@@ -23,7 +23,6 @@ from .auth import NONCE_BYTES, find_token, no_auth_env, peer_uid, proof, same_us
 from .errors import (
     AuthError,
     BlockTooLarge,
-    BufferSizeError,
     CapacityError,
     CorruptBlock,
     PoolTimeout,
@@ -59,6 +58,9 @@ class Connection:
         self._tls = client_context(self.tls_ca) if self.tls_ca else None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self.generation = 0
+        """How many connections this transport has closed: what the worker holds for a connection
+        (leases, reservations) ends with it, and ids it gave are not those of the next one."""
         self.info = WorkerInfo(worker_id="")
         """The worker's HELLO reply, from the last (re)connect; empty before the first."""
         self.checksum_failures = 0
@@ -156,12 +158,17 @@ class Connection:
         return info
 
     @contextmanager
-    def _session(self) -> Iterator[socket.socket]:
-        """Hold the connection for one exchange; any transport failure drops it and is typed."""
+    def _session(self, generation: int | None = None) -> Iterator[socket.socket]:
+        """Hold the connection for one exchange; any transport failure drops it and is typed.
+        `generation`: the exchange belongs to that connection (e.g. the RELEASE of its leases): if it
+        has closed since, PoolUnavailable, and no other connection is made or touched."""
         with self._lock:
+            if generation is not None and generation != self.generation:
+                raise PoolUnavailable(f"the connection to worker {self.address} closed meanwhile: the worker "
+                                      "ended what this process held on it (leases, reserved slots)")
             try:
                 yield self._sock or self._connect()
-            except (AuthError, BufferSizeError, PoolUnavailable):
+            except (AuthError, PoolUnavailable):
                 self.close()
                 raise
             except TimeoutError as e:
@@ -192,6 +199,7 @@ class Connection:
                 self._sock.close()
             finally:
                 self._sock = None
+                self.generation += 1
 
     # ----- operations common to both transports ----------------------------------------------
 

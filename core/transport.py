@@ -18,7 +18,7 @@ import logging
 import mmap
 import socket
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from .arena_pages import ArenaPages
 from .blocks import checksum
 from .buffers import Destination, destination_views, finish_all, readable
 from .connection import Connection, raise_item, send_pin
-from .errors import BufferSizeError, ProtocolError
+from .errors import BufferSizeError, PoolUnavailable, ProtocolError
 from .pool_backend import leases_by_copy
 from .shm_put import PartedPut
 from .shm_refs import committed
@@ -237,14 +237,25 @@ class ShmTransport(Connection):
     @contextmanager
     def _lease_frame(self, keys: Sequence[bytes]) -> Iterator[tuple[list[int], list[int]]]:
         """Lease the blocks of `keys`: their offsets and sizes in the arena (offset < 0: a miss), until
-        the block exits. The worker verified each block's checksum at commit."""
+        the block exits. The worker verified each block's checksum at commit.
+
+        Leases live as long as the connection they were taken on: if it closed meanwhile (a timeout or
+        a lost worker, in any thread using this transport), the worker has ended them and their slots
+        may hold other blocks since; the block then raises PoolUnavailable as it exits normally (the
+        views may have changed under the caller), and sends no RELEASE (lease ids are the connection's,
+        and the next connection's leases may carry the same ones)."""
         with self._session() as sock:  # a malformed reply drops the connection (PoolUnavailable), as any protocol error
             P.send_frame(sock, P.Op.LEASE, P.pack_batch(list(keys)))
             ids, offsets, sizes, _ = self._lease_reply(sock, len(keys))
+            generation = self.generation
+        held = ids[offsets >= 0]
         try:
             yield offsets.tolist(), sizes.tolist()
-        finally:
-            self._release(ids[offsets >= 0])
+        except BaseException:
+            with suppress(PoolUnavailable):  # the caller's error is the one to raise
+                self._release(held, generation)
+            raise
+        self._release(held, generation)
 
     def _lease_reply(self, sock: socket.socket, n: int) -> tuple[np.ndarray, ...]:
         """A LEASE reply's columns for `n` keys: lease ids, offsets, sizes (the arena readied where they
@@ -257,9 +268,10 @@ class ShmTransport(Connection):
             self._pages.ready(offsets, sizes)
         return ids, offsets, sizes, np.frombuffer(meta, dtype="<u8", count=n, offset=32 * n)  # (then checksums)
 
-    def _release(self, ids: np.ndarray) -> None:
+    def _release(self, ids: np.ndarray, generation: int) -> None:
+        """End the leases `ids` taken on connection `generation`; PoolUnavailable if it has closed since."""
         if ids.size:
-            with self._session() as sock:
+            with self._session(generation) as sock:
                 P.send_frame(sock, P.Op.RELEASE, ids.tobytes())
 
     def batch_get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[int]:
@@ -287,6 +299,7 @@ class ShmTransport(Connection):
         parts = [p for p in (slice(0, cut), slice(cut, n)) if p.stop > p.start]
         out: list[int] = []
         held: list[np.ndarray] = []
+        too_small: BufferSizeError | None = None
         with self._session() as sock:
             for p in parts:
                 P.send_frame(sock, P.Op.LEASE, P.pack_batch(list(keys[p])))
@@ -295,7 +308,11 @@ class ShmTransport(Connection):
                     ids, offsets, sizes, vers = self._lease_reply(sock, p.stop - p.start)
                     held.append(ids[offsets >= 0])
                     versions += vers.tolist()
-                    out += _copy_out(arena, keys[p], offsets.tolist(), sizes.tolist(), views[p])
+                    if too_small is None:
+                        try:
+                            out += _copy_out(arena, keys[p], offsets.tolist(), sizes.tolist(), views[p])
+                        except BufferSizeError as e:  # the caller's error: the rest is read, the connection kept
+                            too_small = e
             except BaseException:
                 if len(held) < len(parts):
                     self.close()  # a reply is unread: the worker ends the leases of a closed connection
@@ -304,6 +321,8 @@ class ShmTransport(Connection):
             finally:
                 if held:
                     P.send_frame(sock, P.Op.RELEASE, np.concatenate(held).tobytes())
+        if too_small is not None:
+            raise too_small
         return out
 
     def close(self) -> None:

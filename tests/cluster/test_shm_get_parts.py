@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from kvpool.core.errors import BufferSizeError
+from kvpool.core.errors import BufferSizeError, PoolUnavailable
 from kvpool.core.server import Worker
 from kvpool.core.transport import ShmTransport
 
@@ -57,5 +57,47 @@ def test_a_destination_too_small_raises_and_holds_nothing(worker: Worker, small:
         out[small] = np.zeros(4096, dtype=np.uint8)
         assert t.batch_get_into(keys, out) == [4096] * 40  # the client carries on
         assert all((o == i).all() for i, o in enumerate(out))
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("small", [3, 30])
+def test_a_destination_too_small_leaves_the_connection_and_open_leases_alone(worker: Worker, small: int) -> None:
+    keys = [f"k{i}".encode() for i in range(40)]
+    t = ShmTransport(worker.unix_path)
+    try:
+        t.batch_put([b"held", *keys], [np.full(4096, 7, dtype=np.uint8), *[np.full(4096, i, dtype=np.uint8)
+                                                                         for i in range(40)]])
+        with t.batch_lease([b"held"]) as (view,):
+            generation = t.generation
+            out = [np.zeros(4096 if i != small else 100, dtype=np.uint8) for i in range(40)]
+            with pytest.raises(BufferSizeError):
+                t.batch_get_into(keys, out)  # the caller's mistake: the worker's answers are all read
+            assert t.generation == generation  # so the connection, and the lease taken on it, live on
+            t.batch_remove([b"held"])
+            t.batch_put([f"other{i}".encode() for i in range(64)], [np.full(4096, 9, dtype=np.uint8)] * 64)
+            assert view is not None and bytes(view) == b"\x07" * 4096  # its slot was not given away
+    finally:
+        t.close()
+
+
+def test_leases_whose_connection_closed_end_with_an_error_and_release_nothing_of_the_next(worker: Worker) -> None:
+    """A lease outlives its connection (a timeout, say, in another thread): its exit says the views may
+    have changed, and does not RELEASE its ids on the next connection, whose leases may have the same."""
+    t = ShmTransport(worker.unix_path)
+    try:
+        t.batch_put([b"a", b"b"], [np.full(4096, 1, dtype=np.uint8), np.full(4096, 2, dtype=np.uint8)])
+        first = t.batch_lease([b"a"])
+        first.__enter__()
+        t.close()  # as a failed exchange would: the worker ends the connection's leases
+        with t.batch_lease([b"b"]) as (view,):  # lease ids start again on the new connection
+            with pytest.raises(PoolUnavailable, match="closed meanwhile"):
+                first.__exit__(None, None, None)
+            t.batch_remove([b"b"])
+            t.batch_put([f"other{i}".encode() for i in range(64)], [np.full(4096, 9, dtype=np.uint8)] * 64)
+            assert view is not None and bytes(view) == b"\x02" * 4096  # still leased: not released by `first`
+        with t.batch_lease([b"missing"]) as (none,):  # nothing held: nothing to lose
+            t.close()
+        assert none is None
     finally:
         t.close()
