@@ -32,7 +32,7 @@ from .tiers.device import DeviceTier
 from .tiers.dram import DramArena
 from .tiers.dram_tier import BlockRef, DramBlock
 from .tiers.ssd_tier import SsdTier
-from .versions import CLOCK
+from .versions import CLOCK, REMOVED, SUPERSEDED
 
 __all__ = ["TieredCache", "BlockRef"]
 
@@ -308,6 +308,11 @@ class TieredCache:
         """`remove` of each key, as of `versions` (default: stamped now): a key whose block is newer
         than its removal keeps it (False). Each removal leaves a tombstone (`versions.Tombstones`), so
         a put older than it that arrives later does not bring the key back."""
+        return [o == REMOVED for o in self.remove_as_of(keys, versions)]
+
+    def remove_as_of(self, keys: Sequence[Key], versions: Sequence[int] | None = None) -> list[int]:
+        """`batch_remove`, each key's outcome told apart: REMOVED, 0 (nothing to remove) or SUPERSEDED
+        (its block is as new as the removal or newer, and stays)."""
         raw_keys = keys_bytes(keys)
         stamps = list(versions) if versions is not None else CLOCK.batch(len(raw_keys))
         if len(stamps) != len(raw_keys):
@@ -316,16 +321,19 @@ class TieredCache:
             stack = self._stack
             stack.check_open()
             doomed: dict[bytes, int] = {}
+            kept: set[bytes] = set()
             for k, v in zip(raw_keys, stamps):
                 CLOCK.observe(v)
-                if v > stack.version_of(k):  # else a newer block: the removal changes nothing
+                if v > stack.version_of(k):
                     stack.tombstones.add(k, v)
                     doomed[k] = max(v, doomed.get(k, 0))
+                else:  # a block as new or newer: the removal changes nothing
+                    kept.add(k)
             stack.changes.record(doomed, doomed.values(), True)
             found = dict(zip(doomed, stack.remove(list(doomed))))
         out = []
         for k in raw_keys:  # a key named twice was removed by its first mention
-            out.append(found.pop(k, False))
+            out.append(REMOVED if found.pop(k, False) else SUPERSEDED if k in kept and k not in doomed else 0)
         return out
 
     def clear(self, prefix: Key | None = None) -> None:

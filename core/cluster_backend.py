@@ -25,7 +25,7 @@ from .errors import KVPoolError, PoolUnavailable
 from .fanout import FanOut, Transport
 from .pool_backend import MembersPredicate, leases_by_copy
 from .records import PoolStats, WorkerInfo, WorkerStats
-from .versions import CLOCK
+from .versions import CLOCK, REMOVED, SUPERSEDED
 
 __all__ = ["Groups", "Repair", "Repairs", "ClusterBackend"]
 
@@ -175,20 +175,45 @@ class ClusterBackend:
         return max((i.max_block for i in self._live().values()), default=16 << 20)
 
     def batch_put(self, keys: Sequence[bytes], buffers: Sequence[Any], pin_s: float = 0.0) -> None:
+        """Each block to every live owner, as of one version per block (the same on every replica). A
+        block an owner holds a version as new or newer of (another writer's clock runs ahead of this
+        one's, or stamped in the same millisecond) is put again to all, as of a version above the
+        newest its owners hold: a put made after another one was acknowledged replaces it."""
         live = self._live()
         if not live:
             raise PoolUnavailable(f"no live workers in the cluster at {self.nats_url}")
+        superseded = self._put_as_of(live, keys, buffers, pin_s, CLOCK.batch(len(keys)))
+        if superseded:
+            again = [keys[i] for i in superseded]
+            self._put_as_of(live, again, [buffers[i] for i in superseded], pin_s, self._stamps_above(live, again))
+
+    def _put_as_of(self, live: dict[str, WorkerInfo], keys: Sequence[bytes], buffers: Sequence[Any], pin_s: float,
+                   versions: list[int]) -> list[int]:
+        """Put to every live owner as of `versions`; the indices an owner held as new or newer."""
         stored = [0] * len(keys)
-        versions = CLOCK.batch(len(keys))  # one version per block, the same on every replica
+        superseded: set[int] = set()
 
-        def put(t: Transport, idx: list[int]) -> None:
-            t.batch_put([keys[i] for i in idx], [buffers[i] for i in idx], pin_s, [versions[i] for i in idx])
+        def put(t: Transport, idx: list[int]) -> list[int]:
+            held = t.put_as_of([keys[i] for i in idx], [buffers[i] for i in idx], pin_s, [versions[i] for i in idx])
+            return [idx[j] for j in held]
 
-        for _, idx, _ in self.fanout.each(live, self._replica_groups(self._owners(keys, live)), put, self._deadline()):
+        for _, idx, held in self.fanout.each(live, self._replica_groups(self._owners(keys, live)), put,
+                                             self._deadline()):
+            superseded.update(held)
             for i in idx:
                 stored[i] += 1
         if not all(stored):
             raise PoolUnavailable(f"{stored.count(0)} of {len(keys)} blocks reached no live worker")
+        return sorted(superseded)
+
+    def _stamps_above(self, live: dict[str, WorkerInfo], keys: Sequence[bytes]) -> list[int]:
+        """Fresh versions for `keys`, above the newest any of their live owners knows of each."""
+        def ask(t: Transport, idx: list[int]) -> tuple[list[bool], list[int]]:
+            return t.batch_versions([keys[i] for i in idx])  # merged into this process's clock
+
+        for _ in self.fanout.each(live, self._replica_groups(self._owners(keys, live)), ask, self._deadline()):
+            pass
+        return CLOCK.batch(len(keys))
 
     def batch_get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[int]:
         """The newest version of each block among its live owners, or a miss (-1) where the newest thing
@@ -296,18 +321,33 @@ class ClusterBackend:
             pass
 
     def batch_remove(self, keys: Sequence[bytes]) -> list[bool]:
+        """Remove from every live owner, as of one version per key (the same on every replica); a key an
+        owner holds a block as new or newer of is removed again as of a version above its owners' newest."""
         live = self._live()
-        out = [False] * len(keys)
-        versions = CLOCK.batch(len(keys))  # the removal's version, the same on every replica
+        removed, superseded = self._remove_as_of(live, keys, CLOCK.batch(len(keys)))
+        if superseded:
+            again = [keys[i] for i in superseded]
+            for i, done in zip(superseded, self._remove_as_of(live, again, self._stamps_above(live, again))[0]):
+                removed[i] = removed[i] or done
+        return removed
 
-        def rm(t: Transport, idx: list[int]) -> list[bool]:
-            return t.batch_remove([keys[i] for i in idx], [versions[i] for i in idx])
+    def _remove_as_of(self, live: dict[str, WorkerInfo], keys: Sequence[bytes],
+                      versions: list[int]) -> tuple[list[bool], list[int]]:
+        """Remove from every live owner as of `versions`: whether an owner removed each key, and the
+        indices of those an owner held a block as new or newer of."""
+        removed = [False] * len(keys)
+        superseded: set[int] = set()
 
-        for _, idx, flags in self.fanout.each(live, self._replica_groups(self._owners(keys, live)), rm,
-                                              self._deadline()):
-            for i, f in zip(idx, flags):
-                out[i] = out[i] or f
-        return out
+        def rm(t: Transport, idx: list[int]) -> list[int]:
+            return t.remove_as_of([keys[i] for i in idx], [versions[i] for i in idx])
+
+        for _, idx, outcomes in self.fanout.each(live, self._replica_groups(self._owners(keys, live)), rm,
+                                                 self._deadline()):
+            for i, o in zip(idx, outcomes):
+                removed[i] = removed[i] or o == REMOVED
+                if o == SUPERSEDED:
+                    superseded.add(i)
+        return removed, sorted(superseded)
 
     def batch_lease(self, keys: Sequence[bytes]) -> AbstractContextManager[list[memoryview | None]]:
         """Copies, whichever worker holds each block."""

@@ -35,7 +35,7 @@ from .records import PoolStats, WorkerInfo, WorkerStats
 from .tls import ca_file, client_context, server_name
 from .versions import CLOCK, Change
 
-__all__ = ["DEFAULT_MAX_BLOCK", "Connection", "raise_item", "send_pin", "pin_request"]
+__all__ = ["put_outcome", "DEFAULT_MAX_BLOCK", "Connection", "raise_item", "send_pin", "pin_request"]
 
 log = logging.getLogger("kvpool.transport")
 
@@ -207,6 +207,30 @@ class Connection:
     def max_block(self) -> int:
         return self.hello().max_block or DEFAULT_MAX_BLOCK
 
+    def put_as_of(self, keys: Sequence[bytes], buffers: Sequence[Any], pin_s: float,
+                  versions: Sequence[int] | None) -> list[int]:
+        """Store blocks as of `versions` (stamped now if None); the indices of those not stored because
+        the worker holds a version of their key as new or newer. Raises the first failed block's error."""
+        raise NotImplementedError
+
+    def batch_put(self, keys: Sequence[bytes], buffers: Sequence[Any], pin_s: float = 0.0,
+                  versions: Sequence[int] | None = None) -> None:
+        """Store blocks; with `pin_s` > 0, pinned for that many seconds (see `batch_pin`). With
+        `versions` (a replicated put's, a repair's), a block whose key the worker holds a newer version
+        of is left as it is. Without, they are stamped now, and a block whose key the worker holds a
+        version as new or newer of (another writer's clock runs ahead of this one's, or stamped in the
+        same millisecond) is stamped again above it and put once more: a put made after another one
+        was acknowledged replaces it."""
+        superseded = self.put_as_of(keys, buffers, pin_s, versions)
+        if superseded and versions is None:
+            again = [keys[i] for i in superseded]
+            self.put_as_of(again, [buffers[i] for i in superseded], pin_s, self.stamps_above(again))
+
+    def stamps_above(self, keys: Sequence[bytes]) -> list[int]:
+        """Fresh versions for `keys`, above the newest the worker knows of each (its block or removal)."""
+        self.batch_versions(keys)  # merged into this process's clock
+        return CLOCK.batch(len(keys))
+
     def batch_exists(self, keys: Sequence[bytes]) -> list[bool]:
         return self.batch_versions(keys)[0]
 
@@ -227,12 +251,27 @@ class Connection:
         return flags, versions
 
     def batch_remove(self, keys: Sequence[bytes], versions: Sequence[int] | None = None) -> list[bool]:
-        """Remove blocks as of `versions` (default: stamped now): True where one was removed."""
+        """Remove blocks: True where one was removed. `versions` as `batch_put`'s: without them, a key
+        whose block is as new as the removal or newer is removed again as of a version above it."""
+        outcomes = self.remove_as_of(keys, versions)
+        if versions is None and P.SUPERSEDED in outcomes:
+            idx = [i for i, o in enumerate(outcomes) if o == P.SUPERSEDED]
+            again = [keys[i] for i in idx]
+            for i, o in zip(idx, self.remove_as_of(again, self.stamps_above(again))):
+                outcomes[i] = o
+        return [o == P.REMOVED for o in outcomes]
+
+    def remove_as_of(self, keys: Sequence[bytes], versions: Sequence[int] | None) -> list[int]:
+        """Remove blocks as of `versions` (stamped now if None): each key's outcome, P.REMOVED, 0 (none
+        held) or P.SUPERSEDED (a block as new or newer is held, and stays)."""
         stamps = np.asarray(versions, dtype="<u8") if versions is not None else CLOCK.batch_array(len(keys))
-        out: list[bool] = []
+        out: list[int] = []
         for f in P.frames(len(keys)):
             reply = self.call(P.Op.REMOVE, P.pack_batch(list(keys[f]), stamps[f]))
-            out += np.frombuffer(reply.meta, dtype="<u1").astype(bool).tolist()
+            if len(reply.meta) != f.stop - f.start:
+                raise PoolUnavailable(f"worker {self.address}: REMOVE reply of {len(reply.meta)} bytes for "
+                                      f"{f.stop - f.start} keys")
+            out += np.frombuffer(reply.meta, dtype="<u1").tolist()
         return out
 
     def changes(self, since_ms: int, from_seq: int = 0) -> tuple[list[Change], int, int]:
@@ -277,6 +316,15 @@ class Connection:
 
     def wait_for_members(self, predicate: MembersPredicate, timeout_s: float) -> bool:
         return predicate(self.members())  # one worker, for as long as the connection: nothing to wait for
+
+
+def put_outcome(status: Sequence[int], keys: Sequence[bytes], lens: Sequence[int], max_block: int) -> list[int]:
+    """The indices of a put's blocks the worker did not store because it holds a version as new or newer
+    (ITEM_SUPERSEDED); raises the error of the first block that failed otherwise (`raise_item`)."""
+    failed = next((i for i, st in enumerate(status) if st and st != P.ITEM_SUPERSEDED), None)
+    if failed is not None:
+        raise_item(int(status[failed]), keys[failed], lens[failed], max_block)
+    return [i for i, st in enumerate(status) if st == P.ITEM_SUPERSEDED]
 
 
 def raise_item(status: int, key: bytes, size: int, max_block: int) -> None:

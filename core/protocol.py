@@ -27,17 +27,21 @@ import xxhash
 
 from .errors import PoolUnavailable, ProtocolError
 from .keys import MAX_KEY_BYTES
+from .versions import REMOVED, SUPERSEDED
 
-__all__ = ["MAGIC", "VERSION", "HEADER", "MAX_META", "MAX_DATA", "MAX_BATCH", "Op", "Status", "ITEM_QUOTA", "Frame",
+__all__ = ["MAGIC", "VERSION", "HEADER", "MAX_META", "MAX_DATA", "MAX_BATCH", "Op", "Status", "ITEM_QUOTA",
+    "ITEM_SUPERSEDED", "REMOVED", "SUPERSEDED", "Frame",
     "header", "recv_exactly", "recv_checksum", "recv_into_all", "recv_frame", "send_frame", "pack_json", "unpack_json",
     "frames", "pack_batch", "unpack_batch", "unpack_ids", "check_reply", "recv_reply", "recv_blocks", "drain",
     "DRAIN_CHUNK"]
 
 MAGIC = b"KVPW"
-VERSION = 3
+VERSION = 4
 """2: HELLO/AUTH are a challenge-response in both directions (the token never crosses the wire).
 3: blocks carry versions (`kvpool.core.versions`): PUT, COMMIT and REMOVE send a versions column;
-GET, LEASE and EXISTS return one; CHANGES lists a worker's recent changes for a returning peer."""
+GET, LEASE and EXISTS return one; CHANGES lists a worker's recent changes for a returning peer.
+4: a put or remove no newer than what the worker holds is told (ITEM_SUPERSEDED, SUPERSEDED), not
+answered as done."""
 HEADER = struct.Struct("<4sBBHIIQII")
 MAX_META = 16 << 20
 MAX_DATA = 8 << 30
@@ -52,16 +56,18 @@ _HASH_CHUNK = 256 << 10
 class Op(IntEnum):
     HELLO = 1     # -> json: before auth {"auth": true, "nonce"} only; after (or unneeded) the worker's description
     AUTH = 2      # json {"nonce", "proof"} (client's) -> json: the worker's description and {"proof"} (worker's)
-    PUT = 3       # keys + sizes, checksums, versions; data -> statuses (an older version than held: OK, not stored)
+    PUT = 3       # keys + sizes, checksums, versions; data -> statuses (ITEM_SUPERSEDED: not stored, a version as
+    #               new or newer is held)
     GET = 4       # keys -> sizes, checksums, versions (a miss: its tombstone's, or 0); data
     EXISTS = 5    # keys -> flags, versions (as GET's)
     PREFIX = 6    # keys -> status-free json {"n"}
-    REMOVE = 7    # keys + versions -> flags (removed); each leaves a tombstone
+    REMOVE = 7    # keys + versions -> flags (REMOVED, or SUPERSEDED: a block as new or newer is held); each
+    #               removal leaves a tombstone
     CLEAR = 8     # -> status
     STATS = 9     # -> json
     ALLOC = 10    # same node: keys + sizes -> offsets (-1: no room)
     COMMIT = 11   # same node: keys + offsets + sizes + checksums + versions -> statuses (ITEM_CORRUPT: bytes do
-    #               not match; an older version than held: OK, not stored)
+    #               not match; ITEM_SUPERSEDED as PUT's)
     ABORT = 12    # same node: raw offsets -> (no reply)
     LEASE = 13    # same node: keys -> lease ids, offsets, sizes, checksums, versions
     RELEASE = 14  # same node: raw lease ids -> (no reply)
@@ -83,6 +89,10 @@ class Status(IntEnum):
 
 ITEM_QUOTA = -5
 """A put's per-block status: the tenant's quota has no room for it (QuotaExceeded)."""
+ITEM_SUPERSEDED = -6
+"""A put's per-block status: not stored, the worker holds a version of the key as new or newer (a block
+or a removal). Not an error: a writer that stamped the block itself stamps it again above that version
+(another writer's clock may run ahead of its own, or have stamped in the same millisecond)."""
 
 
 ITEM_OK, ITEM_MISS, ITEM_CORRUPT, ITEM_FULL, ITEM_TOO_LARGE = 0, -1, -2, -3, -4

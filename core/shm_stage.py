@@ -16,7 +16,10 @@ What that costs its caller:
   a block the moment it hears of it may find it not there yet (`kvpool.streams` retries such a miss
   briefly); a reader on this node copies it from its place, checked against its checksum;
 - a refused commit raises from a later `put` or `settle`; so does a connection lost with commits
-  unanswered (PoolUnavailable: whether those were stored is not known).
+  unanswered (PoolUnavailable: whether those were stored is not known);
+- a block whose key the worker holds a version as new or newer of is not stored, and not put again
+  above it as `Connection.batch_put` does (its bytes may have changed since): a producer's layers go
+  under keys of their own request.
 A Stager holds a connection of its own to the worker; the slots it keeps for next puts (`LOOKAHEAD`
 puts' worth) go back when it closes, or when the worker sees the connection close.
 """
@@ -159,8 +162,8 @@ class Stager:
             op, keys, sizes = self._owed[0]
             got = recv_column(sock, op, len(keys))
             self._owed.popleft()
-            if op == P.Op.COMMIT_UNCHECKED:
-                bad = np.flatnonzero(got)
+            if op == P.Op.COMMIT_UNCHECKED:  # one superseded (a newer version held) is not a failure
+                bad = np.flatnonzero((got != 0) & (got != P.ITEM_SUPERSEDED))
                 if bad.size and self._failed is None:
                     i = int(bad[0])
                     try:

@@ -27,7 +27,7 @@ from . import protocol as P
 from .arena_pages import ArenaPages
 from .blocks import checksum
 from .buffers import Destination, destination_views, finish_all, readable
-from .connection import Connection, raise_item, send_pin
+from .connection import Connection, put_outcome, raise_item, send_pin
 from .errors import BufferSizeError, PoolUnavailable, ProtocolError
 from .pool_backend import leases_by_copy
 from .shm_put import PartedPut
@@ -53,14 +53,12 @@ sides blocking on full socket buffers, the second request's keys one way and the
 class TcpTransport(Connection):
     """Blocks over TCP frames (any node)."""
 
-    def batch_put(self, keys: Sequence[bytes], buffers: Sequence[Any], pin_s: float = 0.0,
-                  versions: Sequence[int] | None = None) -> None:
-        """Store blocks; with `pin_s` > 0, pinned for that many seconds (see `batch_pin`). `versions`
-        (default: stamped now, `kvpool.core.versions`): a worker holding a newer one keeps it.
-
-        The batch goes in frames of a few MiB sent back to back (at most `_FRAMES_IN_FLIGHT`
-        unanswered): the worker receives, hashes and commits one while the next is hashed and sent.
-        A block the worker refuses fails alone; the error raised is the first failed block's."""
+    def put_as_of(self, keys: Sequence[bytes], buffers: Sequence[Any], pin_s: float,
+                  versions: Sequence[int] | None) -> list[int]:
+        """`Connection.put_as_of`: the batch goes in frames of a few MiB sent back to back (at most
+        `_FRAMES_IN_FLIGHT` unanswered): the worker receives, hashes and commits one while the next is
+        hashed and sent. A block the worker refuses fails alone; the error raised is the first failed
+        block's."""
         views = [readable(b) for b in buffers]
         lens = [v.nbytes for v in views]
         stamps = _stamps(versions, len(keys))
@@ -77,9 +75,7 @@ class TcpTransport(Connection):
                     sent -= 1
             for _ in range(sent):
                 status += self._put_reply(sock)
-        failed = next((i for i, st in enumerate(status) if st), None)
-        if failed is not None:
-            raise_item(status[failed], keys[failed], lens[failed], self.info.max_block)
+        return put_outcome(status, keys, lens, self.info.max_block)
 
     @staticmethod
     def _send_put(sock: Any, keys: Sequence[bytes], views: Sequence[memoryview], versions: np.ndarray) -> None:
@@ -190,21 +186,23 @@ class ShmTransport(Connection):
         with self._session():  # connecting fills self.info; a failure to map is the worker's, typed
             return DramArena.attach(self.info.arena, self.info.arena_size, writable)
 
-    def batch_put(self, keys: Sequence[bytes], buffers: Sequence[Any], pin_s: float = 0.0,
-                  versions: Sequence[int] | None = None) -> None:
-        """Store blocks; with `pin_s` > 0, pinned for that many seconds (see `batch_pin`). A batch
-        larger than the worker lets one connection reserve at once goes in several rounds. `versions`
-        as `TcpTransport.batch_put`'s."""
+    def put_as_of(self, keys: Sequence[bytes], buffers: Sequence[Any], pin_s: float,
+                  versions: Sequence[int] | None) -> list[int]:
+        """`Connection.put_as_of`: a batch larger than the worker lets one connection reserve at once
+        goes in several rounds."""
         views = [readable(b) for b in buffers]
         arena = self.writable_arena  # connects, so `info` is known
         budget = self.info.max_reserve or P.MAX_DATA
         stamps = _stamps(versions, len(keys))
+        superseded: list[int] = []
         for f in P.frames(len(keys), [v.nbytes for v in views], budget):
-            self._put_frame(arena, keys[f], views[f], pin_s, stamps[f])
+            superseded += [f.start + i for i in self._put_frame(arena, keys[f], views[f], pin_s, stamps[f])]
+        return superseded
 
     def _put_frame(self, arena: memoryview, keys: Sequence[bytes], views: Sequence[memoryview], pin_s: float,
-                   versions: np.ndarray) -> None:
-        """Copy the frame's blocks into slots of the arena part by part (`kvpool.core.shm_put`)."""
+                   versions: np.ndarray) -> list[int]:
+        """Copy the frame's blocks into slots of the arena part by part (`kvpool.core.shm_put`); the
+        indices of those superseded."""
         lens = [v.nbytes for v in views]
         max_block = self.info.max_block
         if max_block and lens and max(lens) > max_block:  # before anything is stored
@@ -220,10 +218,11 @@ class ShmTransport(Connection):
             except BaseException:
                 self.close()  # replies may be unread; the worker frees the slots of a closed connection
                 raise
-        if put.status.any():
-            i = int(np.flatnonzero(put.status)[0])
-            raise_item(int(put.status[i]), keys[i], lens[i], max_block)
-        committed(self.info, keys, offsets, put.sizes, versions)  # where they lie, for whoever records it
+        superseded = put_outcome(put.status.tolist(), keys, lens, max_block)
+        kept = put.status == 0  # where they lie, for whoever records it
+        committed(self.info, [k for k, ok in zip(keys, kept.tolist()) if ok], offsets[kept], put.sizes[kept],
+                  versions[kept])
+        return superseded
 
     @contextmanager
     def batch_lease(self, keys: Sequence[bytes]) -> Iterator[list[memoryview | None]]:

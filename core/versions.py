@@ -17,9 +17,12 @@ from itertools import repeat
 
 import numpy as np
 
-__all__ = ["COUNTER_BITS", "CLOCK_SKEW_MS", "HybridClock", "CLOCK", "stamp", "observe", "wall_ms_of", "Tombstones",
-           "Change", "ChangeLog"]
+__all__ = ["REMOVED", "SUPERSEDED", "COUNTER_BITS", "CLOCK_SKEW_MS", "HybridClock", "CLOCK", "stamp", "observe",
+           "wall_ms_of", "Tombstones", "Change", "ChangeLog"]
 
+REMOVED, SUPERSEDED = 1, 2
+"""A removal's outcome per key beside 0 (nothing to remove): removed; not removed, because a block of the
+key as new as the removal or newer is held (a REMOVE reply's flags)."""
 COUNTER_BITS = 16
 CLOCK_SKEW_MS = 2000
 """How far apart the wall clocks of two processes of a pool may be, in ms (what versions order

@@ -204,26 +204,29 @@ class RequestHandlers(ConnectionServing):
             self.metrics.corrupt_blocks.inc(int(corrupt.sum()))
             status[idx[corrupt]] = P.ITEM_CORRUPT
             idx, offs = idx[~corrupt], offs[~corrupt]
-        # a pin sent before the block pins it; an older version than held is not stored (OK)
-        self._commit_blocks([keys[i] for i in idx.tolist()], offs.tolist(), np.take(lens, idx).tolist(),
-                            csums[idx].tolist(), versions[idx].tolist())
+        # a pin sent before the block pins it; one no newer than what is held is not stored
+        stored = self._commit_blocks([keys[i] for i in idx.tolist()], offs.tolist(), np.take(lens, idx).tolist(),
+                                     csums[idx].tolist(), versions[idx].tolist())
+        status[idx[~stored]] = P.ITEM_SUPERSEDED
 
     def _commit_blocks(self, keys: list[bytes], offsets: list[int], sizes: list[int], csums: list[int],
-                       versions: list[int], checked: bool = True) -> None:
+                       versions: list[int], checked: bool = True) -> np.ndarray:
         """Commit blocks under one lock (`TieredCache.commit_many`; `checked`: their bytes were hashed
-        against `csums`), each block's size told to the tenants' tally. A key named twice is committed
-        in turns, so the tally sees each block's own size."""
+        against `csums`), each block's size told to the tenants' tally; whether each was stored (not:
+        a version as new or newer is held). A key named twice is committed in turns, so the tally sees
+        each block's own size."""
         if not self.tenants:
-            self.cache.commit_many(keys, offsets, sizes, csums, versions, checked=checked)
-            return
+            return np.array(self.cache.commit_many(keys, offsets, sizes, csums, versions, checked=checked), dtype=bool)
         usage = self.tenant_usage
         runs = [slice(0, len(keys))] if len(set(keys)) == len(keys) else [slice(i, i + 1) for i in range(len(keys))]
+        stored: list[bool] = []
         for r in runs:
             usage.committing_many(dict(zip(keys[r], sizes[r])))
             try:
-                self.cache.commit_many(keys[r], offsets[r], sizes[r], csums[r], versions[r], checked=checked)
+                stored += self.cache.commit_many(keys[r], offsets[r], sizes[r], csums[r], versions[r], checked=checked)
             finally:
                 usage.committing_many(None)
+        return np.array(stored, dtype=bool)
 
     def _over_quota(self, conn: Conn, tenant: Tenant, key: bytes, size: int) -> None:
         self.metrics.tenant_refusals.labels(tenant.name, "quota").inc()
@@ -275,7 +278,7 @@ class RequestHandlers(ConnectionServing):
         keys, (versions,) = P.unpack_batch(frame.meta, "<u8")
         if not self._in_namespace(conn, frame, keys):
             return
-        self._reply(conn, frame, _flags(self.cache.batch_remove(keys, versions.tolist())))
+        self._reply(conn, frame, np.array(self.cache.remove_as_of(keys, versions.tolist()), dtype="<u1").tobytes())
 
     def _changes(self, conn: Conn, frame: P.Frame) -> None:
         """The changes this worker accepted since a time, for a peer catching up (`kvpool.core.catch_up`)."""
@@ -382,7 +385,8 @@ class RequestHandlers(ConnectionServing):
             keys = [k for k, bad in zip(keys, corrupt.tolist()) if not bad]
             offsets, sizes, csums, versions = offsets[good], sizes[good], csums[good], versions[good]
             offs, lens = offsets.tolist(), sizes.tolist()
-        self._commit_blocks(keys, offs, lens, csums.tolist(), versions.tolist(), check)  # older than held: not stored
+        stored = self._commit_blocks(keys, offs, lens, csums.tolist(), versions.tolist(), check)
+        status[np.flatnonzero(~corrupt)[~stored]] = P.ITEM_SUPERSEDED
         self._bytes_in.inc(sum(lens))
         self._reply(conn, frame, status.tobytes())
 

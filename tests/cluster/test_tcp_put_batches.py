@@ -115,8 +115,8 @@ def test_a_key_named_twice_in_a_batch_is_tallied_as_stored(tmp_path: Path, spawn
     w = _tenant_worker(tmp_path, spawn)
     a = session(w, TENANT_TOKEN)
     big, small = _block(1, 16 << 10), _block(2, 8 << 10)
-    # the second copy is older than the first: not stored, and the tally keeps the first one's size
-    assert _put(a, [b"a/x", b"a/x"], [big, small], versions=[20, 10]) == [0, 0]
+    # the second copy is older than the first: not stored (superseded), and the tally keeps the first one's size
+    assert _put(a, [b"a/x", b"a/x"], [big, small], versions=[20, 10]) == [0, P.ITEM_SUPERSEDED]
     assert _used(a) == 16 << 10
     out = bytearray(16 << 10)
     assert a.batch_get_into([b"a/x"], [out]) == [16 << 10] and out == big
