@@ -219,9 +219,12 @@ class ShmTransport(Connection):
                 self.close()  # replies may be unread; the worker frees the slots of a closed connection
                 raise
         superseded = put_outcome(put.status.tolist(), keys, lens, max_block)
-        kept = put.status == 0  # where they lie, for whoever records it
-        committed(self.info, [k for k, ok in zip(keys, kept.tolist()) if ok], offsets[kept], put.sizes[kept],
-                  versions[kept])
+        sizes = put.sizes
+        if superseded:  # not stored: they lie nowhere
+            kept = put.status == 0
+            keys, offsets, sizes, versions = [k for k, ok in zip(keys, kept.tolist()) if ok], offsets[kept], \
+                sizes[kept], versions[kept]
+        committed(self.info, keys, offsets, sizes, versions)  # where they lie, for whoever records it
         return superseded
 
     @contextmanager

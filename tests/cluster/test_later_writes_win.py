@@ -6,6 +6,7 @@ remove, SUPERSEDED) and the writer stamps it again above what the worker holds."
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -14,9 +15,12 @@ from kvpool.core import protocol as P
 from kvpool.core.client import PoolClient
 from kvpool.core.connection import put_outcome
 from kvpool.core.errors import CapacityError
-from kvpool.core.server import Worker
-from kvpool.core.transport import connect
+from kvpool.core.procs import WorkerProcess
+from kvpool.core.shm_refs import recording
+from kvpool.core.transport import ShmTransport, connect
 from kvpool.core.versions import COUNTER_BITS
+
+Spawn = Callable[..., WorkerProcess]
 
 
 def _ahead(ms: int = 1000) -> int:
@@ -25,7 +29,8 @@ def _ahead(ms: int = 1000) -> int:
 
 
 @pytest.mark.parametrize("path", ["shm", "tcp"])
-def test_a_put_after_one_from_a_clock_ahead_replaces_it(worker: Worker, path: str) -> None:
+def test_a_put_after_one_from_a_clock_ahead_replaces_it(spawn: Spawn, path: str) -> None:
+    worker = spawn()  # its own process: a worker in this one would share this process's clock
     address = worker.unix_path if path == "shm" else worker.address
     other = connect(address)  # the other writer, its clock ahead of ours
     try:
@@ -41,8 +46,9 @@ def test_a_put_after_one_from_a_clock_ahead_replaces_it(worker: Worker, path: st
 
 
 @pytest.mark.parametrize("path", ["shm", "tcp"])
-def test_a_put_with_versions_of_its_own_keeps_last_writer_wins(worker: Worker, path: str) -> None:
+def test_a_put_with_versions_of_its_own_keeps_last_writer_wins(spawn: Spawn, path: str) -> None:
     """A repair, a replicated put: the caller's versions stand, and the newest is kept."""
+    worker = spawn()
     t = connect(worker.unix_path if path == "shm" else worker.address)
     try:
         ahead = _ahead()
@@ -65,7 +71,7 @@ def test_a_superseded_block_does_not_hide_another_blocks_failure() -> None:
     assert e.value.key == b"b"
 
 
-def test_replicas_both_take_the_later_put_at_one_version(nats, spawn) -> None:
+def test_replicas_both_take_the_later_put_at_one_version(nats, spawn: Spawn) -> None:
     """One replica holds a version from a clock ahead, the other nothing: the later put is stamped
     again above it and goes to both, so they agree on the bytes and the version."""
     workers = [spawn(nats_url=nats.url, node_id=f"node{i}") for i in range(2)]
@@ -90,3 +96,20 @@ def test_replicas_both_take_the_later_put_at_one_version(nats, spawn) -> None:
                     c.close()
         finally:
             one.close()
+
+
+def test_a_superseded_block_is_not_named_where_it_would_have_lain(spawn: Spawn) -> None:
+    """`put_placed` tells where each block lies for readers on this node: none for a block not stored."""
+    worker = spawn()
+    other = connect(worker.unix_path)
+    try:
+        other.batch_put([b"held"], [b"H" * 64], versions=[_ahead()])
+        with PoolClient(mode="local", worker=worker.unix_path) as pool:
+            backend = pool.backend
+            assert isinstance(backend, ShmTransport)
+            with recording([b"held", b"new"]) as rec:
+                backend.put_as_of([b"held", b"new"], [b"x" * 64, b"n" * 64], 0.0, None)  # stamped once
+            held, new = rec.places([b"held", b"new"])
+            assert held is None and new is not None
+    finally:
+        other.close()
