@@ -5,16 +5,19 @@ slower than a warm write here). Slabs of `slab_size` bytes are handed to size cl
 returned when empty; allocating and freeing a block is pure Python bookkeeping, never a system call.
 Other processes on the node map the same arena by name (`DramArena.attach`) and read blocks in place.
 An arena nobody else maps (an embedded pool's) is unlinked as soon as it is mapped, so no exit, not even
-kill -9, can leave it behind; a shared one that a killed owner left is swept by the next shared arena.
+kill -9, can leave it behind; a shared one that a killed owner left is swept by the next shared arena
+(its creator holds a lock on it while it lives: the kernel, not a pid, says whether it does).
 """
 from __future__ import annotations
 
 import _posixshmem
 import bisect
+import fcntl
 import mmap
 import os
 import secrets
 import stat
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -61,32 +64,40 @@ def arena_names(pid: int | None = None) -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
 
 
+_YOUNG_S = 10.0
+"""An unlocked arena still empty (0 bytes) and this recent is not swept: its creator locks it first and
+sizes it after, so it may be between creating and locking it. Any other unlocked arena is dead."""
+
+
 def sweep_dead_arenas() -> list[str]:
-    """Unlink this user's arenas whose creating process no longer exists (a kill -9'd worker's);
-    returns their names. An arena whose pid is alive, or another user's, is never touched."""
-    swept: list[str] = []
-    for name in os.listdir("/dev/shm"):
-        parts = name.split("-")
-        if len(parts) != 3 or parts[0] != "kvpool" or not parts[1].isdigit():
-            continue
-        try:
-            if os.stat(f"/dev/shm/{name}").st_uid != os.getuid() or _alive(int(parts[1])):
-                continue
-            os.unlink(f"/dev/shm/{name}")
-            swept.append(name)
-        except FileNotFoundError:
-            pass  # its owner, or another sweeper, got there first
-    return swept
+    """Unlink this user's kvpool arenas that no process holds any more (a kill -9'd worker's); returns
+    their names. A live arena's creator holds a lock on it for as long as it lives (`DramArena`), so
+    liveness is asked of the kernel, not of a pid: a pid means nothing in another pid namespace (a
+    worker in a container is pid 1, sharing the node's /dev/shm). Another user's arena is never touched."""
+    return [name for name in os.listdir("/dev/shm") if name.startswith("kvpool-") and _take_if_dead(name)]
 
 
-def _alive(pid: int) -> bool:
+def _take_if_dead(name: str) -> bool:
+    """Unlink the arena `name` if it is this user's and no process holds its lock; whether it was."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
+    except OSError:
+        return False  # gone already, or not ours to open
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or (st.st_size == 0 and time.time() - st.st_ctime < _YOUNG_S):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its creator lives
+        try:
+            _posixshmem.shm_unlink("/" + name)
+        except FileNotFoundError:
+            return False  # another sweeper got there first
         return True
-    return True
+    finally:
+        os.close(fd)
 
 
 def _check_arena(fd: int, name: str, size: int) -> None:
@@ -116,9 +127,17 @@ class DramArena:
         self.size = size // slab_size * slab_size
         """Bytes of slots (whole slabs); the shared object is `length` bytes, slabs from `PHASE` on."""
         self.length = self.size + PHASE
-        fd = _posixshmem.shm_open("/" + self.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        if name and shared:
+            _take_if_dead(name)  # a configured name its last owner (killed) left
+        try:
+            fd = _posixshmem.shm_open("/" + self.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        except FileExistsError:
+            raise ConfigError(f"the DRAM arena name {self.name!r} is taken in /dev/shm by a live worker: give "
+                              "each worker its own") from None
         if not shared:
             _posixshmem.shm_unlink("/" + self.name)
+        else:  # locked before it is sized, and held while this process lives: see sweep_dead_arenas
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         try:
             # Reserving the pages up front turns a too-small /dev/shm into an error here instead
             # of a SIGBUS at first touch.
@@ -128,11 +147,15 @@ class DramArena:
                 os.ftruncate(fd, self.length)
             self._mmap = mmap.mmap(fd, self.length)
         except OSError as e:
+            os.close(fd)
             if shared:
                 _posixshmem.shm_unlink("/" + self.name)
             raise CapacityError(f"cannot create a DRAM arena of {self.length} bytes in /dev/shm: {e}") from e
-        finally:
+        if shared:
+            self._lock_fd: int | None = fd  # its lock says the arena is live; closed (released) with the arena
+        else:
             os.close(fd)
+            self._lock_fd = None
         self._owner = shared  # the creator of a shared arena unlinks its name on close
         self.buf = np.frombuffer(self._mmap, dtype=np.uint8)
         self._view = memoryview(self._mmap)  # sliced per block: `view`
@@ -313,3 +336,6 @@ class DramArena:
                 _posixshmem.shm_unlink("/" + self.name)
             except FileNotFoundError:
                 pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None

@@ -1,6 +1,7 @@
 """The DRAM tier's shared-memory arena and its size-class slab allocator."""
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import stat
@@ -56,7 +57,7 @@ def test_arena_names_are_unique_and_explicit_names_are_exclusive() -> None:
     b = DramArena(1 * MiB, slab_size=1 * MiB, prefault=False)
     try:
         assert a.name != b.name
-        with pytest.raises(FileExistsError):
+        with pytest.raises(ConfigError, match="taken in /dev/shm by a live worker"):
             DramArena(1 * MiB, slab_size=1 * MiB, name=a.name, prefault=False)
         assert os.path.exists(f"/dev/shm/{a.name}")  # the failed attempt did not unlink a's arena
     finally:
@@ -279,3 +280,55 @@ def test_a_shared_arena_left_by_a_killed_owner_is_swept_and_a_live_ones_is_not()
         assert arena_names(pid) == set() and os.path.exists(f"/dev/shm/{mine.name}")
     finally:
         mine.close()
+
+
+def _left_behind(name: str, size: int = 4096) -> None:
+    """A shared-memory object as a killed owner leaves it: named, sized, locked by nobody."""
+    fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def test_liveness_is_the_owners_lock_not_the_pid_in_the_name() -> None:
+    """In a container a worker is pid 1 of its own pid namespace, sharing the node's /dev/shm: the pid in
+    an arena's name may be anyone's here, or nobody's, whether its owner lives or not."""
+    dead_but_pid_alive = f"kvpool-{os.getpid()}-deadbeef"  # named after a live pid (this process)
+    _left_behind(dead_but_pid_alive)
+    live = DramArena(1 * MiB, slab_size=1 * MiB, prefault=False)  # its pid alive, and it holds its lock
+    other_namespace = f"kvpool-{2 ** 22 + 7}-0c0ffee0"  # a pid no process has here, its owner alive elsewhere
+    _left_behind(other_namespace)
+    fd = os.open(f"/dev/shm/{other_namespace}", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as its owner in the other namespace holds it
+    try:
+        swept = sweep_dead_arenas()
+        assert dead_but_pid_alive in swept and not os.path.exists(f"/dev/shm/{dead_but_pid_alive}")
+        assert live.name not in swept and other_namespace not in swept
+        assert os.path.exists(f"/dev/shm/{live.name}") and os.path.exists(f"/dev/shm/{other_namespace}")
+    finally:
+        os.close(fd)
+        os.unlink(f"/dev/shm/{other_namespace}")
+        live.close()
+
+
+def test_an_empty_unlocked_arena_this_recent_is_left_to_its_creator() -> None:
+    """A creator locks its arena before it sizes it: one found empty and new may be a moment from locked."""
+    name = f"kvpool-{2 ** 22 + 9}-00000000"
+    _left_behind(name, size=0)
+    try:
+        assert name not in sweep_dead_arenas()
+    finally:
+        os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_configured_name_its_killed_owner_left_is_taken_over() -> None:
+    name = f"kvpool-test-configured-{os.getpid()}"
+    _left_behind(name)
+    try:
+        a = DramArena(1 * MiB, slab_size=1 * MiB, name=name, prefault=False)
+        assert os.stat(f"/dev/shm/{name}").st_size == a.length
+        a.close()
+    finally:
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")
