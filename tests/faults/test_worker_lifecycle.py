@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -197,3 +198,51 @@ def test_an_in_process_worker_that_cannot_start_frees_its_metrics_port(tmp_path:
         Worker(cfg, cache).start()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", metrics_port), timeout=2).close()
+
+
+def test_a_hangup_stops_a_worker_as_cleanly_as_sigterm(tmp_path: Path) -> None:
+    """The terminal or ssh session it ran in went away: DRAM flushed to SSD, the arena unlinked."""
+    w = WorkerProcess(tmp_path, dram_bytes="64MiB", ssd=True, env={"KVPOOL_DRAM_SLAB_SIZE": "1MiB"}).wait_ready()
+    pid = w.proc.pid
+    with PoolClient(mode="local", worker=w.unix_path) as c:
+        c.put("kept", block("kept", SIZE))
+    os.kill(pid, signal.SIGHUP)
+    assert w.proc.wait(30) == 0
+    w.stop()  # (closes its log)
+    assert not arena_names(pid)
+    again = WorkerProcess(tmp_path, dram_bytes="64MiB", ssd=True, env={"KVPOOL_DRAM_SLAB_SIZE": "1MiB"}).wait_ready()
+    try:
+        with PoolClient(mode="local", worker=again.unix_path) as c:
+            assert c.get("kept") == block("kept", SIZE)  # flushed to SSD before it stopped
+    finally:
+        again.stop()
+
+
+_NATS_STARTER = """
+import sys, time
+from kvpool.core.nats_server import NatsServer
+s = NatsServer(sys.argv[1], port=0).start()
+print(s.proc.pid, s.port, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_nats_server_dies_with_the_process_that_started_it_and_its_port_is_not_adopted(tmp_path: Path) -> None:
+    from kvpool.core.errors import ListenError
+    from kvpool.core.nats_server import NatsServer
+
+    starter = subprocess.Popen([sys.executable, "-c", _NATS_STARTER, str(tmp_path / "a")], stdout=subprocess.PIPE,
+                               text=True)
+    try:
+        assert starter.stdout is not None
+        pid, port = map(int, starter.stdout.readline().split())
+        with pytest.raises(ListenError, match="already listens"):  # the live one's port: refused, not adopted
+            NatsServer(tmp_path / "b", port=port).start()
+        starter.kill()  # kill -9: nothing in the starter stops its nats-server
+        starter.wait()
+        assert poll(lambda: not _running(pid), 10), "the nats-server outlived the process that started it"
+    finally:
+        starter.kill()
+        starter.wait()
+        if starter.stdout is not None:
+            starter.stdout.close()
