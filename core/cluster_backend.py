@@ -165,8 +165,11 @@ class ClusterBackend:
         return groups
 
     def _live(self) -> dict[str, WorkerInfo]:
-        """The members: placement ranks all of them, suspect or not (`FanOut.each` skips suspects)."""
-        return self.membership.members()
+        """The members: placement ranks all of them, suspect or not (`FanOut.each` skips suspects). The
+        connections to workers long gone are closed (`FanOut.drop_departed`)."""
+        live = self.membership.members()
+        self.fanout.drop_departed(live)
+        return live
 
     # ----- the PoolBackend calls ----------------------------------------------------------------
 

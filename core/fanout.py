@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
@@ -18,7 +18,7 @@ from .errors import PoolTimeout, PoolUnavailable
 from .records import WorkerInfo
 from .transport import ShmTransport, TcpTransport, connect
 
-__all__ = ["Transport", "SUSPECT_S", "FanOut"]
+__all__ = ["Transport", "SUSPECT_S", "DEPARTED_S", "Departures", "FanOut"]
 
 log = logging.getLogger("kvpool.client")
 
@@ -27,6 +27,28 @@ Transport = TcpTransport | ShmTransport
 
 SUSPECT_S = 2.0
 """How long a worker that failed is treated as down before it is asked again."""
+DEPARTED_S = 60.0
+"""How long a connected worker may be missing from the members before its connection is closed."""
+
+
+class Departures:
+    """Which of the workers one holds something for (a connection, a stager) have been missing from the
+    members for `DEPARTED_S`. Not thread-safe."""
+
+    def __init__(self) -> None:
+        self._absent: dict[str, float] = {}  # worker id -> since when it is no member
+
+    def gone(self, held: Iterable[str], live: Mapping[str, WorkerInfo]) -> list[str]:
+        """Those of `held` missing from `live` for DEPARTED_S (each told once)."""
+        now = time.monotonic()
+        held = set(held)
+        self._absent = {w: since for w, since in self._absent.items() if w in held and w not in live}
+        for w in held - live.keys():
+            self._absent.setdefault(w, now)
+        out = [w for w, since in self._absent.items() if now - since >= DEPARTED_S]
+        for w in out:
+            del self._absent[w]
+        return out
 
 
 class FanOut:
@@ -40,7 +62,8 @@ class FanOut:
         self.tls_ca = tls_ca  # TCP workers over TLS, verified against this CA file (else KVPOOL_TLS_CA's)
         self._transports: dict[str, tuple[tuple[Any, ...], Transport]] = {}
         self._suspect: dict[str, float] = {}
-        self._lock = threading.Lock()  # guards the two dicts
+        self._departures = Departures()
+        self._lock = threading.Lock()  # guards the two dicts and the departures
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvpool-fanout")
 
     def _askable(self, groups: Mapping[str, list[int]]) -> dict[str, list[int]]:
@@ -50,6 +73,16 @@ class FanOut:
         now = time.monotonic()
         with self._lock:
             return {w: idx for w, idx in groups.items() if self._suspect.get(w, 0) <= now}
+
+    def drop_departed(self, live: Mapping[str, WorkerInfo]) -> None:
+        """Close the connections to workers that have not been members for `DEPARTED_S` (one to a
+        same-node worker maps its arena: kept open, a departed worker's memory would stay taken for as
+        long as this client lives). Not at once: a member missing for a moment (its heartbeats held up
+        by a NATS election) keeps its connection, and the calls on it."""
+        with self._lock:
+            dropped = [self._transports.pop(w)[1] for w in self._departures.gone(self._transports, live)]
+        for t in dropped:
+            t.close()
 
     def connected(self) -> dict[str, Transport]:
         """The open transports, by worker id."""

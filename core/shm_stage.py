@@ -37,6 +37,7 @@ from .client import PoolClient
 from .cluster_backend import ClusterBackend
 from .connection import pin_request, raise_item
 from .errors import KVPoolError, PoolUnavailable
+from .fanout import Departures
 from .shm_put import copy_in, recv_column
 from .shm_refs import Place
 from .transport import ShmTransport
@@ -230,6 +231,7 @@ class Stagers:
     def __init__(self, pool: PoolClient) -> None:
         self.pool = pool
         self._stagers: dict[str, Stager] = {}  # by worker id
+        self._departures = Departures()
 
     def for_keys(self, keys: Sequence[bytes], sizes: Sequence[int]) -> Stager | None:
         backend = self.pool.backend
@@ -237,6 +239,8 @@ class Stagers:
             info = backend.hello()
             where = (backend.address, backend.token, backend.timeout_s)
         elif isinstance(backend, ClusterBackend):
+            for gone in self._departures.gone(self._stagers, backend.members()):
+                self._stagers.pop(gone).close()  # it maps the departed worker's arena
             owner = backend.sole_owner(keys)
             fanout = backend.fanout
             if owner is None or owner.node_id != fanout.node_id:
