@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import secrets
 import socket
 import ssl
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -44,7 +46,8 @@ DEFAULT_MAX_BLOCK = 16 << 20
 
 
 class Connection:
-    """A socket to one worker, one request at a time, reconnecting after a failure."""
+    """A socket to one worker, one request at a time, reconnecting after a failure. A process forked
+    from one that holds it starts without its socket (`_forked`)."""
 
     def __init__(self, address: str, token: str | None = None, timeout_s: float = 5.0,
                  tls_ca: str | None = None) -> None:
@@ -58,6 +61,7 @@ class Connection:
         self._tls = client_context(self.tls_ca) if self.tls_ca else None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        _OPEN.add(self)
         self.generation = 0
         """How many connections this transport has closed: what the worker holds for a connection
         (leases, reservations) ends with it, and ids it gave are not those of the next one."""
@@ -316,6 +320,25 @@ class Connection:
 
     def wait_for_members(self, predicate: MembersPredicate, timeout_s: float) -> bool:
         return predicate(self.members())  # one worker, for as long as the connection: nothing to wait for
+
+
+_OPEN: weakref.WeakSet[Connection] = weakref.WeakSet()
+"""Every Connection of this process, for `_forked`."""
+
+
+def _forked() -> None:
+    """In a forked child: let go of the parent's sockets, each connection to reconnect when used. Shared,
+    the two processes' requests would interleave on one socket; and a child that outlives its parent
+    would keep the parent's leases and reserved slots held at the worker (it sees no close)."""
+    for conn in list(_OPEN):
+        conn._lock = threading.Lock()  # another thread of the parent may have held it at the fork
+        if conn._sock is not None:
+            conn._sock.close()  # the child's copy only: the parent's socket stays open
+            conn._sock = None
+            conn.generation += 1
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def put_outcome(status: Sequence[int], keys: Sequence[bytes], lens: Sequence[int], max_block: int) -> list[int]:

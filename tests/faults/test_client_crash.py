@@ -2,6 +2,7 @@
 the worker reclaims both, and nothing half-written ever becomes visible."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -64,3 +65,43 @@ def test_a_killed_client_gives_back_leases_and_half_written_slots(spawn):
         sizes = c.batch_get_into(keys, bufs)
         assert all(n < 0 or bytes(b) == block(k, MiB) for k, n, b in zip(keys, sizes, bufs))
         assert sizes[-8:] == [MiB] * 8
+
+
+# As CHILD, then forks a helper that outlives it (a data loader's worker, say): the helper must not hold
+# what the killed client held at the worker; and the helper can use the client itself, on its own socket.
+FORKING_CHILD = textwrap.dedent("""
+    import os, sys, time
+    from kvpool.core.client import PoolClient
+    c = PoolClient(mode="local", worker=sys.argv[1], timeout_s=5)
+    lease = c.batch_lease(["held"])
+    assert lease.__enter__()[0] is not None
+    if os.fork() == 0:
+        time.sleep(1)  # the parent is killed meanwhile
+        c.put("from-child", b"c" * 4096)  # its own connection: the parent's socket is not shared
+        assert c.get("from-child") == b"c" * 4096 and c.get("held") is not None
+        print("child ok", flush=True)
+        time.sleep(120)
+        os._exit(0)
+    print("ready", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_forked_child_does_not_keep_a_killed_clients_leases_and_uses_a_socket_of_its_own(spawn):
+    w = spawn()
+    with PoolClient(mode="local", worker=w.unix_path, timeout_s=5) as c:
+        c.put("held", block("held", MiB))
+        child = subprocess.Popen([sys.executable, "-c", FORKING_CHILD, w.unix_path], stdout=subprocess.PIPE,
+                                 start_new_session=True)
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline().strip() == b"ready"
+            assert poll(lambda: c.stats().total.dram_leases == 1, 5)
+            child.send_signal(signal.SIGKILL)  # the forked helper lives on
+            assert child.wait(10) == -signal.SIGKILL
+            assert poll(lambda: c.stats().total.dram_leases == 0, 5), "the forked helper still holds the lease"
+            assert child.stdout.readline().strip() == b"child ok"
+        finally:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            child.stdout.close()  # type: ignore[union-attr]
