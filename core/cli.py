@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--nats-tls-key", help="the certificate's private key (PEM)")
     u.set_defaults(func=cmd_up)
     s = sub.add_parser("status", help="members, capacities, fill and hit rates of the cluster")
-    s.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    s.add_argument("--nats-url", default=os.environ.get("KVPOOL_NATS_URL", "nats://127.0.0.1:4222"))
     s.add_argument("--token", default=None)
     s.add_argument("--tls-ca", help="CA file to verify TLS workers against (or KVPOOL_TLS_CA)")
     s.add_argument("--nats-creds", help="NATS credentials file: nkey seed or user/password (or KVPOOL_NATS_CREDS; "
@@ -228,12 +228,46 @@ EXIT_ERROR = 2
 commands that report their own (`kvpool bench`, `kvpool events`)."""
 
 
+_SECRET_FLAGS = {"--token": "KVPOOL_TOKEN", "--nats-url": "KVPOOL_NATS_URL"}
+"""Options that may carry a secret (a token; a NATS URL with a user and password), and the environment
+variable each has instead."""
+
+
+def _secrets_out_of_sight(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """`argv` without the secret-bearing options, and the environment that carries them instead: any user
+    of the machine can read a process's command line (/proc/PID/cmdline), only its own user its
+    environment. A NATS URL without credentials stays where it is."""
+    out: list[str] = []
+    env: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        if flag in _SECRET_FLAGS and (eq or i + 1 < len(argv)):
+            if not eq:
+                i += 1
+                value = argv[i]
+            if flag != "--nats-url" or "@" in value:
+                env[_SECRET_FLAGS[flag]] = value
+            else:
+                out += [flag, value]
+        else:
+            out.append(argv[i])
+        i += 1
+    return out, env
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a KVPoolError (a refused token, an unreachable pool, a bad option value) is one
     line on stderr, `kvpool <command>: <ErrorType>: <message>`, and EXIT_ERROR; with -v its traceback
-    is logged too. Anything else is a bug and keeps its traceback."""
+    is logged too. Anything else is a bug and keeps its traceback. A command line that carries a secret
+    (`--token`, a `--nats-url` with a password) runs again at once with the secret in its environment
+    instead, out of other users' sight."""
     from .errors import KVPoolError
 
+    if argv is None:
+        rest, hidden = _secrets_out_of_sight(sys.argv[1:])
+        if hidden:
+            os.execve(sys.executable, [sys.executable, "-m", "kvpool.core.cli", *rest], {**os.environ, **hidden})
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -18,7 +19,7 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     p = sub.add_parser("events", help="follow the pool's block events (workers started with --events)")
-    p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    p.add_argument("--nats-url", default=os.environ.get("KVPOOL_NATS_URL", "nats://127.0.0.1:4222"))
     p.add_argument("--replay", action="store_true", help="start with every event still retained (default: new ones)")
     p.add_argument("--zmq", metavar="ENDPOINT", help="republish as vLLM KV events on a PUB socket bound here, "
                    "e.g. tcp://127.0.0.1:5557 (needs kvpool[events])")
