@@ -82,6 +82,21 @@ given up for another of the cluster's: a cut network sends no FIN, and nats-py's
 2 minutes) would leave a client deaf to membership for minutes, well past the member TTL."""
 
 
+def _tls_only_client() -> type:
+    """nats-py's client class, but one given a TLS context talks TLS or not at all. nats-py upgrades a
+    connection only when the server's first INFO asks for it (`tls_required`): a server in the middle
+    that leaves that out would get our CONNECT in clear text (a password; an nkey's signature over the
+    nonce it passed on from the real server)."""
+    import nats.aio.client
+
+    class TlsOnly(nats.aio.client.Client):
+        async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
+            if initial_connection:
+                info["tls_required"] = True  # the dict the TLS decision reads next (`_server_info`)
+            await super()._process_info(info, initial_connection)
+    return TlsOnly
+
+
 async def nats_connect(url: str, timeout_s: float, log: logging.Logger, *, role: Role = "client",
                        creds: NatsCreds | None = None, tls: ssl.SSLContext | None = None, **callbacks: Any) -> Any:
     """A nats-py connection to `url` (one server, or a comma-separated list of a cluster's) that, once
@@ -116,7 +131,7 @@ async def nats_connect(url: str, timeout_s: float, log: logging.Logger, *, role:
             del denied[:-16]
         await logger(e)
 
-    nc: Any = nats.aio.client.Client()
+    nc: Any = _tls_only_client()() if tls is not None else nats.aio.client.Client()
     connecting: asyncio.Future[Any] = asyncio.ensure_future(nc.connect(
         servers, connect_timeout=timeout_s, allow_reconnect=True, max_reconnect_attempts=-1,
         reconnect_time_wait=0.5, ping_interval=PING_INTERVAL_S, max_outstanding_pings=MAX_OUTSTANDING_PINGS,

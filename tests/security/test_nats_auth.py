@@ -6,12 +6,15 @@ use streams), against a real nats-server with `nats_creds.authorization`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -258,3 +261,42 @@ def test_handoff_as_the_client_user(secured: NatsServer) -> None:
         with HandoffReceiver("handoff", secured.url, pool) as rx:
             got = [(layer, bytes(bufs[0])) for layer, _, bufs in rx.iter_layers("r1", timeout=10)]
     assert got == [(layer, blocks[layer].tobytes()) for layer in range(3)]
+
+
+def test_a_client_that_trusts_only_tls_sends_no_credentials_to_a_server_that_offers_none(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server in the middle whose INFO leaves out tls_required: nats-py alone would send it the CONNECT
+    (a password, or an nkey's signature over a nonce it passed on) in clear text."""
+    from tlshelp import make_ca
+
+    from kvpool.core.client import PoolClient
+    from kvpool.core.errors import KVPoolError
+
+    monkeypatch.setenv("KVPOOL_NATS_TLS_CA", str(make_ca(tmp_path)))
+    creds = ensure_creds(tmp_path / "creds", nkeys=False)["client"]
+    monkeypatch.setenv("KVPOOL_NATS_CREDS", str(creds.path))
+    fake = socket.create_server(("127.0.0.1", 0))
+    firsts: list[bytes] = []
+
+    def serve() -> None:
+        fake.settimeout(10)
+        with contextlib.suppress(OSError):
+            conn, _ = fake.accept()
+            with conn:
+                conn.sendall(b'INFO {"server_id":"FAKE","version":"2.10.0","proto":1,"headers":true,'
+                             b'"max_payload":1048576,"auth_required":true,"nonce":"mine"}\r\n')
+                conn.settimeout(5)
+                with contextlib.suppress(OSError):
+                    firsts.append(conn.recv(4096))
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        with pytest.raises(KVPoolError), PoolClient(mode="cluster", nats_url=f"nats://127.0.0.1:"
+                                                    f"{fake.getsockname()[1]}", timeout_s=2):
+            pass
+    finally:
+        thread.join(15)
+        fake.close()
+    assert firsts and not firsts[0].startswith(b"CONNECT")  # a TLS handshake (0x16 ...), not our credentials
+    assert str(creds.password).encode() not in firsts[0]
