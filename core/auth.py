@@ -14,6 +14,7 @@ both ends use to prove they hold it, Unix peer credentials, and the throttle on 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -27,9 +28,10 @@ import time
 from pathlib import Path
 
 from .config import default_state_dir
+from .errors import ConfigError
 
 __all__ = ["NONCE_BYTES", "AuthThrottle", "find_token", "load_or_create_token", "no_auth_env", "peer_uid",
-           "private_dir", "proof", "same_user", "token_path", "unix_socket_usable"]
+           "private_dir", "proof", "same_user", "token_path", "unix_socket_usable", "write_private"]
 
 log = logging.getLogger("kvpool.auth")
 
@@ -49,15 +51,38 @@ def no_auth_env() -> bool:
 
 
 def private_dir(path: Path, tighten: bool = False) -> Path:
-    """`path` as a folder, made 0700 if it is missing (its parents as usual). `tighten`: an existing
-    folder of this user's is made 0700 too (the state folder, the SSD folder: kvpool's own), never a
-    shared one (sticky, like /tmp) or another user's."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """`path` as a folder, made 0700 if it is missing, and so is each missing folder above it (whatever
+    the umask). `tighten`: kvpool's own folder (the state folder, the SSD folder, NATS credentials): it
+    must be a folder of this user's, not a link (ConfigError: another user who made it, or who can swap
+    it, could plant credentials or links in it), and is made 0700 unless it is a shared one (sticky)."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            pass  # made meanwhile
     if tighten:
-        st = path.stat()
-        if st.st_uid == os.getuid() and not st.st_mode & stat.S_ISVTX and stat.S_IMODE(st.st_mode) & 0o077:
+        st = path.lstat()
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            raise ConfigError(f"{path} is {'a link' if stat.S_ISLNK(st.st_mode) else f'owned by uid {st.st_uid}'}; "
+                              f"kvpool keeps its own files only in a folder of this user's (uid {os.getuid()})")
+        if not st.st_mode & stat.S_ISVTX and stat.S_IMODE(st.st_mode) & 0o077:
             path.chmod(stat.S_IMODE(st.st_mode) & 0o700)
     return path
+
+
+def write_private(path: Path, text: str) -> None:
+    """Replace `path` with a 0600 file holding `text`, atomically, through a temporary file beside it that
+    no link can redirect (a stale one, a crashed writer's, is removed first)."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # (a link is removed, not followed)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
 
 
 def _read_token(path: Path) -> str | None:
@@ -105,8 +130,6 @@ def load_or_create_token(path: Path) -> str:
         os.unlink(tmp)
     found = _read_token(path)
     if not found:
-        from .errors import ConfigError
-
         raise ConfigError(f"the token file {path} exists but is not this user's 0600 file with a token in it")
     return found
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from .auth import write_private
 from .cache import TieredCache
 from .errors import KVPoolError
 from .records import WorkerInfo
@@ -48,10 +49,8 @@ class AliveStamp:
             return None
 
     def touch(self) -> None:
-        tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
         try:
-            tmp.write_text(f"{int(time.time() * 1000)}\n")
-            os.replace(tmp, self.path)
+            write_private(self.path, f"{int(time.time() * 1000)}\n")
         except OSError as e:  # a full disk: the next start finds an older stamp (asks for more: safe)
             log.debug("alive stamp %s not written: %s", self.path, e)
 

@@ -17,9 +17,11 @@ import dataclasses
 import json
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import Any, Literal
 
+from .auth import private_dir
 from .config import default_state_dir
 from .errors import ConfigError
 
@@ -127,9 +129,6 @@ def find_creds(role: Role, path: str | os.PathLike[str] | None = None) -> NatsCr
     return load_creds(found) if os.path.exists(found) else None  # False too where we may not look (another user's)
 
 
-def _private_dir(folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    os.chmod(folder, 0o700)
 
 
 _PREFIX_SEED = 18 << 3  # nkeys' version bytes: base32 "S..." (a seed) of a "U..." (a user)
@@ -156,17 +155,19 @@ def ensure_creds(folder: str | os.PathLike[str] | None = None, *, nkeys: bool = 
     """Every role's credentials in `folder` (default `creds_dir()`), made now where missing (files
     0600, folder 0700): an nkey seed each, or with `nkeys=False` a random password. Existing files
     are kept, whichever kind, so clients keep working."""
-    where = creds_dir(folder)
-    _private_dir(where)
+    where = private_dir(creds_dir(folder), tighten=True)  # ConfigError if it is another user's
     out: dict[Role, NatsCreds] = {}
     for role in ROLES:
         path = creds_path(role, where)
-        if not path.exists():
+        if not os.path.lexists(path):
             secret = {"nkey_seed": new_user_seed()} if nkeys else {"password": secrets.token_urlsafe(32)}
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "w") as f:
                 json.dump({"user": f"kvpool-{role}", **secret}, f)
-        os.chmod(path, 0o600)
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            raise ConfigError(f"NATS credentials file {path} is not a 0600 file of this user's (uid {st.st_uid}, "
+                              f"mode {stat.S_IMODE(st.st_mode):o}): not trusted as the server's users")
         out[role] = load_creds(path)
     return out
 

@@ -9,10 +9,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from .auth import private_dir
 from .errors import ListenError, PoolTimeout, PoolUnavailable
 
 __all__ = ["binary", "server_env", "free_port", "NatsServer", "cluster_config"]
@@ -42,7 +44,10 @@ def server_env() -> dict[str, str]:
 
 def _die_with_parent() -> Callable[[], None] | None:
     """A preexec_fn that makes the child get SIGTERM when this process dies (prctl PR_SET_PDEATHSIG),
-    resolved before the fork; None where there is no prctl (not Linux)."""
+    resolved before the fork; None where there is no prctl (not Linux), or when called from a thread
+    other than the main one: the signal comes when the thread that forked ends, not the process."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
@@ -81,6 +86,9 @@ class NatsServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def _config_file(self) -> Path:
+        log = self.store_dir / "nats-server.log"
+        if not log.exists():  # made 0600 here: nats-server would make it 0640
+            os.close(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
         conf = self.store_dir / "nats-server.conf"
         # refused logins and denied publishes are logged by the server: keep its log beside the config
         text = (f"log_file: {json.dumps(str(self.store_dir / 'nats-server.log'))}\n"
@@ -108,7 +116,7 @@ class NatsServer:
         else:
             raise ListenError(f"something already listens on {self.host}:{self.port} (a nats-server an earlier run "
                               "left behind?): stop it, or choose another port")
-        self.store_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.store_dir)
         conf = ["-c", str(self._config_file())] if self.authorization or self.tls else []
         self.proc = subprocess.Popen(
             [binary(), *conf, "-js", "-sd", str(self.store_dir), "-a", self.host, "-p", str(self.port)],

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .auth import load_or_create_token, private_dir, token_path
+from .auth import load_or_create_token, private_dir, token_path, write_private
 from .cache import TieredCache
 from .catch_up import AliveStamp, catch_up
 from .config import CacheConfig, WorkerConfig, default_node_id, default_state_dir
@@ -68,20 +68,17 @@ def stored_worker_id(path: Path) -> str:
     """The id saved at `path`, or a new random one saved there: a restart on the same state keeps its
     id, so placement sends it the keys its SSD tier holds."""
     try:
-        wid = path.read_text().strip()
-        if wid:
-            return wid
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         pass
+    else:
+        with os.fdopen(fd) as f:
+            wid = f.read().strip()
+        if wid:
+            return wid
     wid = secrets.token_hex(4)
     private_dir(path.parent, tighten=path.parent == default_state_dir())
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, (wid + "\n").encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_private(path, wid + "\n")
     return wid
 
 

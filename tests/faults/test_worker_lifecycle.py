@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -246,3 +247,22 @@ def test_a_nats_server_dies_with_the_process_that_started_it_and_its_port_is_not
         starter.wait()
         if starter.stdout is not None:
             starter.stdout.close()
+
+
+def test_a_nats_server_started_from_a_thread_outlives_the_thread(tmp_path: Path) -> None:
+    """The parent-death signal comes when the thread that forked ends: armed only from the main thread."""
+    import threading
+
+    from kvpool.core.nats_server import NatsServer
+
+    started: list[NatsServer] = []
+    t = threading.Thread(target=lambda: started.append(NatsServer(tmp_path / "n", port=0).start()))
+    t.start()
+    t.join(30)
+    try:
+        assert started and started[0].proc is not None
+        time.sleep(1.0)
+        assert started[0].proc.poll() is None, "the server died with the thread that started it"
+    finally:
+        for s in started:
+            s.stop()
