@@ -246,3 +246,18 @@ def test_copies_of_one_message_waiting_ahead_of_their_place_count_once(nats, mak
     producer.join(20)
     assert got == list(range(LAYERS))
     assert rx.counts["rejected"] == 0 and rx.counts["recovered"] >= 1
+
+
+def test_a_request_read_whole_is_not_failed_by_a_purge_that_fails(nats, make_stream, pool, monkeypatch, caplog):
+    """Purging the request's messages is housekeeping: every layer is already in the decode side's hands."""
+    from kvpool.streams import StreamTimeout
+
+    def purge_fails(*_: Any) -> None:
+        raise StreamTimeout("purge request: timed out")
+
+    monkeypatch.setattr(HandoffReceiver, "_purge", purge_fails)
+    s = make_stream()
+    _handoff(nats.url, s, pool, "kept").join(20)
+    with caplog.at_level(logging.WARNING, "kvpool.streams"), HandoffReceiver(s, nats.url, pool) as rx:
+        assert _receive(rx, "kept") == list(range(LAYERS))
+    assert "read whole, but its messages were not purged" in caplog.text
