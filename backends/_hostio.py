@@ -49,6 +49,15 @@ STATUS_OF_ERROR: tuple[tuple[type[BaseException], Status], ...] = (
 """How each pool error becomes a status; first match wins. Only errors of these types are caught."""
 
 
+def prefixed(prefix: str, keys: Sequence[Any]) -> list[Any]:
+    """`keys` in the namespace `prefix` (none: as they are). A key that is not a str has no name there:
+    it becomes None, an invalid key, so its item fails INVALID_PARAMS (a bytes key would otherwise
+    escape the namespace, and anything else raise into the engine)."""
+    if not prefix:
+        return list(keys)
+    return [prefix + k if isinstance(k, str) else None for k in keys]
+
+
 def status_of(err: BaseException) -> Status:
     """The status that reports `err` to an engine (INTERNAL_ERROR for anything unlisted)."""
     return next((st for cls, st in STATUS_OF_ERROR if isinstance(err, cls)), Status.INTERNAL_ERROR)
@@ -223,10 +232,16 @@ class HostIO:
             return None
         views: list[np.ndarray] = []
         for ptr, size in zip(ptrs, sizes):
+            try:
+                ptr, size = int(ptr), int(size)
+            except (TypeError, ValueError):
+                self.once("bad part", "kvpool: key %r has a pointer %r or size %r that is not an integer",
+                          key, ptr, size)
+                return None
             if size <= 0:
                 self.once("bad size", "kvpool: key %r has size %d; sizes must be > 0", key, size)
                 return None
-            view = self.buffers.view(int(ptr), int(size))
+            view = self.buffers.view(ptr, size)
             if view is None:
                 self.once("bad pointer", "kvpool: %d bytes at %#x (key %r) are not inside a registered buffer "
                           "(%d registered); call register_buffer(ptr, size) first", size, ptr, key, len(self.buffers))

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvpool.core import InvalidArgument, PoolClient
 
-from ._hostio import HostIO, Status
+from ._hostio import HostIO, Status, prefixed
 
 try:  # FastDeploy's base class needs paddle; its manager only duck-types, so a plain class also works
     from fastdeploy.cache_manager.transfer_factory.kvcache_storage import KVCacheStorage as _Base
@@ -144,8 +144,7 @@ class KVPoolStore(_Base):
             self._io.close()
 
     def _keys(self, keys: Sequence[str]) -> list[str]:
-        p = self._prefix
-        return [p + k for k in keys] if p else list(keys)
+        return prefixed(self._prefix, keys)
 
 
 def _check_lists(keys: Sequence[str], locations: Sequence[int] | None,

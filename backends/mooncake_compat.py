@@ -16,7 +16,7 @@ from typing import Any
 from kvpool.core import ClientConfig, KVPoolError, PoolClient, readable
 from kvpool.core import load_config as load
 
-from ._hostio import HostBuffers, HostIO, Status
+from ._hostio import HostBuffers, HostIO, Status, prefixed
 from .mooncake_shim import shim_path
 
 log = logging.getLogger("kvpool.backends.mooncake")
@@ -152,7 +152,7 @@ class MooncakeDistributedStore:
         return self.setup("", "", 0, local_buffer_size, master_server_addr=server_address, **kwargs)
 
     def _keys(self, keys: Sequence[str]) -> list[str]:
-        return [self._prefix + k for k in keys] if self._prefix else list(keys)
+        return prefixed(self._prefix, keys)
 
     # ----- registered buffers -------------------------------------------------------------------
 
@@ -214,8 +214,13 @@ class MooncakeDistributedStore:
     # ----- bytes --------------------------------------------------------------------------------
 
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
-        """Store a bytes-like `value` (copied): 0, or a negative status (-600 for an empty value)."""
-        view = readable(value)  # once: a CUDA tensor or strided array is copied here, not again in put
+        """Store a bytes-like `value` (copied): 0, or a negative status (-600 for an empty value or one
+        that is not bytes-like)."""
+        try:
+            view = readable(value)  # once: a CUDA tensor or strided array is copied here, not again in put
+        except KVPoolError as e:
+            self._io.once("bad value", "kvpool: put of %r: %s", key, e)
+            return int(Status.INVALID_PARAMS)
         if view.nbytes == 0:
             return int(Status.INVALID_PARAMS)
         name = self._keys([key])[0]
@@ -226,7 +231,12 @@ class MooncakeDistributedStore:
 
     def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None) -> int:
         """Store the concatenation of `parts` under `key`."""
-        return self.put(key, b"".join(readable(p) for p in parts), config)
+        try:
+            joined = b"".join(readable(p) for p in parts)
+        except KVPoolError as e:
+            self._io.once("bad value", "kvpool: put of %r: %s", key, e)
+            return int(Status.INVALID_PARAMS)
+        return self.put(key, joined, config)
 
     def put_batch(self, keys: Sequence[str], values: Sequence[Any], config: ReplicateConfig | None = None) -> int:
         """Store each value: 0, or the first negative status."""

@@ -383,3 +383,19 @@ def test_subclasses_fastdeploy_base_class_when_fastdeploy_is_importable(tmp_path
                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_keys_and_pointers_of_the_wrong_type_are_per_item_errors(store: KVPoolStore) -> None:
+    """The store always has a namespace: a key that is not a str has no name in it (a bytes key would
+    escape it), and a pointer or size that is not an integer names no memory: INVALID_PARAMS, never a
+    TypeError into the engine."""
+    lay = Layout(store, blocks=2, stride=BF16_STRIDE)
+    lay.fill_write()
+    bad = Status.INVALID_PARAMS
+    keys: list[Any] = ["prefix_ok_0_key", 7, b"prefix_raw_0_key", None]
+    assert store.batch_set(keys=keys, target_locations=[lay.write.ptr] * 4, target_sizes=[BF16_STRIDE] * 4) == \
+        [0, bad, bad, bad]
+    assert store.batch_get(keys=keys, target_locations=[lay.read.ptr] * 4, target_sizes=[BF16_STRIDE] * 4) == \
+        [BF16_STRIDE, bad, bad, bad]
+    assert store.batch_set(keys=["prefix_p_0_key", "prefix_q_0_key"], target_locations=[None, lay.write.ptr],
+                           target_sizes=[BF16_STRIDE, "many"]) == [bad, bad]

@@ -384,3 +384,13 @@ def test_a_caller_that_never_closes_leaves_nothing_and_exits(spawn: Callable[...
     finally:
         if nats:
             nats.stop()
+
+
+def test_odd_keys_and_values_are_statuses_not_exceptions(store: MooncakeDistributedStore, small_env: None) -> None:
+    assert store.setup({"master_server_address": "embedded", "global_segment_size": 16 * MiB, "device_name": "",
+                        "tenant_id": "t1"}) == 0  # a tenant: keys go under its namespace
+    bad = int(Status.INVALID_PARAMS)
+    assert store.put(None, b"v") != 0 and store.put(b"raw", b"v") != 0  # type: ignore[arg-type]
+    assert store.put("k", None) == bad and store.put("k", "text") == bad and store.put_parts("k", 7) == bad
+    assert store.batch_is_exist([None, 5, b"raw", "k"]) == [0, 0, 0, 0]  # type: ignore[list-item]
+    assert store.get(None) == b""  # type: ignore[arg-type]
