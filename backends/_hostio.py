@@ -188,8 +188,10 @@ class HostIO:
         self._logged.add(kind)
         self.log.log(level, msg, *args)
 
-    def call(self, fn: Callable[[PoolClient], T], fallback: Callable[[Status], T]) -> T:
-        """`fn(client)`, or `fallback(status)` when the pool is unavailable or answers with an error."""
+    def call(self, fn: Callable[[PoolClient], T], fallback: Callable[[Status], T], *, proves: bool = False) -> T:
+        """`fn(client)`, or `fallback(status)` when the pool is unavailable or answers with an error.
+        `proves`: `fn` raises when no worker is reachable (a put), so its success ends an outage; a
+        read or a query answers "absent" then (a miss in cluster mode), which proves nothing."""
         pool = self._pool()
         if pool is None:
             return fallback(Status.RPC_FAIL)
@@ -197,7 +199,8 @@ class HostIO:
             result = fn(pool)
         except (KVPoolError, OSError) as e:
             return fallback(self._failed(e))
-        self._ok()
+        if proves:
+            self._ok()
         return result
 
     # ----- pointer-addressed batches ---------------------------------------------------------
@@ -262,7 +265,7 @@ class HostIO:
         if not idx:
             return out
         views = [p[0] if len(p) == 1 else np.concatenate(p) for p in parts]
-        st = self.call(lambda c: c.batch_put(raw, views), lambda s: s)
+        st = self.call(lambda c: c.batch_put(raw, views), lambda s: s, proves=True)
         if st is None:
             return out
         for n, i in enumerate(idx):
@@ -271,7 +274,7 @@ class HostIO:
         return out
 
     def _put_one(self, key: bytes, view: np.ndarray) -> int:
-        st = self.call(lambda c: c.batch_put([key], [view]), lambda s: s)
+        st = self.call(lambda c: c.batch_put([key], [view]), lambda s: s, proves=True)
         return Status.OK if st is None else st
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:

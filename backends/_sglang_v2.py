@@ -238,7 +238,7 @@ class SidePools:
             todo = [i for i, p in enumerate(self._io.batch_exists(names)) if not p]
             pages = [pool.host.get_data_page(slots[i], flat=True).contiguous() for i in todo]
             stored = not todo or self._io.call(  # batch_put returns None; the fallback, the failure's Status
-                lambda c: c.batch_put([names[i] for i in todo], pages), lambda st: st) is None
+                lambda c: c.batch_put([names[i] for i in todo], pages), lambda st: st, proves=True) is None
             return [stored] * len(keys), sum(_nbytes(p) for p in pages) if stored and todo else 0
         dsts = [pool.host.get_dummy_flat_data_page() for _ in keys]
         got = self._io.call(lambda c: c.batch_get_into(names, dsts), lambda st: [-1] * len(keys))

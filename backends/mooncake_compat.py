@@ -224,7 +224,7 @@ class MooncakeDistributedStore:
         if view.nbytes == 0:
             return int(Status.INVALID_PARAMS)
         name = self._keys([key])[0]
-        failed = self._io.call(lambda c: c.put(name, view), lambda st: st)  # put returns None
+        failed = self._io.call(lambda c: c.put(name, view), lambda st: st, proves=True)  # put returns None
         return int(Status.OK if failed is None else failed)
 
     upsert = put

@@ -318,7 +318,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         names = self._names(keys, _PAGE)
         todo = [i for i, p in enumerate(self._io.batch_exists(names)) if not p]
         ok = not todo or self._io.call(  # batch_put returns None; the fallback, the failure's Status
-            lambda c: c.batch_put([names[i] for i in todo], [values[i] for i in todo]), lambda st: st) is None
+            lambda c: c.batch_put([names[i] for i in todo], [values[i] for i in todo]), lambda st: st,
+            proves=True) is None
         self._stats.wrote(len(keys), sum(_nbytes(values[i]) for i in todo) if ok else 0, time.perf_counter() - t)
         return ok
 

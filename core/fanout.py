@@ -63,6 +63,7 @@ class FanOut:
         self._transports: dict[str, tuple[tuple[Any, ...], Transport]] = {}
         self._suspect: dict[str, float] = {}
         self._departures = Departures()
+        self._warned: set[str] = set()  # workers whose failure was logged, until they answer again
         self._lock = threading.Lock()  # guards the two dicts and the departures
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvpool-fanout")
 
@@ -110,7 +111,11 @@ class FanOut:
     def failed(self, worker_id: str, err: Exception, in_flight: Future[Any] | None = None) -> None:
         """Treat the worker as down for a while and drop its connection: at once, or (a call still
         `in_flight` on it past the deadline) when that call ends, never under it."""
-        log.warning("worker %s failed (%s); treating it as down for %.0f s", worker_id, err, SUSPECT_S)
+        with self._lock:
+            first = worker_id not in self._warned  # logged once per outage of the worker: retries every
+            self._warned.add(worker_id)            # SUSPECT_S would fill an engine's log
+        (log.warning if first else log.debug)("worker %s failed (%s); treating it as down for %.0f s%s", worker_id,
+                                              err, SUSPECT_S, "" if first else " (again)")
         with self._lock:
             self._suspect[worker_id] = time.monotonic() + SUSPECT_S
             known = self._transports.pop(worker_id, None)
@@ -144,6 +149,7 @@ class FanOut:
             except PoolUnavailable as e:
                 self.failed(w, e)
                 return
+            self._answered(w)
             yield w, idx, result
             return
         futures = {self._pool.submit(ask, w, idx): (w, idx) for w, idx in groups.items()}
@@ -159,7 +165,15 @@ class FanOut:
             except PoolUnavailable as e:
                 self.failed(w, e)
                 continue
+            self._answered(w)
             yield w, idx, result
+
+    def _answered(self, worker_id: str) -> None:
+        """The worker answered: a later failure of it is a new outage, logged again."""
+        if worker_id in self._warned:
+            with self._lock:
+                self._warned.discard(worker_id)
+            log.info("worker %s answers again", worker_id)
 
     def close(self) -> None:
         with self._lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -394,3 +395,31 @@ def test_odd_keys_and_values_are_statuses_not_exceptions(store: MooncakeDistribu
     assert store.put("k", None) == bad and store.put("k", "text") == bad and store.put_parts("k", 7) == bad
     assert store.batch_is_exist([None, 5, b"raw", "k"]) == [0, 0, 0, 0]  # type: ignore[list-item]
     assert store.get(None) == b""  # type: ignore[arg-type]
+
+
+def test_an_outage_is_logged_once_however_the_engine_keeps_asking(store: MooncakeDistributedStore,
+                                                                  spawn: Callable[..., Any], tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Existence checks answer "absent" while the cluster's only worker is down (a miss, not an error):
+    they must not end the outage in the log, so the next failed put does not open a new one."""
+    nats = NatsServer(tmp_path / "nats", port=0).start()
+    try:
+        worker = spawn(nats_url=nats.url)
+        assert _wait_healthy(store, nats.url)
+        buf = HostBuffer(1 << 16)
+        store.register_buffer(buf.ptr, buf.nbytes)
+        assert store.batch_put_from(["k"], [buf.ptr], [4096]) == [0]
+        worker.kill()
+        with caplog.at_level(logging.DEBUG):
+            deadline = time.monotonic() + 4  # several of the client's retries (1 s) and suspect periods (2 s)
+            while time.monotonic() < deadline:
+                assert store.batch_is_exist(["k"]) == [0]
+                assert store.batch_put_from(["k"], [buf.ptr], [4096])[0] < 0
+                time.sleep(0.05)
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert sum("kvpool unavailable" in r.getMessage() for r in warnings) == 1
+        assert sum("failed" in r.getMessage() and r.name == "kvpool.client" for r in warnings) <= 1
+        assert not any("reachable again" in r.getMessage() for r in caplog.records)
+    finally:
+        store.close()
+        nats.stop()
