@@ -35,18 +35,18 @@ WINDOW = 256
 
 
 class Announcer:
-    """Publishes announcements on `stream` for one producer over `wire`. `stored(seq, subject, keys)`
-    runs for each one JetStream stored; `refused(keys)` for each it refused (both in the caller's
-    thread)."""
+    """Publishes announcements on `stream` for one producer over `wire`. `stored(seq, subject, keys,
+    nbytes)` runs for each one JetStream stored; `refused(keys)` for each it refused (both in the
+    caller's thread)."""
 
-    def __init__(self, wire: Wire, stream: str, stored: Callable[[int, str, Sequence[Key]], None],
+    def __init__(self, wire: Wire, stream: str, stored: Callable[[int, str, Sequence[Key], int], None],
                  refused: Callable[[Sequence[Key]], None]) -> None:
         self._wire, self.stream, self._stored, self._on_refused = wire, stream, stored, refused
         self._inbox = f"_INBOX.{uuid.uuid4().hex}"
         self._id = uuid.uuid4().hex  # message ids: this producer's, then a counter
         self._sid = wire.subscribe(self._inbox + ".*")
         self._tokens = itertools.count()
-        self._unacked: dict[str, tuple[str, bytes, dict[str, str], Sequence[Key]]] = {}
+        self._unacked: dict[str, tuple[str, bytes, dict[str, str], Sequence[Key], int]] = {}
         self._seqs: dict[str, int] = {}  # tokens whose sequence `send(..., want_seq=True)` asked to keep
         self._refused: collections.deque[tuple[BaseException, Sequence[Key]]] = collections.deque()
         self._reconnects = wire.reconnects
@@ -60,11 +60,12 @@ class Announcer:
             self._take(self._wire.pending(self._sid))
         self._raise_refused()
 
-    def send(self, subj: str, body: bytes, headers: dict[str, str], keys: Sequence[Key]) -> str:
-        """Publish an announcement naming blocks `keys`; returns its token without waiting for the ack."""
+    def send(self, subj: str, body: bytes, headers: dict[str, str], keys: Sequence[Key], nbytes: int = 0) -> str:
+        """Publish an announcement naming blocks `keys` (`nbytes` of them); returns its token without
+        waiting for the ack."""
         token = str(next(self._tokens))
         headers = {**headers, _EXPECTED_STREAM: self.stream, _MSG_ID: f"{self._id}.{token}"}
-        self._unacked[token] = (subj, body, headers, keys)
+        self._unacked[token] = (subj, body, headers, keys, nbytes)
         self._resend_if_reconnected()
         self._wire.publish(subj, body, headers, reply=f"{self._inbox}.{token}")
         return token
@@ -103,7 +104,7 @@ class Announcer:
         """After a reconnect, the unacknowledged announcements again (JetStream drops the duplicates)."""
         if self._wire.reconnects != self._reconnects:
             self._reconnects = self._wire.reconnects
-            for token, (subj, body, headers, _) in list(self._unacked.items()):
+            for token, (subj, body, headers, _, _) in list(self._unacked.items()):
                 self._wire.publish(subj, body, headers, reply=f"{self._inbox}.{token}")
 
     def _take(self, acks: list[Msg]) -> None:
@@ -131,14 +132,14 @@ class Announcer:
         entry = self._unacked.pop(token, None)
         if entry is None:
             return
-        subj, _, _, keys = entry
+        subj, _, _, keys, nbytes = entry
         if isinstance(outcome, BaseException):
             self._refused.append((outcome, keys))
             return
         if token in self._seqs:
             self._seqs[token] = outcome
         elif keys:
-            self._stored(outcome, subj, keys)
+            self._stored(outcome, subj, keys, nbytes)
 
     def _raise_refused(self) -> None:
         if not self._refused:

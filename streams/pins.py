@@ -84,6 +84,7 @@ class PinKeeper:
         self._messages: dict[int, tuple[str, Sequence[Key]]] = {}
         self._sizes: dict[int, int] = {}  # payload bytes of the counted messages
         self._pinned_bytes = 0
+        self._over_logged = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._renewed = time.monotonic()
@@ -115,8 +116,11 @@ class PinKeeper:
             gone[seq] = self._messages.pop(seq, ("", ()))[1]
         if not gone:
             return []
-        log.warning("stream %r: unacked payloads over max_pinned_bytes (%d): unpinned messages %d..%d, "
-                    "which consumers may no longer find", self.stream, budget, min(gone), max(gone))
+        (log.debug if self._over_logged else log.warning)(
+            "stream %r: unacked payloads over max_pinned_bytes (%d): unpinned messages %d..%d, which consumers "
+            "may no longer find%s", self.stream, budget, min(gone), max(gone),
+            "" if self._over_logged else " (logged once; later ones at debug level)")
+        self._over_logged = True
         needed = {k for _, keys in self._messages.values() for k in keys}
         return list({k for keys in gone.values() for k in keys} - needed)
 

@@ -117,7 +117,7 @@ class Producer:
             chain = self._chain(request_id)
             body = dataclasses.replace(ref, seal=chain.next()).encode()
             chain.layers += 1
-            announcer.send(subj, body, self._signed(subj, {env.KIND: env.KV}, body), ref.keys)
+            announcer.send(subj, body, self._signed(subj, {env.KIND: env.KV}, body), ref.keys, ref.total)
         finally:  # the worker commits the layer while the announcement is on its way, not before
             self._stagers.send_held()
 
@@ -171,10 +171,11 @@ class Producer:
         headers = {env.KIND: env.END, env.TYPE: "json"}
         return self._announcing().publish(subj, body, self._signed(subj, headers, body))
 
-    def _stored(self, seq: int, subj: str, keys: Sequence[Key]) -> None:
-        """JetStream stored kv announcement `seq`: its blocks stay pinned until it is consumed."""
+    def _stored(self, seq: int, subj: str, keys: Sequence[Key], nbytes: int) -> None:
+        """JetStream stored kv announcement `seq` (blocks `keys`, `nbytes` of them): they stay pinned
+        until it is consumed, within the producer's `max_pinned_bytes`."""
         if self.pin_ttl_s:
-            self._keeper().add(seq, subj, keys)
+            self._keeper().add(seq, subj, keys, nbytes)
 
     def _unpin(self, keys: Sequence[Key]) -> None:
         """A kv announcement was refused: nothing will read its blocks through the stream."""

@@ -211,3 +211,16 @@ def test_unacked_payloads_past_the_budget_are_unpinned_oldest_first(nats, pool):
                     got.append(None)
                     e.message.term()
         assert got[2:] == [b"\x02", b"\x03"] and got[:2] == [None, None]
+
+
+def test_handoffs_nobody_reads_are_within_the_budget_too(nats, pool):
+    """A handoff's layers stay pinned while its request's messages are in the stream, and nothing purges
+    a request no decode side reads: they count against max_pinned_bytes as published payloads do."""
+    from kvpool.streams import create_stream
+    create_stream(nats.url, "unread")
+    with Producer("unread", nats.url, pool, max_pinned_bytes=8 * MiB) as p:
+        for r in range(12):  # 12 x 4 MiB layers in a 32 MiB pool, none ever read
+            p.publish_kv(f"r{r}", 0, [f"unread/r{r}/L0"], [bytes([r]) * (4 * MiB)])
+            p.end_request(f"r{r}", 1)
+        p.flush()
+        squeeze(pool)  # unrelated puts succeed: the oldest layers were unpinned and evicted
