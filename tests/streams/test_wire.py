@@ -142,7 +142,7 @@ def test_an_announcement_the_server_denies_is_refused_at_once_not_after_the_time
     s = Scripted(deny=True)
     wire = Wire(s.url, 30)
     try:
-        ann = Announcer(wire, "s", lambda seq, subj, keys: None, lambda keys: None)
+        ann = Announcer(wire, "s", lambda seq, subj, keys, nbytes: None, lambda keys: None)
         ann.send("kvpool.stream.s.req.r", b"{}", {}, ["k"])
         t = time.monotonic()
         with pytest.raises(StreamRefused, match="may not"):
@@ -250,7 +250,7 @@ def test_announcements_unacknowledged_when_the_connection_broke_are_sent_again_a
     relay = Cuttable(nats.url)
     wire = Wire(relay.url, 5)
     stored: list[tuple[int, str]] = []
-    ann = Announcer(wire, s, lambda seq, subj, keys: stored.append((seq, subj)), lambda keys: None)
+    ann = Announcer(wire, s, lambda seq, subj, keys, nbytes: stored.append((seq, subj)), lambda keys: None)
     relay.deaf.set()
     ann.send(f"kvpool.stream.{s}.req.r", json.dumps({"n": 1}).encode(), {}, ["k1"])
     deadline = time.monotonic() + 5
