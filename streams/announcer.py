@@ -122,11 +122,13 @@ class Announcer:
             reply = json.loads(msg.data)
             if "error" in reply:
                 nats.js.errors.APIError.from_error(reply["error"])  # raises the typed error
-            self._settle(token, int(reply["seq"]))
+            seq = int(reply["seq"])
         except nats.js.errors.Error as e:
             self._settle(token, translate(e, what))
         except (ValueError, KeyError, TypeError) as e:
             self._settle(token, StreamRefused(f"{what}: malformed acknowledgement {bytes(msg.data[:200])!r}: {e!r}"))
+        else:
+            self._settle(token, seq)  # (outside the try: an error of the stored callback is not the ack's)
 
     def _settle(self, token: str, outcome: int | BaseException) -> None:
         entry = self._unacked.pop(token, None)
