@@ -53,8 +53,9 @@ def no_auth_env() -> bool:
 def private_dir(path: Path, tighten: bool = False) -> Path:
     """`path` as a folder, made 0700 if it is missing, and so is each missing folder above it (whatever
     the umask). `tighten`: kvpool's own folder (the state folder, the SSD folder, NATS credentials): it
-    must be a folder of this user's, not a link (ConfigError: another user who made it, or who can swap
-    it, could plant credentials or links in it), and is made 0700 unless it is a shared one (sticky)."""
+    must be a folder of this user's, reached by no link of another user's (ConfigError: another user who
+    made it, or who can swap it, could plant credentials or links in it), and is made 0700 unless it is
+    a shared one (sticky)."""
     missing = [p for p in (path, *path.parents) if not p.exists()]
     for folder in reversed(missing):
         try:
@@ -62,10 +63,13 @@ def private_dir(path: Path, tighten: bool = False) -> Path:
         except FileExistsError:
             pass  # made meanwhile
     if tighten:
-        st = path.lstat()
-        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-            raise ConfigError(f"{path} is {'a link' if stat.S_ISLNK(st.st_mode) else f'owned by uid {st.st_uid}'}; "
-                              f"kvpool keeps its own files only in a folder of this user's (uid {os.getuid()})")
+        link = path.lstat()
+        st = path.stat()
+        if link.st_uid != os.getuid() or st.st_uid != os.getuid() or not stat.S_ISDIR(st.st_mode):
+            what = f"a link of uid {link.st_uid}" if stat.S_ISLNK(link.st_mode) and link.st_uid != os.getuid() \
+                else f"owned by uid {st.st_uid}"
+            raise ConfigError(f"{path} is {what}; kvpool keeps its own files only in a folder of this user's "
+                              f"(uid {os.getuid()})")
         if not st.st_mode & stat.S_ISVTX and stat.S_IMODE(st.st_mode) & 0o077:
             path.chmod(stat.S_IMODE(st.st_mode) & 0o700)
     return path

@@ -114,11 +114,10 @@ class FanOut:
         with self._lock:
             first = worker_id not in self._warned  # logged once per outage of the worker: retries every
             self._warned.add(worker_id)            # SUSPECT_S would fill an engine's log
-        (log.warning if first else log.debug)("worker %s failed (%s); treating it as down for %.0f s%s", worker_id,
-                                              err, SUSPECT_S, "" if first else " (again)")
-        with self._lock:
             self._suspect[worker_id] = time.monotonic() + SUSPECT_S
             known = self._transports.pop(worker_id, None)
+        (log.warning if first else log.debug)("worker %s failed (%s); treating it as down for %.0f s%s", worker_id,
+                                              err, SUSPECT_S, "" if first else " (again)")
         if known is None:
             return
         if in_flight is None:

@@ -34,11 +34,15 @@ def test_a_folder_another_user_made_or_a_link_is_refused(tmp_path: Path) -> None
         private_dir(theirs, tighten=True)
     with pytest.raises(ConfigError, match="owned by uid 65534"):
         ensure_creds(theirs)  # kvpool up's NATS users: never read from a folder a stranger fills
-    link = tmp_path / "link"
-    link.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
     (tmp_path / "elsewhere").mkdir()
-    with pytest.raises(ConfigError, match="a link"):
-        private_dir(link, tighten=True)
+    mine = tmp_path / "mine"
+    mine.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    assert private_dir(mine, tighten=True) == mine  # a link of our own (a data folder on another disk)
+    planted = tmp_path / "planted"
+    planted.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    os.lchown(planted, NOBODY, NOBODY)
+    with pytest.raises(ConfigError, match="a link of uid 65534"):
+        private_dir(planted, tighten=True)
 
 
 def test_planted_credentials_are_not_trusted(tmp_path: Path) -> None:
