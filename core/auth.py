@@ -15,6 +15,7 @@ both ends use to prove they hold it, Unix peer credentials, and the throttle on 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
 import logging
@@ -62,10 +63,12 @@ def private_dir(path: Path, tighten: bool = False) -> Path:
             folder.mkdir(mode=0o700)
         except FileExistsError:
             pass  # made meanwhile
+    if not path.is_dir():
+        raise FileExistsError(errno.EEXIST, "exists and is not a folder", str(path))  # as mkdir says it
     if tighten:
         link = path.lstat()
         st = path.stat()
-        if link.st_uid != os.getuid() or st.st_uid != os.getuid() or not stat.S_ISDIR(st.st_mode):
+        if link.st_uid != os.getuid() or st.st_uid != os.getuid():
             what = f"a link of uid {link.st_uid}" if stat.S_ISLNK(link.st_mode) and link.st_uid != os.getuid() \
                 else f"owned by uid {st.st_uid}"
             raise ConfigError(f"{path} is {what}; kvpool keeps its own files only in a folder of this user's "
