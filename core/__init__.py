@@ -32,7 +32,7 @@ from .errors import (
     StorageError,
 )
 from .keys import MAX_KEY_BYTES, Key, block_keys, key_bytes, keys_bytes
-from .nats_creds import NatsCreds, Role, find_creds
+from .nats_creds import NatsCreds, Role, find_creds, redacted_url
 from .registry import AddParser, Subparsers
 from .shm_read import put_placed, read_placed
 from .shm_refs import Place
@@ -46,6 +46,6 @@ __all__ = [
     "NamespaceError", "QuotaExceeded",
     # what the faces build on
     "ClientConfig", "load_config", "Key", "key_bytes", "checksum", "readable", "LoopThread", "nats_connect",
-    "nats_failure", "nats_denied", "NatsCreds", "Role", "find_creds", "AddParser", "Subparsers",
+    "nats_failure", "nats_denied", "NatsCreds", "Role", "find_creds", "redacted_url", "AddParser", "Subparsers",
     "Place", "put_placed", "read_placed", "Stagers", "keys_bytes",
 ]

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Literal, TypeVar
 
 from .errors import AuthError, KVPoolError, PoolTimeout, PoolUnavailable
-from .nats_creds import NatsCreds, Role, creds_path, find_creds
+from .nats_creds import NatsCreds, Role, creds_path, find_creds, redacted_url
 
 __all__ = ["LoopThread", "nats_error_logger", "PING_INTERVAL_S", "MAX_OUTSTANDING_PINGS", "nats_connect",
     "nats_denied", "NatsFailure", "nats_failure", "nats_error"]
@@ -143,14 +143,14 @@ async def nats_connect(url: str, timeout_s: float, log: logging.Logger, *, role:
         await asyncio.gather(connecting, return_exceptions=True)
         await _close_quietly(nc, log)
         if refused in done and isinstance(refused.result(), ssl.SSLCertVerificationError):
-            raise AuthError(f"NATS at {url}: its TLS certificate is not trusted (KVPOOL_NATS_TLS_CA names the CA "
-                            f"file to trust): {refused.result()}")
+            raise AuthError(f"NATS at {redacted_url(url)}: its TLS certificate is not trusted (KVPOOL_NATS_TLS_CA "
+                            f"names the CA file to trust): {refused.result()}")
         if refused in done:
             who = f"as {creds.user!r} (from {creds.path or 'the caller'})" if creds is not None else (
                 "with the credentials in the URL" if "@" in url else
                 f"without credentials (none in {creds_path(role)} or KVPOOL_NATS_CREDS)")
-            raise AuthError(f"NATS at {url} refused to let us in {who}: {refused.result()}")
-        raise asyncio.TimeoutError(f"no NATS server answered at {url} within {timeout_s} s")
+            raise AuthError(f"NATS at {redacted_url(url)} refused to let us in {who}: {refused.result()}")
+        raise asyncio.TimeoutError(f"no NATS server answered at {redacted_url(url)} within {timeout_s} s")
     refused.cancel()
     if connecting.exception() is not None:
         await _close_quietly(nc, log)

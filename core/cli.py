@@ -162,6 +162,7 @@ Ctrl-C stops both.""", flush=True)
 
 def cmd_status(args: argparse.Namespace) -> int:
     from .client import PoolClient
+    from .nats_creds import redacted_url
 
     if args.nats_creds:
         os.environ["KVPOOL_NATS_CREDS"] = args.nats_creds  # read by every NATS connection this command makes
@@ -177,7 +178,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps({w: s.as_dict() for w, s in workers.items()}))
         return 0
     if not workers:
-        print(f"no live workers at {args.nats_url}")
+        print(f"no live workers at {redacted_url(args.nats_url)}")
         return 1
     print(f"{'worker':<10} {'node':<16} {'address':<22} {'dram used/cap':>22} {'ssd bytes':>12} {'hit rate':>9}")
     for w, s in sorted(workers.items()):

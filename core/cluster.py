@@ -19,7 +19,7 @@ import xxhash
 
 from .aio import LoopThread, nats_connect, nats_denied, nats_error
 from .errors import AuthError, ConfigError, PoolUnavailable
-from .nats_creds import NatsCreds, Role
+from .nats_creds import NatsCreds, Role, redacted_url
 from .records import WorkerInfo
 
 __all__ = ["BUCKET", "rank", "Membership"]
@@ -73,9 +73,9 @@ class Membership:
             self._io.stop()
             denied = nats_denied(getattr(self, "_nc", None), f"$JS.API.STREAM.CREATE.KV_{BUCKET}")
             if denied:
-                raise AuthError(f"the NATS user at {nats_url} may not create the member bucket (role {role!r}): "
-                                f"{denied}") from e
-            raise PoolUnavailable(f"cannot reach the cluster at {nats_url}: {e}") from e
+                raise AuthError(f"the NATS user at {redacted_url(nats_url)} may not create the member bucket "
+                                f"(role {role!r}): {denied}") from e
+            raise PoolUnavailable(f"cannot reach the cluster at {redacted_url(nats_url)}: {e}") from e
 
     async def _bucket(self) -> Any:
         """The members bucket, created on first use (entries age out after `ttl_s`); None while it does
@@ -148,15 +148,15 @@ class Membership:
 
         try:
             if self._kv is None:
-                raise PoolUnavailable(f"no member bucket {BUCKET!r} at {self.url}, and this NATS user may not "
-                                      "create it")
+                raise PoolUnavailable(f"no member bucket {BUCKET!r} at {redacted_url(self.url)}, and this NATS user "
+                                      "may not create it")
             self._io.run(self._kv.put(worker_id, json.dumps({**info(), "ts": time.time()}).encode()), timeout=10)
         except Exception as e:
             denied = nats_denied(self._nc, f"$KV.{BUCKET}.")
             if denied:
-                raise AuthError(f"the NATS user at {self.url} may not register members (role {self.role!r}; "
-                                f"workers need the worker credentials): {denied}") from e
-            raise nats_error(e, f"cannot register {worker_id!r} at {self.url}") from e
+                raise AuthError(f"the NATS user at {redacted_url(self.url)} may not register members (role "
+                                f"{self.role!r}; workers need the worker credentials): {denied}") from e
+            raise nats_error(e, f"cannot register {worker_id!r} at {redacted_url(self.url)}") from e
         self._registered = worker_id
         if on_beat is not None:
             on_beat()
@@ -191,7 +191,7 @@ class Membership:
         try:
             return self._io.run(read(), timeout=timeout_s)
         except Exception as e:
-            raise nats_error(e, f"cannot list the members at {self.url}") from e
+            raise nats_error(e, f"cannot list the members at {redacted_url(self.url)}") from e
 
     # ----- client side ------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from .cluster import Membership, rank
 from .config import default_node_id
 from .errors import KVPoolError, PoolUnavailable
 from .fanout import FanOut, Transport
+from .nats_creds import redacted_url
 from .pool_backend import MembersPredicate, leases_by_copy
 from .records import PoolStats, WorkerInfo, WorkerStats
 from .versions import CLOCK, REMOVED, SUPERSEDED
@@ -184,7 +185,7 @@ class ClusterBackend:
         newest its owners hold: a put made after another one was acknowledged replaces it."""
         live = self._live()
         if not live:
-            raise PoolUnavailable(f"no live workers in the cluster at {self.nats_url}")
+            raise PoolUnavailable(f"no live workers in the cluster at {redacted_url(self.nats_url)}")
         superseded = self._put_as_of(live, keys, buffers, pin_s, CLOCK.batch(len(keys)))
         if superseded:
             again = [keys[i] for i in superseded]

@@ -28,7 +28,7 @@ from typing import Any
 from .aio import LoopThread, nats_connect, nats_denied, nats_error
 from .cache_events import CacheListener
 from .errors import AuthError, ProtocolError
-from .nats_creds import NatsCreds
+from .nats_creds import NatsCreds, redacted_url
 
 __all__ = ["STREAM", "SUBJECT_PREFIX", "FLUSH_S", "MAX_QUEUED", "MAX_BATCH", "MAX_BATCH_BYTES", "KINDS",
     "BlockEvent", "EventBatch", "subject_of", "EventQueue", "ensure_stream", "Sink", "EventPublisher", "NatsSink",
@@ -233,7 +233,7 @@ class NatsSink:
             self._io.run(ensure_stream(self._nc.jetstream()), timeout=timeout_s + 2)
         except Exception as e:
             self._io.stop()
-            raise nats_error(e, f"cannot publish events at {nats_url}") from e
+            raise nats_error(e, f"cannot publish events at {redacted_url(nats_url)}") from e
 
     def __call__(self, batch: EventBatch) -> None:
         self._io.run(self._nc.publish(self.subject, batch.encode()), timeout=self.timeout_s)
@@ -296,9 +296,9 @@ class EventFeed:
         except Exception as e:
             self._io.stop()
             if self._nc is not None and nats_denied(self._nc, "$JS.API.STREAM.CREATE."):
-                raise AuthError(f"no events stream {STREAM} at {nats_url} yet, and this NATS user may not create "
-                                "it: start a worker with --events first") from e
-            raise nats_error(e, f"cannot read events at {nats_url}") from e
+                raise AuthError(f"no events stream {STREAM} at {redacted_url(nats_url)} yet, and this NATS user may "
+                                "not create it: start a worker with --events first") from e
+            raise nats_error(e, f"cannot read events at {redacted_url(nats_url)}") from e
 
     async def _subscribe(self, replay: bool) -> Any:
         from nats.js.api import DeliverPolicy

@@ -27,7 +27,7 @@ from .errors import ConfigError
 
 __all__ = ["Role", "ROLES", "MEMBERS_BUCKET", "EVENTS_SUBJECTS", "STREAM_SUBJECTS", "DEAD_LETTER_SUBJECTS",
     "PERMISSIONS", "NatsCreds", "creds_dir", "creds_path", "load_creds", "find_creds", "ensure_creds", "authorization",
-    "new_user_seed"]
+    "redacted_url", "new_user_seed"]
 
 Role = Literal["worker", "client", "admin"]
 ROLES: tuple[Role, ...] = ("worker", "client", "admin")
@@ -116,6 +116,19 @@ def load_creds(path: str | os.PathLike[str]) -> NatsCreds:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"NATS credentials file {path}: {type(e).__name__}: {e} "
                           '(expected JSON {"user": ..., "nkey_seed": ...} or {"user": ..., "password": ...})') from e
+
+
+def redacted_url(url: str) -> str:
+    """A NATS URL (or a comma-separated list of them) as messages and logs show it: a password in it
+    (`user:password@`), or a token (`token@`), replaced by ***, so that an error carries no credentials."""
+    def one(u: str) -> str:
+        scheme, sep, rest = u.partition("://")
+        who, at, where = rest.rpartition("@")
+        if not sep or not at:
+            return u
+        user = f"{who.split(':', 1)[0]}:" if ":" in who else ""
+        return f"{scheme}://{user}***@{where}"
+    return ",".join(one(u) for u in url.split(","))
 
 
 def find_creds(role: Role, path: str | os.PathLike[str] | None = None) -> NatsCreds | None:

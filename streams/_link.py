@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import nats.js.errors
 
-from kvpool.core import AuthError, LoopThread, NatsCreds, Role, nats_connect, nats_denied, nats_failure
+from kvpool.core import AuthError, LoopThread, NatsCreds, Role, nats_connect, nats_denied, nats_failure, redacted_url
 
 from .errors import StreamError, StreamFull, StreamNotFound, StreamRefused, StreamTimeout, StreamUnavailable
 
@@ -60,9 +60,9 @@ async def connect(url: str, timeout_s: float, role: Role = "client", creds: Nats
     try:
         return await nats_connect(url, timeout_s, log, role=role, creds=creds)
     except AuthError as e:
-        raise StreamRefused(f"connect to {url}: {e}") from e
+        raise StreamRefused(f"connect to {redacted_url(url)}: {e}") from e
     except Exception as e:
-        raise translate(e, f"connect to {url}") from e
+        raise translate(e, f"connect to {redacted_url(url)}") from e
 
 
 class Link:
@@ -75,7 +75,7 @@ class Link:
         self.url, self.timeout_s = url, timeout_s
         self.io = LoopThread("kvpool-streams")
         try:
-            self.nc = self.call(connect(url, timeout_s, role, creds), f"connect to {url}")
+            self.nc = self.call(connect(url, timeout_s, role, creds), f"connect to {redacted_url(url)}")
         except BaseException:
             self.io.stop()
             raise
@@ -85,7 +85,7 @@ class Link:
         """Run `coro` on the loop; NATS errors come back as stream errors (StreamUnavailable after close)."""
         if self.io.loop.is_closed():
             coro.close()
-            raise StreamUnavailable(f"{what}: the connection to {self.url} is closed")
+            raise StreamUnavailable(f"{what}: the connection to {redacted_url(self.url)} is closed")
         before = nats_denied(self.nc) if hasattr(self, "nc") else None
         try:
             return self.io.run(coro, (timeout if timeout is not None else self.timeout_s) + 2)

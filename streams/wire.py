@@ -32,7 +32,7 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kvpool.core import AuthError, NatsCreds, Role, find_creds
+from kvpool.core import AuthError, NatsCreds, Role, find_creds, redacted_url
 
 from .errors import StreamError, StreamRefused, StreamUnavailable
 
@@ -135,7 +135,8 @@ class Wire:
                 raise
             except (OSError, ValueError) as e:
                 last = e
-        raise StreamUnavailable(f"NATS at {self.url}: no server answered within {self.timeout_s} s ({last!r})")
+        raise StreamUnavailable(f"NATS at {redacted_url(self.url)}: no server answered within {self.timeout_s} s "
+                                f"({last!r})")
 
     def _handshake(self, server: urllib.parse.SplitResult) -> socket.socket:
         host, port = server.hostname or "127.0.0.1", server.port or 4222
@@ -155,12 +156,12 @@ class Wire:
                 if line.startswith(b"-ERR"):
                     why = line[4:].strip().decode(errors="replace")
                     who = f"as {self._creds.user!r}" if self._creds is not None else "without credentials"
-                    raise StreamRefused(f"connect to {self.url}: NATS refused to let us in {who}: {why}")
+                    raise StreamRefused(f"connect to {redacted_url(self.url)}: NATS refused to let us in {who}: {why}")
             return sock  # what followed the PONG stays in the buffer
         except ssl.SSLCertVerificationError as e:
             sock.close()
-            raise StreamRefused(f"connect to {self.url}: NATS's TLS certificate is not trusted (KVPOOL_NATS_TLS_CA "
-                                f"names the CA file to trust): {e}") from e
+            raise StreamRefused(f"connect to {redacted_url(self.url)}: NATS's TLS certificate is not trusted "
+                                f"(KVPOOL_NATS_TLS_CA names the CA file to trust): {e}") from e
         except BaseException:
             sock.close()
             raise
@@ -221,7 +222,7 @@ class Wire:
         """Send `data`, reconnecting (once) first if the connection broke."""
         with self._io:
             if self._closed:
-                raise StreamUnavailable(f"the connection to {self.url} is closed")
+                raise StreamUnavailable(f"the connection to {redacted_url(self.url)} is closed")
             if self._sock is None:
                 self._reconnect()
             try:
@@ -231,7 +232,7 @@ class Wire:
                 try:
                     self._send(data)
                 except OSError as e:  # a fresh connection failing at once: the server is in trouble
-                    raise StreamUnavailable(f"NATS at {self.url}: sending failed twice: {e!r}") from e
+                    raise StreamUnavailable(f"NATS at {redacted_url(self.url)}: sending failed twice: {e!r}") from e
 
     def _reconnect(self) -> None:
         self._connect()
@@ -286,7 +287,7 @@ class Wire:
         got = self._wait(lambda: True if self._pongs >= want or self.reconnects != reconnects else None,
                          time.monotonic() + self.timeout_s)
         if got is None:
-            raise StreamUnavailable(f"NATS at {self.url} did not answer a PING within {self.timeout_s} s")
+            raise StreamUnavailable(f"NATS at {redacted_url(self.url)} did not answer a PING within {self.timeout_s} s")
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -412,7 +413,8 @@ class Wire:
             end = buf.find(b"\r\n", at)
             if end < 0:
                 if len(buf) - at > _MAX_LINE:
-                    raise StreamUnavailable(f"NATS at {self.url} sent a protocol line longer than the limit")
+                    raise StreamUnavailable(f"NATS at {redacted_url(self.url)} sent a protocol line longer than the "
+                                            "limit")
                 break
             line = bytes(buf[at:end])
             op = line[:4].upper()
@@ -438,7 +440,8 @@ class Wire:
                 self.errors.append(line[4:].strip().decode(errors="replace"))
                 self.error_count += 1
             elif op not in (b"+OK", b"INFO"):
-                raise StreamUnavailable(f"NATS at {self.url} sent a line outside the protocol: {line[:40]!r}")
+                raise StreamUnavailable(f"NATS at {redacted_url(self.url)} sent a line outside the protocol: "
+                                        f"{line[:40]!r}")
             at = end + 2
         del buf[:at]
         return msgs, pongs

@@ -48,3 +48,13 @@ def test_a_worker_given_a_token_on_its_command_line_shows_it_to_nobody(tmp_path:
         proc.wait(30)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_errors_show_no_nats_password_or_token() -> None:
+    from kvpool.core import PoolUnavailable, redacted_url
+    from kvpool.core.nats_server import free_port as port
+
+    assert redacted_url("nats://u:pw@h:1,tls://t0k@h2:2,nats://h3:3") == "nats://u:***@h:1,tls://***@h2:2,nats://h3:3"
+    with pytest.raises(PoolUnavailable) as e:
+        PoolClient(mode="cluster", nats_url=f"nats://kvpool:hunter2@127.0.0.1:{port()}", timeout_s=1)
+    assert "hunter2" not in str(e.value) and "kvpool:***@" in str(e.value)
