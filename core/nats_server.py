@@ -17,7 +17,7 @@ from pathlib import Path
 from .auth import private_dir
 from .errors import ListenError, PoolTimeout, PoolUnavailable
 
-__all__ = ["binary", "server_env", "free_port", "NatsServer", "cluster_config"]
+__all__ = ["binary", "server_env", "die_with_parent", "free_port", "NatsServer", "cluster_config"]
 
 
 def binary() -> str:
@@ -42,7 +42,7 @@ def server_env() -> dict[str, str]:
     return env
 
 
-def _die_with_parent() -> Callable[[], None] | None:
+def die_with_parent() -> Callable[[], None] | None:
     """A preexec_fn that makes the child get SIGTERM when this process dies (prctl PR_SET_PDEATHSIG),
     resolved before the fork; None where there is no prctl (not Linux), or when called from a thread
     other than the main one: the signal comes when the thread that forked ends, not the process."""
@@ -120,7 +120,7 @@ class NatsServer:
         conf = ["-c", str(self._config_file())] if self.authorization or self.tls else []
         self.proc = subprocess.Popen(
             [binary(), *conf, "-js", "-sd", str(self.store_dir), "-a", self.host, "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=server_env(), preexec_fn=_die_with_parent())
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=server_env(), preexec_fn=die_with_parent())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -2,20 +2,19 @@
 bench (PR_SET_PDEATHSIG), stopped group-wide, its log's tail quoted in errors."""
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
 from typing import IO, Any
 
+from ..nats_server import die_with_parent
+
 __all__ = ["spawn", "stop", "tail"]
 
 
 def spawn(args: list[str], log: IO[bytes], **kw: Any) -> subprocess.Popen[Any]:
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    # Its own process group, so cleanup reaches everything it starts; PR_SET_PDEATHSIG (1): dies with us.
-    return subprocess.Popen(args, stderr=log, start_new_session=True,
-                            preexec_fn=lambda: prctl(1, signal.SIGTERM), **kw)
+    # Its own process group, so cleanup reaches everything it starts; and it dies with us.
+    return subprocess.Popen(args, stderr=log, start_new_session=True, preexec_fn=die_with_parent(), **kw)
 
 
 def stop(proc: subprocess.Popen[Any]) -> None:
