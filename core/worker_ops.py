@@ -16,6 +16,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from collections.abc import Sequence
 from itertools import repeat
 from operator import attrgetter
 from typing import Any
@@ -278,7 +279,7 @@ class RequestHandlers(ConnectionServing):
         keys, (versions,) = P.unpack_batch(frame.meta, "<u8")
         if not self._in_namespace(conn, frame, keys):
             return
-        self._reply(conn, frame, np.array(self.cache.remove_as_of(keys, versions.tolist()), dtype="<u1").tobytes())
+        self._reply(conn, frame, _flags(self.cache.remove_as_of(keys, versions.tolist())))
 
     def _changes(self, conn: Conn, frame: P.Frame) -> None:
         """The changes this worker accepted since a time, for a peer catching up (`kvpool.core.catch_up`)."""
@@ -444,6 +445,6 @@ def _versions(cache: Any, keys: list[bytes], blocks: list[Any]) -> np.ndarray:
     return versions
 
 
-def _flags(values: list[bool]) -> bytes:
-    """A reply of one byte per key (EXISTS, REMOVE)."""
+def _flags(values: Sequence[int]) -> bytes:
+    """A reply of one byte per key (EXISTS: present or not; REMOVE: its outcome)."""
     return np.array(values, dtype="<u1").tobytes()
