@@ -50,6 +50,9 @@ FIRST_LIVE_S = 0.002
 back (where a request published before the receiver subscribed is found)."""
 _AHEAD = 1024
 """Messages ahead of their place in the chain a receiver holds while it waits for the ones before."""
+LOOK_S = 0.25
+"""The least time a read-back is given (more while the caller's timeout allows, up to the link's): with
+NATS unreachable, `iter_layers(timeout=t)` gives up after about t + LOOK_S, not the link's timeout."""
 _END_STORED_S = 1.0
 """How long a receiver that got a request's end live waits for the stream to have stored it, so that
 the purge takes it too."""
@@ -157,13 +160,13 @@ class HandoffReceiver:
             quiet = FIRST_LIVE_S
             while True:
                 if not burst and (recover or feed.reconnected()):
-                    burst, recover = feed.stored(), False
+                    burst, recover = feed.stored(max(LOOK_S, last + timeout - time.monotonic())), False
                     if not burst:
                         quiet = max(RECOVER_S, min(2 * quiet, RECOVER_MAX_S))
                 elif not burst:
                     idle = time.monotonic() - last
                     if idle >= timeout:
-                        burst = feed.stored()  # a last look: the live path may have lost the rest
+                        burst = feed.stored(LOOK_S)  # a last look: the live path may have lost the rest
                         if not burst:
                             raise HandoffTimeout(
                                 f"request {request_id!r} on stream {self.stream!r}: no layer or end within "

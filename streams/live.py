@@ -11,6 +11,7 @@ arrived for a while, and before giving up. A message may so arrive twice; the re
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import nats.js.errors
 
 from ._link import Link
+from .errors import StreamTimeout
 from .wire import Msg, Wire
 
 _RECOVER_BATCH = 4096
@@ -53,6 +55,7 @@ class Feed:
     def __init__(self, link: Link, wire: Wire, stream: str, subj: str) -> None:
         self._link, self._wire, self.stream, self.subject = link, wire, stream, subj
         self._next_seq = 1
+        self._read_back: list[Raw] = []  # read from the stream, not yet returned (a bounded read cut short)
         self._reconnects = wire.reconnects
         self._arrived: list[Raw] = []
         self._sid = wire.subscribe(subj)  # in place at the server: every later publish reaches it live
@@ -80,19 +83,29 @@ class Feed:
         changed, self._reconnects = now != self._reconnects, now
         return changed
 
-    def stored(self) -> list[Raw]:
-        """What the stream stored on the subject since the last call (in stream order)."""
-        return self._link.call(self._read_stored(), f"read {self.subject!r} back from stream {self.stream!r}")
+    def stored(self, within: float | None = None) -> list[Raw]:
+        """What the stream stored on the subject since the last call (in stream order). `within`: seconds
+        the read may take (default: the link's timeout); a read cut short returns what it took by then, or
+        raises StreamTimeout if that is nothing."""
+        bound = self._link.timeout_s if within is None else min(within, self._link.timeout_s)
+        try:
+            self._link.call(asyncio.wait_for(self._read_stored(), bound),
+                            f"read {self.subject!r} back from stream {self.stream!r}", timeout=bound)
+        except StreamTimeout:
+            if not self._read_back:
+                raise
+        out, self._read_back = self._read_back, []
+        return out
 
-    async def _read_stored(self) -> list[Raw]:
-        out: list[Raw] = []
-        while len(out) < _RECOVER_BATCH:
+    async def _read_stored(self) -> None:
+        while len(self._read_back) < _RECOVER_BATCH:
             m = await _get(self._link, self.stream, seq=self._next_seq, subject=self.subject, next=True)
             if m is None or m.seq is None:
-                break
+                return
+            # no await between these two: a read cut short keeps every message it took
             self._next_seq = int(m.seq) + 1
-            out.append(Raw(str(m.subject or self.subject), dict(m.headers or {}), bytes(m.data or b""), int(m.seq)))
-        return out
+            self._read_back.append(Raw(str(m.subject or self.subject), dict(m.headers or {}),
+                                       bytes(m.data or b""), int(m.seq)))
 
     def last_stored(self) -> Raw | None:
         """The last message the stream holds on the subject, or None."""

@@ -261,3 +261,54 @@ def test_a_request_read_whole_is_not_failed_by_a_purge_that_fails(nats, make_str
     with caplog.at_level(logging.WARNING, "kvpool.streams"), HandoffReceiver(s, nats.url, pool) as rx:
         assert _receive(rx, "kept") == list(range(LAYERS))
     assert "read whole, but its messages were not purged" in caplog.text
+
+
+def test_a_receiver_whose_nats_is_gone_gives_up_near_its_own_timeout(nats, make_stream, pool):
+    """The NATS server goes while a receiver waits: its read-backs are bounded by what is left of the
+    caller's timeout (at least LOOK_S), not by the connection's 5 s: an engine asking for 1 s hears back
+    in about that."""
+    from kvpool.streams import StreamUnavailable, handoff
+
+    s = make_stream()
+    with HandoffReceiver(s, nats.url, pool) as rx:
+        stop = threading.Timer(0.3, nats.stop)
+        stop.start()
+        t = time.monotonic()
+        with pytest.raises((TimeoutError, StreamUnavailable)):
+            next(iter(rx.iter_layers("gone", timeout=1.0)))
+        waited = time.monotonic() - t
+        stop.join()
+    assert waited < 1.0 + 3 * handoff.LOOK_S, f"gave up after {waited:.2f} s"
+
+
+def test_a_read_back_cut_short_keeps_what_it_took(nats, make_stream, pool, monkeypatch):
+    """A bounded read-back that runs out of time returns the messages it took; the next one goes on
+    from there: none lost, none twice, in stream order."""
+    from kvpool.streams import StreamTimeout
+    from kvpool.streams._link import Link
+    from kvpool.streams.wire import Wire
+
+    s = make_stream()
+    _handoff(nats.url, s, pool, "slow").join(20)
+    real = live._get
+
+    async def slow_get(*a: Any, **kw: Any) -> Any:
+        await asyncio.sleep(0.1)
+        return await real(*a, **kw)
+
+    link, wire = Link(nats.url), Wire(nats.url)
+    try:
+        feed = live.Feed(link, wire, s, f"kvpool.stream.{s}.req.slow")
+        monkeypatch.setattr(live, "_get", slow_get)
+        with pytest.raises(StreamTimeout):
+            feed.stored(0.05)  # cut short before the first message: nothing taken, an error
+        first = feed.stored(0.35)
+        monkeypatch.setattr(live, "_get", real)
+        rest = feed.stored()
+        feed.close()
+    finally:
+        wire.close()
+        link.close()
+    assert 1 <= len(first) < LAYERS + 1
+    seqs = [m.seq for m in first + rest]
+    assert seqs == sorted(set(seqs)) and len(seqs) == LAYERS + 1  # every layer and the end, once each
