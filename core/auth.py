@@ -78,18 +78,28 @@ def private_dir(path: Path, tighten: bool = False) -> Path:
     return path
 
 
-def write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str, durable: bool = False) -> None:
     """Replace `path` with a 0600 file holding `text`, atomically, through a temporary file beside it that
-    no link can redirect (a stale one, a crashed writer's, is removed first)."""
+    no link can redirect (a stale one, a crashed writer's, is removed first; a failed write's too).
+    `durable`: on disk before the name points at it (a power loss leaves the old file or the new one)."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)  # (a link is removed, not followed)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            data = text.encode()
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, f"short write to {tmp}")
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk: no half-written temporary left behind
+            os.unlink(tmp)
+        raise
 
 
 def _read_token(path: Path) -> str | None:
@@ -119,22 +129,28 @@ def load_or_create_token(path: Path) -> str:
     found = _read_token(path)
     if found:
         return found
-    private_dir(path.parent, tighten=path.parent == default_state_dir())
     token = secrets.token_hex(32)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.write(fd, (token + "\n").encode())
-        os.fsync(fd)
+        private_dir(path.parent, tighten=path.parent == default_state_dir())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            data = (token + "\n").encode()
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, "short write")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # fails if another worker made one meanwhile: use theirs
+            log.info("created the pool token at %s (0600)", path)
+        except FileExistsError:
+            pass
+    except OSError as e:  # a full or read-only disk: no token, and no half-written temporary left
+        raise ConfigError(f"cannot create the token file {path}: {e.strerror or e}") from e
     finally:
-        os.close(fd)
-    try:
-        os.link(tmp, path)  # fails if another worker made one meanwhile: use theirs
-        log.info("created the pool token at %s (0600)", path)
-    except FileExistsError:
-        pass
-    finally:
-        os.unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
     found = _read_token(path)
     if not found:
         raise ConfigError(f"the token file {path} exists but is not this user's 0600 file with a token in it")

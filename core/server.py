@@ -22,7 +22,7 @@ from .auth import load_or_create_token, private_dir, token_path, write_private
 from .cache import TieredCache
 from .catch_up import AliveStamp, catch_up
 from .config import CacheConfig, WorkerConfig, default_node_id, default_state_dir
-from .errors import ConfigError, ListenError, PoolUnavailable
+from .errors import ConfigError, ListenError, PoolUnavailable, StorageError
 from .metrics import WorkerMetrics
 from .tenants import Tenant, TenantUsage, load_tenants
 from .worker_ops import RESERVE_SHARE, RequestHandlers
@@ -71,14 +71,19 @@ def stored_worker_id(path: Path) -> str:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         pass
+    except OSError as e:  # a file where the folder should be, a link planted as the id file
+        raise StorageError(f"cannot read the worker id at {path}: {e.strerror or e}") from e
     else:
         with os.fdopen(fd) as f:
             wid = f.read().strip()
         if wid:
             return wid
     wid = secrets.token_hex(4)
-    private_dir(path.parent, tighten=path.parent == default_state_dir())
-    write_private(path, wid + "\n")
+    try:
+        private_dir(path.parent, tighten=path.parent == default_state_dir())
+        write_private(path, wid + "\n", durable=True)
+    except OSError as e:  # a read-only or full disk, a file where the folder should be
+        raise StorageError(f"cannot save the worker id at {path}: {e.strerror or e}") from e
     return wid
 
 

@@ -8,6 +8,8 @@ What the cache knows of the stored blocks without reading them (sizes, expiry, o
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -20,7 +22,10 @@ from ..auth import private_dir
 from ..blocks import HEADER_SIZE, BlockMeta, CorruptBlock, decode, decode_header, encode_header
 from ..errors import CapacityError, StorageError
 
-__all__ = ["SsdStore"]
+__all__ = ["SsdStore", "LOCK_FILE"]
+
+LOCK_FILE = "kvpool.lock"
+"""Held (flock) by the process whose store has the folder open; holds that process's pid."""
 
 T = TypeVar("T")
 
@@ -41,18 +46,49 @@ class SsdStore:
         """Write transactions this object committed (`ssd_index` tells its own writes from others')."""
         self._pid = -1
         self._env: lmdb.Environment | None = None
+        self._lock_fd = -1
         self._open()
+
+    def _hold(self) -> None:
+        """Take `LOCK_FILE` in the folder for this store's life (a forked child shares its parent's):
+        two workers given one SSD folder would each serve, evict and overwrite the other's blocks
+        behind its back (and share a worker id), so the second is refused."""
+        lock = self.path / LOCK_FILE
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise StorageError(f"cannot open the SSD tier at {self.path}: {e}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StorageError(f"the SSD tier at {self.path} is in use by another process (pid {holder}); "
+                               "each worker needs an SSD folder of its own") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+        with contextlib.suppress(OSError):  # the pid is for the message above only (a full disk: none)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
 
     def _open(self) -> None:
         try:  # 0700 folder, 0600 files: blocks are readable by this user only
             private_dir(self.path, tighten=True)
+        except OSError as e:  # the folder cannot be made (permissions, a file in the way)
+            raise StorageError(f"cannot open the SSD tier at {self.path}: {e}") from e
+        if self._lock_fd < 0:
+            self._hold()
+        try:
             self._env = lmdb.open(str(self.path), map_size=self.map_size, subdir=True, sync=self.sync,
                                   metasync=self.sync, readahead=False, max_readers=512, lock=True, mode=0o600)
             for name in ("data.mdb", "lock.mdb"):  # files an older version made 0644
                 f = self.path / name
                 if f.exists() and f.stat().st_uid == os.getuid() and f.stat().st_mode & 0o077:
                     f.chmod(0o600)
-        except (lmdb.Error, OSError) as e:  # OSError: the folder cannot be made (permissions, a file there)
+        except (lmdb.Error, OSError) as e:
+            self.close()
             raise StorageError(f"cannot open the SSD tier at {self.path}: {e}") from e
         self._pid = os.getpid()
 
@@ -166,3 +202,6 @@ class SsdStore:
         if self._env is not None and self._pid == os.getpid():
             self._env.close()
         self._env = None
+        if self._lock_fd >= 0:  # (a forked child's copy: closing it leaves its parent's lock held)
+            os.close(self._lock_fd)
+            self._lock_fd = -1

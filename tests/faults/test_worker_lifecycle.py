@@ -266,3 +266,66 @@ def test_a_nats_server_started_from_a_thread_outlives_the_thread(tmp_path: Path)
     finally:
         for s in started:
             s.stop()
+
+
+def test_a_second_worker_on_the_same_ssd_folder_is_refused(tmp_path: Path) -> None:
+    """Two workers on one SSD folder would evict and overwrite each other's blocks behind their backs
+    and register under one worker id (a client then read older acknowledged versions): the second
+    start fails, naming the folder's holder, and the first serves on."""
+    ssd = tmp_path / "ssd"
+    env = {**os.environ, **SMALL, "KVPOOL_STATE_DIR": str(tmp_path / "a")}
+    first = subprocess.Popen(_worker_cmd("--port", "0", "--ssd-path", str(ssd)), env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert poll(lambda: (ssd / "kvpool.lock").exists() and (ssd / "data.mdb").exists(), 30)
+        second = subprocess.run(_worker_cmd("--port", "0", "--ssd-path", str(ssd)),
+                                env={**env, "KVPOOL_STATE_DIR": str(tmp_path / "b")}, capture_output=True,
+                                text=True, timeout=60)
+        assert second.returncode != 0
+        assert f"the SSD tier at {ssd} is in use by another process (pid {first.pid})" in second.stderr, \
+            second.stderr[-2000:]
+        assert "Traceback" not in second.stderr
+        assert first.poll() is None
+    finally:
+        first.terminate()
+        first.wait(30)
+    again = subprocess.Popen(_worker_cmd("--port", "0", "--ssd-path", str(ssd)), env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:  # the lock went with its holder: the folder is free again
+        assert poll(lambda: (ssd / "kvpool.lock").read_text().strip() == str(again.pid), 30)
+    finally:
+        again.terminate()
+        again.wait(30)
+
+
+def _no_file_writes() -> None:
+    """In the child: every write to a file fails (EFBIG), as on a full disk."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+
+
+@pytest.mark.parametrize("where", ["a file in the way", "writes failing"])
+def test_an_unusable_ssd_folder_is_a_clear_error_at_start(tmp_path: Path, where: str) -> None:
+    """A file where the SSD folder should be, or a disk that takes no writes: a typed error naming the
+    folder (no traceback), and no temporary file left behind."""
+    if where == "a file in the way":
+        (tmp_path / "blocker").write_text("not a folder")
+        ssd = tmp_path / "blocker" / "ssd"
+    else:
+        ssd = tmp_path / "ssd"
+    env = {**os.environ, **SMALL, "KVPOOL_STATE_DIR": str(tmp_path / "state"), "KVPOOL_TOKEN": "t" * 32}
+    proc = subprocess.run(_worker_cmd("--port", "0", "--ssd-path", str(ssd)), env=env, capture_output=True,
+                          text=True, timeout=60, preexec_fn=_no_file_writes if where == "writes failing" else None)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr and str(ssd) in proc.stderr, proc.stderr[-2000:]
+    assert not list(tmp_path.rglob("*.tmp*")), "a failed start left a temporary file"
+
+
+def test_a_token_file_that_cannot_be_written_is_a_clear_error(tmp_path: Path) -> None:
+    env = {**os.environ, **SMALL, "KVPOOL_STATE_DIR": str(tmp_path / "state")}
+    env.pop("KVPOOL_TOKEN", None)
+    proc = subprocess.run(_worker_cmd("--port", "0"), env=env, capture_output=True, text=True, timeout=60,
+                          preexec_fn=_no_file_writes)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr and "cannot create the token file" in proc.stderr, proc.stderr[-2000:]
+    assert not [p for p in tmp_path.rglob("*") if "token" in p.name], "a failed start left a token file"
