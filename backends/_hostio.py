@@ -345,7 +345,7 @@ class HostIO:
         if not keys:
             return []
         return self.call(lambda c: [Status.OK if f else Status.OBJECT_NOT_FOUND for f in c.batch_remove(keys)],
-                         lambda st: [st] * len(keys))
+                         lambda st: [st] * len(keys), proves=True)
 
     def clear(self, prefix: str | None = None) -> int:
         """Remove every block of the pool, or those whose key starts with `prefix`; the number of
@@ -358,7 +358,7 @@ class HostIO:
             self.log.info("kvpool: cleared %s (%d blocks in the pool before)",
                           f"the keys under {prefix!r}" if prefix else "every block", n)
             return n
-        return self.call(clear_all, lambda st: int(st))
+        return self.call(clear_all, lambda st: int(st), proves=True)
 
     def close(self) -> None:
         with self._lock:

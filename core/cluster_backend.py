@@ -338,8 +338,10 @@ class ClusterBackend:
     def _remove_as_of(self, live: dict[str, WorkerInfo], keys: Sequence[bytes],
                       versions: list[int]) -> tuple[list[bool], list[int]]:
         """Remove from every live owner as of `versions`: whether an owner removed each key, and the
-        indices of those an owner held a block as new or newer of."""
+        indices of those an owner held a block as new or newer of. PoolUnavailable if no owner of some
+        key answered (it may still hold the key: "not removed" would be an answer it never gave)."""
         removed = [False] * len(keys)
+        reached = [False] * len(keys)
         superseded: set[int] = set()
 
         def rm(t: Transport, idx: list[int]) -> list[int]:
@@ -348,9 +350,12 @@ class ClusterBackend:
         for _, idx, outcomes in self.fanout.each(live, self._replica_groups(self._owners(keys, live)), rm,
                                                  self._deadline()):
             for i, o in zip(idx, outcomes):
+                reached[i] = True
                 removed[i] = removed[i] or o == REMOVED
                 if o == SUPERSEDED:
                     superseded.add(i)
+        if not all(reached):
+            raise PoolUnavailable(f"{reached.count(False)} of {len(keys)} removes reached no live worker")
         return removed, sorted(superseded)
 
     def batch_lease(self, keys: Sequence[bytes]) -> AbstractContextManager[list[memoryview | None]]:
@@ -358,9 +363,14 @@ class ClusterBackend:
         return leases_by_copy(self, keys)
 
     def clear(self, prefix: bytes | None = None) -> None:
+        """Clear every live worker; PoolUnavailable naming those that did not answer (they keep their
+        blocks: the caller may want to clear again once they are back)."""
         live = self._live()
-        for _ in self.fanout.each(live, {w: [] for w in live}, lambda t, idx: t.clear(prefix), self._deadline()):
-            pass
+        cleared = {w for w, _, _ in self.fanout.each(live, {w: [] for w in live}, lambda t, idx: t.clear(prefix),
+                                                     self._deadline())}
+        if cleared != live.keys():
+            raise PoolUnavailable(f"clear reached {len(cleared)} of {len(live)} live workers; not "
+                                  f"{', '.join(sorted(live.keys() - cleared))}")
 
     def stats(self) -> PoolStats:
         live = self._live()

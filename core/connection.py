@@ -15,7 +15,7 @@ import ssl
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import numpy as np
@@ -61,6 +61,7 @@ class Connection:
         self._tls = client_context(self.tls_ca) if self.tls_ca else None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self._aborted = False
         _OPEN.add(self)
         self.generation = 0
         """How many connections this transport has closed: what the worker holds for a connection
@@ -171,7 +172,11 @@ class Connection:
                 raise PoolUnavailable(f"the connection to worker {self.address} closed meanwhile: the worker "
                                       "ended what this process held on it (leases, reserved slots)")
             try:
-                yield self._sock or self._connect()
+                sock = self._sock or self._connect()
+                if self._aborted:  # (after the socket is in place: `abort` either sees it or is seen)
+                    raise PoolUnavailable(f"the connection to worker {self.address} was abandoned: its call "
+                                          "ran past its deadline")
+                yield sock
             except (AuthError, PoolUnavailable):
                 self.close()
                 raise
@@ -196,6 +201,16 @@ class Connection:
         """The worker's description, connecting first if need be."""
         with self._session():
             return self.info
+
+    def abort(self) -> None:
+        """From another thread: end the exchange in progress at once (its blocked send or receive fails)
+        and every later one (no new connection is made). What a call abandoned past its deadline was
+        doing stops here, so it can never write into (or send from) its caller's buffers afterwards."""
+        self._aborted = True
+        sock = self._sock
+        if sock is not None:
+            with suppress(OSError):  # the plain socket's shutdown, under TLS too (its state untouched)
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
     def close(self) -> None:
         if self._sock is not None:

@@ -130,8 +130,17 @@ class FanOut:
         """(worker, key indices, result) per worker of `groups` that answered by `deadline` (monotonic
         seconds); the workers are asked in parallel, so one call waits for the slowest worker once, not
         for each in turn. A worker that fails or misses the deadline is marked down and skipped."""
+        used: dict[str, Transport] = {}  # the connection each call took, for `_abandon`
+        gate = threading.Lock()
+        abandoned = [False]
+
         def ask(w: str, idx: list[int]) -> T:
-            return call(self.transport(w, live[w]), idx)
+            t = self.transport(w, live[w])
+            with gate:
+                if abandoned[0]:
+                    raise PoolUnavailable(f"worker {w}: the call was abandoned at its deadline")
+                used[w] = t
+            return call(t, idx)
 
         groups = self._askable(groups)
         if not groups:
@@ -153,10 +162,10 @@ class FanOut:
             return
         futures = {self._pool.submit(ask, w, idx): (w, idx) for w, idx in groups.items()}
         done, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
-        for f in late:
-            if not f.cancel():
-                self.failed(futures[f][0], PoolTimeout(f"no answer within the call's {self.timeout_s} s",
-                                                       limit=self.timeout_s), f)
+        if late:
+            with gate:
+                abandoned[0] = True
+            self._abandon({f: futures[f][0] for f in late}, used)
         for f in done:
             w, idx = futures[f]
             try:
@@ -166,6 +175,22 @@ class FanOut:
                 continue
             self._answered(w)
             yield w, idx, result
+
+    def _abandon(self, late: dict[Future[Any], str], used: Mapping[str, Transport]) -> None:
+        """Calls past their deadline: each worker is marked down and its connection aborted, and this
+        returns once every such call has stopped (at once: its I/O fails), so that none writes into the
+        caller's buffers, or sends from them, after the caller has them back."""
+        for f, w in late.items():
+            if f.cancel():
+                continue  # never started
+            self.failed(w, PoolTimeout(f"no answer within the call's {self.timeout_s} s", limit=self.timeout_s), f)
+            t = used.get(w)
+            if t is not None:
+                t.abort()
+        _, running = wait(late, timeout=self.timeout_s)
+        if running:  # nothing left to block on once aborted: a defect if seen
+            log.error("%d abandoned call(s) still running %.0f s after their connections were aborted",
+                      len(running), self.timeout_s)
 
     def _answered(self, worker_id: str) -> None:
         """The worker answered: a later failure of it is a new outage, logged again."""

@@ -14,6 +14,7 @@ import pytest
 from kvpool.core.client import PoolClient
 from kvpool.core.cluster import rank
 from kvpool.core.cluster_backend import ClusterBackend
+from kvpool.core.errors import PoolUnavailable
 from kvpool.core.fanout import SUSPECT_S
 from kvpool.core.procs import WorkerProcess
 
@@ -252,3 +253,68 @@ def test_back_while_its_peers_heartbeats_lapse_it_asks_them_anyway(nats, spawn):
             assert "could not learn every change" in victim.log_tail()
         finally:
             os.kill(peer.proc.pid, signal.SIGCONT)
+
+
+def test_a_late_replica_never_writes_into_the_callers_buffer_after_the_call(nats, spawn):
+    """R=2 over TCP: a primary paused past the read's first-round deadline is read around (its
+    replica serves the key); its connection is aborted then, so when it wakes up its answer lands
+    nowhere: not in the buffer the caller has since filled with another key's block."""
+    workers = [spawn(nats_url=nats.url, node_id=f"node{i}", env=SMALL_DRAM) for i in range(3)]
+    ids = [worker_id(w) for w in workers]
+    key = "late-0"
+    primary = rank(key.encode(), ids)[0]
+    other = next(f"other-{i}" for i in range(1000) if primary not in rank(f"other-{i}".encode(), ids)[:2])
+    victim = workers[ids.index(primary)]
+    with _client(nats) as c:
+        wait_members(c, 3)
+        c.batch_put([key, other], [block(key, SIZE), block(other, SIZE)])
+        buf = bytearray(SIZE)
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        try:
+            assert c.batch_get_into([key], [buf]) == [SIZE] and bytes(buf) == block(key, SIZE)
+            assert c.batch_get_into([other], [buf]) == [SIZE] and bytes(buf) == block(other, SIZE)
+        finally:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+        time.sleep(1.0)  # the woken primary answers the abandoned read now, if anything still listens
+        assert bytes(buf) == block(other, SIZE), "a late answer was written into the caller's buffer"
+
+
+def _suspect(c: PoolClient, victim: WorkerProcess, key: str) -> None:
+    """Pause `victim` and let a read of `key` (which it owns) time out on it: the client skips it now."""
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    c.batch_get_into([key], [bytearray(SIZE)])
+
+
+def test_a_remove_that_reached_no_owner_is_an_error_not_a_no(nats, spawn):
+    """R=1, the owner paused: the remove did not happen, and saying "no such key" (False) would be an
+    answer the owner never gave; the key is still there when it wakes up."""
+    workers = [spawn(nats_url=nats.url, node_id=f"node{i}", env=SMALL_DRAM) for i in range(2)]
+    ids = [worker_id(w) for w in workers]
+    with PoolClient(mode="cluster", nats_url=nats.url, node_id="client", timeout_s=TIMEOUT_S) as c:
+        wait_members(c, 2)
+        key = "rm-0"
+        c.put(key, block(key, SIZE))
+        victim = workers[ids.index(rank(key.encode(), ids)[0])]
+        _suspect(c, victim, key)
+        try:
+            with pytest.raises(PoolUnavailable, match="reached no live worker"):
+                c.batch_remove([key])
+        finally:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+        assert poll(lambda: c.get(key) == block(key, SIZE), 10)
+
+
+def test_a_clear_that_missed_a_worker_says_so(nats, spawn):
+    workers = _cluster(nats, spawn, env=SMALL_DRAM)
+    ids = [worker_id(w) for w in workers]
+    with _client(nats) as c:
+        wait_members(c, 3)
+        key = "clear-0"
+        c.put(key, block(key, SIZE))
+        primary = rank(key.encode(), ids)[0]
+        _suspect(c, workers[ids.index(primary)], key)
+        try:
+            with pytest.raises(PoolUnavailable, match=f"clear reached 2 of 3 live workers; not {primary}"):
+                c.clear()
+        finally:
+            os.kill(workers[ids.index(primary)].proc.pid, signal.SIGCONT)
