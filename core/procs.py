@@ -60,6 +60,7 @@ class WorkerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self._exited()
                 raise PoolUnavailable(f"worker exited with {self.proc.returncode}: {self.log_tail(2000)}")
             if _READY_LINE in self.log_tail(1 << 16) and os.path.exists(self.unix_path):
                 try:

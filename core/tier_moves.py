@@ -22,8 +22,24 @@ from .tiers.dram_tier import DramBlock
 __all__ = ["TierMoves"]
 
 _FLUSH_BATCH = 1024
-"""Blocks `flush` writes per LMDB transaction (4 MiB of 4 KiB blocks: per-transaction costs amortised,
-while LMDB's dirty-page list stays far below the size at which it spills)."""
+"""Blocks `flush` writes per LMDB transaction at most (4 MiB of 4 KiB blocks: per-transaction costs
+amortised, while LMDB's dirty-page list stays far below the size at which it spills) ..."""
+_FLUSH_BATCH_BYTES = 64 << 20
+"""... and bytes at most: LMDB holds a transaction's dirty pages in the writer's heap until it commits
+(1024 blocks of 1 MiB took a stopping worker's heap 36 -> 648 MiB; of 4 MiB it would need 4 GiB)."""
+
+
+def _batches(blocks: list[DramBlock]) -> list[list[DramBlock]]:
+    """`blocks` in order, cut into `flush`'s transactions."""
+    out: list[list[DramBlock]] = [[]]
+    held = 0
+    for b in blocks:
+        if out[-1] and (len(out[-1]) >= _FLUSH_BATCH or held + b.size > _FLUSH_BATCH_BYTES):
+            out.append([])
+            held = 0
+        out[-1].append(b)
+        held += b.size
+    return [batch for batch in out if batch]
 
 
 class TierMoves:
@@ -321,7 +337,7 @@ class TierMoves:
         return n
 
     def flush(self) -> int:
-        """Write every DRAM block without an SSD copy to SSD, in batches of `_FLUSH_BATCH` (they stay in
+        """Write every DRAM block without an SSD copy to SSD, one transaction per `_batches` (they stay in
         DRAM); returns how many were written. It first waits for the writes in flight: a block is never
         in two writes at once (the later one's index entry could outlive a deletion queued between
         them). Lock not held."""
@@ -335,8 +351,8 @@ class TierMoves:
             self.begin_write(pending)
         written = 0
         try:
-            for i in range(0, len(pending), _FLUSH_BATCH):
-                written += self.demote(pending[i:i + _FLUSH_BATCH])
+            for batch in _batches(pending):
+                written += self.demote(batch)
         finally:
             with stack.lock:
                 self.end_write(pending)

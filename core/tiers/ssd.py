@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -23,6 +24,8 @@ from ..blocks import HEADER_SIZE, BlockMeta, CorruptBlock, decode, decode_header
 from ..errors import CapacityError, StorageError
 
 __all__ = ["SsdStore", "LOCK_FILE"]
+
+log = logging.getLogger("kvpool.ssd")
 
 LOCK_FILE = "kvpool.lock"
 """Held (flock) by the process whose store has the folder open; holds that process's pid."""
@@ -47,6 +50,7 @@ class SsdStore:
         self._pid = -1
         self._env: lmdb.Environment | None = None
         self._lock_fd = -1
+        self._damage_logged = False
         self._open()
 
     def _hold(self) -> None:
@@ -160,16 +164,25 @@ class SsdStore:
 
         The view is valid only inside `sink`. A corrupt value is deleted, counted, and is a miss.
         """
-        with self.env.begin(buffers=True) as txn:
-            value = txn.get(key)
-            if value is None:
-                return None
-            try:
-                meta, payload = decode(value)
-            except CorruptBlock:
-                pass
-            else:
-                return sink(meta, payload)
+        try:
+            with self.env.begin(buffers=True) as txn:
+                value = txn.get(key)
+                if value is None:
+                    return None
+                try:
+                    meta, payload = decode(value)
+                except CorruptBlock:
+                    pass
+                else:
+                    return sink(meta, payload)
+        except lmdb.Error as e:  # LMDB's own pages damaged: a miss, counted; deleting could make it worse
+            self.corrupt += 1
+            (log.debug if self._damage_logged else log.warning)(
+                "SSD tier at %s: reading %r failed (%s: %s); a miss. Its LMDB file is damaged: move the folder "
+                "aside to start clean%s", self.path, key[:24], type(e).__name__, e,
+                "" if self._damage_logged else " (logged once)")
+            self._damage_logged = True
+            return None
         self.corrupt += 1
         self._delete_corrupt([key])
         return None

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Mapping
 
+import lmdb
+
 from ..blocks import BlockMeta
 from ..errors import CapacityError, StorageError
 from ..policies import EVICTION_POLICY
@@ -30,7 +32,11 @@ class SsdTier:
     def __init__(self, store: SsdStore, policy: str) -> None:
         self.store = store
         started = time.monotonic()
-        snap = ssd_index.load(store) or ssd_index.scan(store)
+        try:
+            snap = ssd_index.load(store) or ssd_index.scan(store)
+        except lmdb.Error as e:  # LMDB's own pages damaged (a bad disk; or ssd_sync=False and a power loss)
+            raise StorageError(f"the SSD tier at {store.path} is damaged ({type(e).__name__}: {e}); move the "
+                               "folder aside to start with an empty tier") from e
         self.opened_from = snap.source
         """Where the index came from at open: "index" (the saved file) or "scan" (every header)."""
         self._sizes: dict[bytes, int] = snap.sizes

@@ -181,6 +181,31 @@ def test_cache_reopen_after_clean_close_serves_flushed_blocks(
     assert cache.stats().hits_ssd == 20
 
 
+def test_flush_keeps_each_transaction_within_its_byte_bound(make_cache: Callable[..., TieredCache], ssd_dir: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """LMDB holds a transaction's dirty pages in the writer's heap: a flush of big blocks commits every
+    few MiB (here 3 blocks of 1 MiB per transaction), not every 1024 blocks (a stopping worker with 1 MiB
+    blocks grew by 600 MiB)."""
+    from kvpool.core import tier_moves
+
+    monkeypatch.setattr(tier_moves, "_FLUSH_BATCH_BYTES", 3 * MiB)
+    cache = make_cache(ssd_path=ssd_dir)
+    keys = [f"big{i}" for i in range(10)]
+    cache.batch_put(keys, [payload(k, MiB) for k in keys])
+    batches: list[int] = []
+    real = tier_moves.TierMoves.demote
+
+    def demote(self: tier_moves.TierMoves, blocks: list[Any]) -> int:
+        batches.append(sum(b.size for b in blocks))
+        return real(self, blocks)
+    monkeypatch.setattr(tier_moves.TierMoves, "demote", demote)
+    assert cache.flush() == 10
+    assert batches == [3 * MiB, 3 * MiB, 3 * MiB, MiB]
+    cache.close()
+    cache = make_cache(ssd_path=ssd_dir)
+    assert all(cache.get(k) == payload(k, MiB) for k in keys)
+
+
 def test_replaced_block_survives_flush_and_reopen(make_cache: Callable[..., TieredCache], ssd_dir: str) -> None:
     cache = make_cache(ssd_path=ssd_dir)
     cache.put("k", b"version one")

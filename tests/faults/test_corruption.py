@@ -3,6 +3,7 @@ the wire (block data or frame metadata, either direction). Each is caught by a c
 costs a miss or a typed error for that block only; the pool serves everything else."""
 from __future__ import annotations
 
+import struct
 import urllib.request
 
 import numpy as np
@@ -55,6 +56,48 @@ def test_corrupt_lmdb_values_are_counted_misses_after_restart(tmp_path):
             assert read_all(c, dict.fromkeys(KEYS, SIZE))[1] == []
     finally:
         w.stop()
+
+
+def _damage_a_leaf_page(data, how: str) -> None:
+    """Damage one of LMDB's own B-tree leaf pages (not a value): its type flags, or its first node's
+    offset pointing past the page."""
+    raw, page = bytearray(data.read_bytes()), 4096
+    leaves = [p for p in range(2, len(raw) // page) if struct.unpack_from("<H", raw, p * page + 10)[0] == 0x02]
+    p = leaves[len(leaves) // 2]
+    if how == "flags":
+        raw[p * page + 10] = 0x00
+    else:
+        struct.pack_into("<H", raw, p * page + 16, 0xFFF0)
+    data.write_bytes(raw)
+
+
+def test_a_damaged_lmdb_page_is_a_miss_when_read_and_a_clear_error_at_a_scan(tmp_path):
+    """Read through the index saved at a clean stop, a damaged leaf page costs its blocks (counted
+    misses) and the worker serves the rest; a start that must scan the headers refuses the tier with
+    a StorageError that says what to do, not a traceback."""
+    state, keys = tmp_path / "w", [f"k{i:04d}" for i in range(400)]
+    w = WorkerProcess(state, ssd=True, dram_bytes="64MiB").wait_ready()
+    try:
+        with PoolClient(mode="local", worker=w.address) as c:
+            for i in range(0, len(keys), 100):
+                c.batch_put(keys[i:i + 100], [block(k, 1024) for k in keys[i:i + 100]])
+    finally:
+        assert w.stop() == 0, w.log_tail()
+    data = state / "ssd" / "data.mdb"
+    _damage_a_leaf_page(data, "flags")
+    w = WorkerProcess(state, ssd=True, dram_bytes="64MiB").wait_ready()
+    try:
+        with PoolClient(mode="local", worker=w.address) as c:
+            hits, misses = read_all(c, dict.fromkeys(keys, 1024))
+            assert 0 < len(misses) < 20 and len(hits) + len(misses) == len(keys)
+            assert c.stats().total.checksum_failures >= len(misses)
+        assert w.proc.poll() is None
+        assert w.log_tail().count("Its LMDB file is damaged") == 1  # logged once
+    finally:
+        w.kill()  # no clean stop: the next start scans every header
+    _damage_a_leaf_page(data, "offset")
+    with pytest.raises(PoolUnavailable, match="StorageError: the SSD tier at .* is damaged .* move the folder aside"):
+        WorkerProcess(state, ssd=True, dram_bytes="64MiB").wait_ready()
 
 
 @pytest.fixture
