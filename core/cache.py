@@ -338,13 +338,29 @@ class TieredCache:
 
     def clear(self, prefix: Key | None = None) -> None:
         """Remove every block from every tier, or (with `prefix`) every block whose key starts with it
-        (a model's or a tenant's namespace). Leased blocks are freed when their leases end. Pins stay."""
+        (a model's or a tenant's namespace). Leased blocks are freed when their leases end. Pins stay.
+        The clear is remembered as of a version stamped now (`versions.Clears`, and the change log):
+        an older put of a key under it that arrives later (a replica back from a pause, a repair) does
+        not bring the key back, and a peer that was away learns of it when it catches up."""
+        raw = b"" if prefix is None else key_bytes(prefix)
+        with self._lock:
+            stack = self._stack
+            stack.check_open()
+            version = CLOCK.now()
+            stack.clears.add(raw, version)
+            stack.changes.record_clear(raw, version)
+            if prefix is None:
+                stack.clear()
+                return
+            stack.remove(stack.keys_with_prefix(raw))
+
+    def drop_all(self) -> None:
+        """Drop every block from every tier, as `clear()` does, but remembering no clear: for a worker
+        that cannot vouch for its own blocks (it missed changes made while it was away), which says
+        nothing of the keys as its peers hold them."""
         with self._lock:
             self._stack.check_open()
-            if prefix is None:
-                self._stack.clear()
-                return
-            self._stack.remove(self._stack.keys_with_prefix(key_bytes(prefix)))
+            self._stack.clear()
 
     def pin(self, key: Key, pin_s: float) -> None:
         """Keep the block of `key` in DRAM (never evicted) for `pin_s` seconds from now, renewing any

@@ -77,7 +77,7 @@ def catch_up(cache: TieredCache, peers: Mapping[str, WorkerInfo], since_ms: int,
                 if covered > ask_from:
                     log.warning("catch-up: peer %s's log reaches back to %d ms, not to %d ms", wid, covered, ask_from)
                     return False
-                dropped += cache.replicas.apply_changes([(c.key, c.version, c.removed) for c in changes])
+                dropped += cache.replicas.apply_changes([(c.key, c.version, c.kind) for c in changes])
                 if nxt < 0:
                     break
                 seq = nxt

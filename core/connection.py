@@ -172,8 +172,10 @@ class Connection:
                 raise PoolUnavailable(f"the connection to worker {self.address} closed meanwhile: the worker "
                                       "ended what this process held on it (leases, reserved slots)")
             try:
-                sock = self._sock or self._connect()
-                if self._aborted:  # (after the socket is in place: `abort` either sees it or is seen)
+                # checked before connecting, and again once the socket is in place: `abort` either sees
+                # the socket (and shuts it down) or is seen
+                sock = None if self._aborted else self._sock or self._connect()
+                if sock is None or self._aborted:
                     raise PoolUnavailable(f"the connection to worker {self.address} was abandoned: its call "
                                           "ran past its deadline")
                 yield sock
@@ -302,10 +304,9 @@ class Connection:
         covered = int(np.frombuffer(meta, dtype="<u8", count=1)[0])
         nxt = int(np.frombuffer(meta, dtype="<i8", count=1, offset=8)[0])
         try:
-            keys, (versions, removed) = P.unpack_batch(meta[16:], "<u8", "<u1")
+            return P.unpack_changes(meta[16:]), nxt, covered
         except ProtocolError as e:
             raise PoolUnavailable(f"worker {self.address}: {e}") from e
-        return [Change(k, v, bool(r), 0) for k, v, r in zip(keys, versions.tolist(), removed.tolist())], nxt, covered
 
     def prefix_match(self, keys: Sequence[bytes]) -> int:
         total = 0

@@ -27,21 +27,22 @@ import xxhash
 
 from .errors import PoolUnavailable, ProtocolError
 from .keys import MAX_KEY_BYTES
-from .versions import REMOVED, SUPERSEDED
+from .versions import CLEAR, PUT, REMOVE, REMOVED, SUPERSEDED, Change
 
 __all__ = ["MAGIC", "VERSION", "HEADER", "MAX_META", "MAX_DATA", "MAX_BATCH", "Op", "Status", "ITEM_QUOTA",
     "ITEM_SUPERSEDED", "REMOVED", "SUPERSEDED", "Frame",
     "header", "recv_exactly", "recv_checksum", "recv_into_all", "recv_frame", "send_frame", "pack_json", "unpack_json",
     "frames", "pack_batch", "unpack_batch", "unpack_ids", "check_reply", "recv_reply", "recv_blocks", "drain",
-    "DRAIN_CHUNK"]
+    "DRAIN_CHUNK", "CLEAR_KEY_MARK", "pack_changes", "unpack_changes"]
 
 MAGIC = b"KVPW"
-VERSION = 4
+VERSION = 5
 """2: HELLO/AUTH are a challenge-response in both directions (the token never crosses the wire).
 3: blocks carry versions (`kvpool.core.versions`): PUT, COMMIT and REMOVE send a versions column;
 GET, LEASE and EXISTS return one; CHANGES lists a worker's recent changes for a returning peer.
 4: a put or remove no newer than what the worker holds is told (ITEM_SUPERSEDED, SUPERSEDED), not
-answered as done."""
+answered as done.
+5: CHANGES tells clears (`pack_changes`)."""
 HEADER = struct.Struct("<4sBBHIIQII")
 MAX_META = 16 << 20
 MAX_DATA = 8 << 30
@@ -51,6 +52,9 @@ _IOV_MAX = 512
 """Buffers per scatter-gather system call (Linux allows 1024)."""
 _HASH_CHUNK = 256 << 10
 """`recv_checksum` hashes a large block this many bytes at a time, as each part lands."""
+
+CLEAR_KEY_MARK = b"*"
+"""Before a clear's prefix in a CHANGES reply (keys there are never empty; a prefix may be)."""
 
 
 class Op(IntEnum):
@@ -73,7 +77,8 @@ class Op(IntEnum):
     RELEASE = 14  # same node: raw lease ids -> (no reply)
     PIN = 15      # keys + seconds f8 (<= 0: unpin) -> (no reply); a put that follows it commits pinned
     CHANGES = 16  # json {"since_ms", "from_seq"} -> covered_since_ms u64, next_seq i64 (-1: done), then keys +
-    #               versions u8, removed u1: the changes the worker accepted since then (`kvpool.core.catch_up`)
+    #               versions u8, kinds u1 (0 a put, 1 a removal, 2 a clear: its key is CLEAR_KEY_MARK + the
+    #               prefix cleared): the changes the worker accepted since then (`kvpool.core.catch_up`)
     COMMIT_UNCHECKED = 17  # same node: as COMMIT, but the worker takes the checksums on the writer's word for
     #                        now and hashes each block at its first read (a handoff's reader checks its own copy)
 
@@ -421,3 +426,22 @@ def drain(sock: socket.socket, n: int, scratch: bytearray | memoryview | None = 
         k = min(n, len(view))
         recv_exactly(sock, view[:k])
         n -= k
+
+
+def pack_changes(changes: Sequence[Change]) -> bytes:
+    """The changes of a CHANGES reply, after its two header fields: keys, versions u8, kinds u1. A clear's
+    key is its prefix (which may be empty) behind CLEAR_KEY_MARK; a clear of a prefix as long as a key
+    can be covers that one key, and goes as its removal."""
+    keys, kinds = [], []
+    for c in changes:
+        whole = c.kind == CLEAR and len(c.key) >= MAX_KEY_BYTES
+        keys.append(c.key if c.kind != CLEAR or whole else CLEAR_KEY_MARK + c.key)
+        kinds.append(REMOVE if whole else c.kind)
+    return pack_batch(keys, np.array([c.version for c in changes], dtype="<u8"), np.array(kinds, dtype="<u1"))
+
+
+def unpack_changes(meta: bytes) -> list[Change]:
+    """Inverse of `pack_changes` (the time of each change is not sent: 0)."""
+    keys, (versions, kinds) = unpack_batch(meta, "<u8", "<u1")
+    return [Change(k[len(CLEAR_KEY_MARK):] if kind == CLEAR else k, v, kind if kind in (REMOVE, CLEAR) else PUT, 0)
+            for k, v, kind in zip(keys, versions.tolist(), kinds.tolist())]

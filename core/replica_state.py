@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 
 from .tier_stack import TierStack
-from .versions import CLOCK, CLOCK_SKEW_MS, COUNTER_BITS, Change
+from .versions import CLEAR, CLOCK, CLOCK_SKEW_MS, COUNTER_BITS, REMOVE, Change
 
 __all__ = ["ReplicaState"]
 
@@ -30,14 +30,14 @@ class ReplicaState:
             stack.check_open()
             held = stack.presence(list(keys), now)
             floor = stack.readable_from
-            return held, [stack.version_of(k) if h else _at_least(stack.tombstones.version(k), floor)
+            return held, [stack.version_of(k) if h else _at_least(stack.removed_version(k), floor)
                           for k, h in zip(keys, held)]
 
     def removed_versions(self, keys: Sequence[bytes]) -> list[int]:
-        """The version of each key's tombstone (its last removal, while kept); 0 if none."""
+        """The version of each key's last removal (its tombstone's while kept, or a clear's); 0 if none."""
         with self._lock:
             floor = self._stack.readable_from
-            version = self._stack.tombstones.version
+            version = self._stack.removed_version
             return [_at_least(version(k), floor) for k in keys]
 
     def fence(self, on: bool) -> None:
@@ -62,21 +62,26 @@ class ReplicaState:
             out, nxt = changes.since(since_ms, from_seq, limit)
             return out, nxt, changes.covered_since_ms
 
-    def apply_changes(self, changes: Sequence[tuple[bytes, int, bool]]) -> int:
-        """Catch up on (key, version, removed) changes a peer accepted while this cache was away: a
-        block older than one of them is dropped (a miss: this cache lacks the newer bytes) and the
-        change is remembered as a tombstone, so no older put brings it back. Returns blocks dropped."""
+    def apply_changes(self, changes: Sequence[tuple[bytes, int, int]]) -> int:
+        """Catch up on (key, version, kind) changes a peer accepted while this cache was away: a block
+        older than one of them is dropped (a miss: this cache lacks the newer bytes) and the change is
+        remembered (a tombstone; a clear's mark), so no older put brings it back. A clear (`key` its
+        prefix) drops every block under the prefix older than it. Returns blocks dropped."""
         with self._lock:
             stack = self._stack
             stack.check_open()
             doomed: list[bytes] = []
-            for k, v, removed in changes:
+            for k, v, kind in changes:
                 CLOCK.observe(v)
+                if kind == CLEAR:
+                    stack.clears.add(k, v)
+                    doomed += [key for key in stack.keys_with_prefix(k) if stack.version_of(key) < v]
+                    continue
                 if stack.version_of(k) >= v:
                     continue
-                stack.tombstones.add(k, v if removed else v - 1)  # v itself is still welcome
+                stack.tombstones.add(k, v if kind == REMOVE else v - 1)  # v itself is still welcome
                 doomed.append(k)
-            return sum(stack.remove(doomed)) if doomed else 0
+            return sum(stack.remove(list(dict.fromkeys(doomed)))) if doomed else 0
 
     def covered_since(self, since_ms: int) -> None:
         """The change log holds everything accepted since `since_ms` (unix ms): this cache accepted

@@ -253,7 +253,7 @@ class Worker(RequestHandlers):
         if last is None:
             log.warning("worker %s: %d blocks from a run that left no alive stamp; dropping them (their age "
                         "cannot be told)", self.worker_id, held.ssd_blocks)
-            self.cache.clear()
+            self.cache.drop_all()
             return
         self._catch_up(last, self.membership.peers())
 
@@ -265,7 +265,7 @@ class Worker(RequestHandlers):
         if not catch_up(self.cache, peers, since_ms, token=self.token, node_id=self.node_id):
             log.warning("worker %s: could not learn every change made while it was away; dropping its blocks "
                         "(misses, never outdated bytes)", self.worker_id)
-            self.cache.clear()
+            self.cache.drop_all()
 
     def _beat(self) -> None:
         """A heartbeat got through: reads stay open for one member TTL (less a beat) from now."""
@@ -315,7 +315,7 @@ class Worker(RequestHandlers):
                         self._stopping.wait(0.2)
                         continue
                     log.warning("worker %s: not back in the cluster (%s); dropping its blocks", self.worker_id, e)
-                    self.cache.clear()
+                    self.cache.drop_all()
                     break
                 try:
                     self._catch_up(since_ms, members)

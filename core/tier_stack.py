@@ -23,7 +23,7 @@ from .tiers.dram import DramArena, sweep_dead_arenas
 from .tiers.dram_tier import DramBlock, DramTier
 from .tiers.ssd import SsdStore
 from .tiers.ssd_tier import SsdTier
-from .versions import ChangeLog, Tombstones
+from .versions import ChangeLog, Clears, Tombstones
 
 __all__ = ["TierStack"]
 
@@ -45,6 +45,7 @@ class TierStack:
         self.counters = CacheCounters()
         self.listeners: tuple[CacheListener, ...] = ()  # told of every block change, under the lock
         self.tombstones = Tombstones()
+        self.clears = Clears()
         self.changes = ChangeLog()
         """Versioned puts and removes accepted, for peers that catch up (`kvpool.core.catch_up`)."""
         self._fence_floor = 0  # while fenced: the oldest version a read may serve (accepted since)
@@ -117,6 +118,7 @@ class TierStack:
         done nothing, where that does not hold: the caller commits them one by one."""
         keys = [b.key for b in blocks]
         if (self.listeners or self.dram.pins or len(set(keys)) != len(keys) or not self.tombstones.none_of(keys)
+                or (self.clears and self.clears.newest >= min((b.version for b in blocks), default=0))
                 or (self.ssd is not None and not self.ssd.none_of(keys))
                 or (self.device is not None and any(map(self.device.__contains__, keys)))):
             return None
@@ -134,7 +136,12 @@ class TierStack:
 
     def newest(self, key: bytes) -> int:
         """The newest version this stack knows of `key`: its block's or its removal's; 0 if neither."""
-        return max(self.version_of(key), self.tombstones.version(key))
+        return max(self.version_of(key), self.removed_version(key))
+
+    def removed_version(self, key: bytes) -> int:
+        """The version of the newest removal of `key` this stack knows: its tombstone's, or a clear's."""
+        return max(self.tombstones.version(key), self.clears.version(key)) if self.clears else \
+            self.tombstones.version(key)
 
     def left(self, key: bytes, tier: str, why: str) -> None:
         """Tell the listeners that `tier` let go of `key`: dropped if another tier holds it, else removed."""

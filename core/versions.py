@@ -18,7 +18,7 @@ from itertools import repeat
 import numpy as np
 
 __all__ = ["REMOVED", "SUPERSEDED", "COUNTER_BITS", "CLOCK_SKEW_MS", "HybridClock", "CLOCK", "stamp", "observe",
-           "wall_ms_of", "Tombstones", "Change", "ChangeLog"]
+           "wall_ms_of", "Tombstones", "Clears", "Change", "ChangeLog", "PUT", "REMOVE", "CLEAR"]
 
 REMOVED, SUPERSEDED = 1, 2
 """A removal's outcome per key beside 0 (nothing to remove): removed; not removed, because a block of the
@@ -142,13 +142,60 @@ class Tombstones:
         self._marks.clear()
 
 
+class Clears:
+    """The clears a cache accepted, as prefix -> version: a key under a cleared prefix counts as removed
+    as of the clear's version unless a newer block of it is held (b"": every key). Unlike tombstones, a
+    clear is one mark however many keys it covered, or covered on a peer while this cache was away.
+    A lookup costs one dict probe per distinct prefix length; the newest `max_marks` clears are kept
+    (by version; a clear of every key replaces them all)."""
+
+    def __init__(self, max_marks: int = 1024) -> None:
+        self.max_marks = max_marks
+        self._marks: dict[bytes, int] = {}
+        self._lengths: list[int] = []  # the distinct lengths of the marked prefixes
+        self.newest = 0
+        """The newest clear's version (0: none): a block stamped above it is not under any clear."""
+
+    def __bool__(self) -> bool:
+        return bool(self._marks)
+
+    def add(self, prefix: bytes, version: int) -> None:
+        if self.version(prefix) >= version:
+            return  # a clear as new or newer already covers it
+        marks = {p: v for p, v in self._marks.items() if not (p.startswith(prefix) and v <= version)}
+        marks[prefix] = version
+        if len(marks) > self.max_marks:  # the oldest clears go first
+            for p, _ in sorted(marks.items(), key=lambda pv: pv[1])[:len(marks) - self.max_marks]:
+                del marks[p]
+        self._marks = marks
+        self._lengths = sorted({len(p) for p in marks})
+        self.newest = max(self.newest, version)
+
+    def version(self, key: bytes) -> int:
+        """The version of the newest clear that covered `key` (0 if none)."""
+        marks = self._marks
+        best = 0
+        for n in self._lengths:
+            if n > len(key):
+                break
+            v = marks.get(key[:n], 0)
+            if v > best:
+                best = v
+        return best
+
+
+PUT, REMOVE, CLEAR = 0, 1, 2
+"""A change's kind: a block stored, a removal, a clear (its `key` is then the prefix cleared)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Change:
-    """One write a worker accepted: `key` got `version` (a block, or a removal) at `at_ms` (its wall clock)."""
+    """One write a worker accepted: `key` got `version` (`kind`: a block, a removal; or every key under
+    the prefix `key` was cleared) at `at_ms` (its wall clock)."""
 
     key: bytes
     version: int
-    removed: bool
+    kind: int
     at_ms: int
 
 
@@ -164,7 +211,7 @@ class ChangeLog:
     def __init__(self, covered_since_ms: int = 0, max_entries: int = 1 << 18) -> None:
         self.max_entries = max_entries
         self.covered_since_ms = covered_since_ms
-        self._entries: deque[tuple[bytes, int, bool, int]] = deque()  # (key, version, removed, at_ms): cheap to add
+        self._entries: deque[tuple[bytes, int, int, int]] = deque()  # (key, version, kind, at_ms): cheap to add
         self._first_seq = 0  # sequence number of _entries[0]
         self._last_ms = 0  # times only grow, whatever the wall clock does
 
@@ -172,9 +219,15 @@ class ChangeLog:
         return len(self._entries)
 
     def record(self, keys: Iterable[bytes], versions: Iterable[int], removed: bool) -> None:
+        self._add(keys, versions, REMOVE if removed else PUT)
+
+    def record_clear(self, prefix: bytes, version: int) -> None:
+        self._add((prefix,), (version,), CLEAR)
+
+    def _add(self, keys: Iterable[bytes], versions: Iterable[int], kind: int) -> None:
         at = self._last_ms = max(int(time.time() * 1000), self._last_ms)
         entries = self._entries
-        entries.extend(zip(keys, versions, repeat(removed), repeat(at)))
+        entries.extend(zip(keys, versions, repeat(kind), repeat(at)))
         while len(entries) > self.max_entries:
             gone = entries.popleft()
             self._first_seq += 1

@@ -292,9 +292,7 @@ class RequestHandlers(ConnectionServing):
             raise ProtocolError(f"CHANGES asks {ask!r}; since_ms and from_seq are integers")
         changes, nxt, covered = self.cache.replicas.changes_since(since_ms, from_seq)
         head = np.array([covered], dtype="<u8").tobytes() + np.array([nxt], dtype="<i8").tobytes()
-        self._reply(conn, frame, head + P.pack_batch([c.key for c in changes],
-                                                     np.array([c.version for c in changes], dtype="<u8"),
-                                                     np.array([c.removed for c in changes], dtype="<u1")))
+        self._reply(conn, frame, head + P.pack_changes(changes))
 
     def _clear(self, conn: Conn, frame: P.Frame) -> None:
         prefix = P.unpack_batch(frame.meta)[0] if frame.meta else [None]

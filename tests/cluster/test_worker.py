@@ -118,3 +118,37 @@ def test_batches_larger_than_one_frame_are_split_not_refused(spawn, transport):
         assert all(bytes(b) == k[:8] for b, k in zip(bufs, keys))
         c.batch_pin(keys, 0)
         assert c.batch_remove(keys) == [True] * len(keys)
+
+
+def test_an_aborted_connection_fails_at_once_and_never_connects_again(tmp_path):
+    """What a call abandoned at its deadline still does stops when its connection is aborted, and the
+    connection makes no new one (a paused worker would hold a reconnect for the whole timeout)."""
+    import socket
+    import threading
+    import time
+
+    from kvpool.core.transport import connect
+
+    path = str(tmp_path / "silent.sock")
+    with socket.socket(socket.AF_UNIX) as silent:  # accepts, never answers
+        silent.bind(path)
+        silent.listen(8)
+        t = connect(path, "t" * 32, timeout_s=5)
+        stuck: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                t.hello()
+            except BaseException as e:  # (what the call ended with is the point)
+                stuck.append(e)
+        caller = threading.Thread(target=call)
+        caller.start()
+        time.sleep(0.3)  # in its handshake now, waiting on the silent peer
+        start = time.monotonic()
+        t.abort()
+        caller.join(5)
+        assert not caller.is_alive() and isinstance(stuck[0], PoolUnavailable)
+        with pytest.raises(PoolUnavailable, match="abandoned"):
+            t.hello()
+        assert time.monotonic() - start < 1.0
+        t.close()

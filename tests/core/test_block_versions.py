@@ -10,7 +10,16 @@ import pytest
 
 from kvpool.core.blocks import BlockMeta, decode_header, encode_header
 from kvpool.core.cache import TieredCache
-from kvpool.core.versions import CLOCK_SKEW_MS, COUNTER_BITS, ChangeLog, HybridClock, Tombstones, wall_ms_of
+from kvpool.core.versions import (
+    CLEAR,
+    CLOCK_SKEW_MS,
+    COUNTER_BITS,
+    REMOVE,
+    ChangeLog,
+    HybridClock,
+    Tombstones,
+    wall_ms_of,
+)
 
 
 def test_the_clock_follows_wall_time_and_never_goes_back() -> None:
@@ -79,7 +88,7 @@ def test_the_change_log_pages_and_says_how_far_back_it_reaches() -> None:
     t = int(time.time() * 1000)
     log.record([b"c"], [3], True)
     changes, nxt = log.since(t)
-    assert [(c.key, c.version, c.removed) for c in changes] == [(b"c", 3, True)] and nxt == -1
+    assert [(c.key, c.version, c.kind) for c in changes] == [(b"c", 3, REMOVE)] and nxt == -1
     first, nxt = log.since(0, limit=2)
     assert [c.key for c in first] == [b"a", b"b"] and nxt == 2
     rest, nxt = log.since(0, from_seq=nxt, limit=2)
@@ -123,6 +132,61 @@ def test_a_removal_leaves_a_tombstone_that_stops_older_puts(cache: TieredCache) 
     assert cache.get("k") == b"v3"
     assert cache.batch_remove(["j"], versions=[50]) == [False]  # older than the block: it stays
     assert cache.get("j") == b"v1"
+
+
+def test_a_clear_stops_older_puts_under_it_and_is_told_to_peers(cache: TieredCache) -> None:
+    """One mark per clear, however many keys it covered (or none it held): a key under it reads as removed
+    as of the clear; a late put older than the clear changes nothing; a newer one, or one outside, is
+    stored; the change log carries the clear for a peer catching up."""
+    cache.batch_put(["p1", "q1"], [b"v", b"v"], versions=[100, 100])
+    cache.clear("p")
+    (held, (cleared,)) = cache.replicas.batch_versions([b"p9"])
+    assert held == [False] and cleared > 100
+    cache.batch_put(["p1", "p2", "q2"], [b"late", b"late", b"late"], versions=[150, 150, 150])
+    assert [cache.get(k) for k in ("p1", "p2", "q1", "q2")] == [None, None, b"v", b"late"]
+    assert cache.replicas.removed_versions([b"p2", b"q2"]) == [cleared, 0]
+    cache.batch_put(["p1"], [b"new"], versions=[cleared + 1])
+    assert cache.get("p1") == b"new"
+    changes, _, _ = cache.replicas.changes_since(0)
+    assert (b"p", cleared, CLEAR) in [(c.key, c.version, c.kind) for c in changes]
+    cache.clear()  # everything: one mark covers every prefix
+    assert cache.replicas.batch_versions([b"zzz"])[1][0] > cleared
+    assert cache.commit_many([], [], [], []) == []  # (an empty same-node COMMIT after a clear)
+
+
+def test_a_worker_dropping_its_own_blocks_remembers_no_clear(cache: TieredCache) -> None:
+    """A worker that cannot vouch for its blocks drops them (`drop_all`): that says nothing of the keys
+    as its peers hold them, so it must not answer "removed" for them, nor tell a clear to a peer."""
+    cache.batch_put(["k"], [b"v"], versions=[100])
+    cache.drop_all()
+    assert cache.get("k") is None
+    assert cache.replicas.batch_versions([b"k", b"other"]) == ([False, False], [0, 0])
+    assert CLEAR not in [c.kind for c in cache.replicas.changes_since(0)[0]]
+
+
+def test_clears_go_over_the_wire_whatever_their_prefix() -> None:
+    from kvpool.core import protocol as P
+    from kvpool.core.keys import MAX_KEY_BYTES
+    from kvpool.core.versions import PUT, Change, Clears
+
+    longest = b"p" * MAX_KEY_BYTES  # covers one key: it goes as that key's removal
+    sent = [Change(b"", 5, CLEAR, 0), Change(b"ns/", 6, CLEAR, 0), Change(longest, 7, CLEAR, 0),
+            Change(b"k", 8, PUT, 0), Change(b"*k", 9, REMOVE, 0)]
+    got = [(c.key, c.version, c.kind) for c in P.unpack_changes(P.pack_changes(sent))]
+    assert got == [(b"", 5, CLEAR), (b"ns/", 6, CLEAR), (longest, 7, REMOVE), (b"k", 8, PUT), (b"*k", 9, REMOVE)]
+    marks = Clears(max_marks=2)
+    for prefix, version in ((b"a/", 100), (b"b/", 50), (b"c/", 10)):  # (as catch-up may bring them)
+        marks.add(prefix, version)
+    assert [marks.version(k) for k in (b"a/1", b"b/1", b"c/1", b"d/1")] == [100, 50, 0, 0]  # the oldest went
+
+
+def test_catching_up_on_a_clear_drops_what_it_covered(cache: TieredCache) -> None:
+    cache.batch_put(["p1", "p2", "q1"], [b"old", b"new", b"old"], versions=[10, 30, 10])
+    assert cache.replicas.apply_changes([(b"p", 20, CLEAR)]) == 1  # p2 is newer than the clear: it stays
+    assert [cache.get(k) for k in ("p1", "p2", "q1")] == [None, b"new", b"old"]
+    cache.batch_put(["p3"], [b"late"], versions=[15])
+    assert cache.get("p3") is None
+    assert cache.check() == []
 
 
 def test_a_same_node_commit_keeps_the_newest(cache: TieredCache) -> None:

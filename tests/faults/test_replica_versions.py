@@ -318,3 +318,34 @@ def test_a_clear_that_missed_a_worker_says_so(nats, spawn):
                 c.clear()
         finally:
             os.kill(workers[ids.index(primary)].proc.pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("prefix", [None, "c1"], ids=["everything", "a-prefix"])
+def test_a_clear_made_while_a_worker_was_away_holds_when_it_comes_back(nats, spawn, prefix):
+    """The victim stops (its blocks flushed to SSD); the pool is cleared (SGLang's clear-storage, vLLM's
+    remove_all), or one prefix of it; the victim comes back on its state. It learns of the clear from its
+    peers as it catches up: no cleared key is served (by it, or repaired back onto the others), every
+    other key is."""
+    workers = _cluster(nats, spawn, ssd=True, dram_bytes="4MiB", env=SMALL_DRAM)
+    ids = [worker_id(w) for w in workers]
+    truth = Truth()
+    victim = workers[0]
+    with _client(nats) as c:
+        wait_members(c, 3)
+        keys = [f"c{i}" for i in range(60)]
+        truth.put(c, keys, 0)
+        assert victim.stop() == 0
+        assert c.wait_for_members(lambda m: ids[0] not in m, 10)
+        c.clear(prefix)
+        truth.removed.update(k for k in keys if prefix is None or k.startswith(prefix))
+        back = WorkerProcess(victim.state_dir, nats_url=nats.url, node_id="node0", ssd=True, dram_bytes="4MiB",
+                             env=SMALL_DRAM).wait_ready()
+        try:
+            assert c.wait_for_members(lambda m: ids[0] in m and m[ids[0]].pid == back.proc.pid, 15)
+            seen = truth.check(c)
+            _repairs(c)
+            again = truth.check(c)
+            assert not seen.resurrected and not again.resurrected and not seen.stale
+            assert again.hits == len(keys) - len(truth.removed)  # the keys not cleared are all still there
+        finally:
+            back.stop(timeout=5)
