@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .blocks import BlockMeta, checksum
@@ -29,16 +29,18 @@ _FLUSH_BATCH_BYTES = 64 << 20
 (1024 blocks of 1 MiB took a stopping worker's heap 36 -> 648 MiB; of 4 MiB it would need 4 GiB)."""
 
 
-def _batches(blocks: list[DramBlock]) -> list[list[DramBlock]]:
-    """`blocks` in order, cut into `flush`'s transactions."""
+def _batches(blocks: list[DramBlock], max_bytes: int, size: Callable[[DramBlock], int]) -> list[list[DramBlock]]:
+    """`blocks` in order, cut into `flush`'s transactions: at most `_FLUSH_BATCH` blocks, and `max_bytes`
+    of what they take in LMDB (`size`)."""
     out: list[list[DramBlock]] = [[]]
     held = 0
     for b in blocks:
-        if out[-1] and (len(out[-1]) >= _FLUSH_BATCH or held + b.size > _FLUSH_BATCH_BYTES):
+        n = size(b)
+        if out[-1] and (len(out[-1]) >= _FLUSH_BATCH or held + n > max_bytes):
             out.append([])
             held = 0
         out[-1].append(b)
-        held += b.size
+        held += n
     return [batch for batch in out if batch]
 
 
@@ -127,6 +129,9 @@ class TierMoves:
             return 0
         with stack.lock:
             superseded = ssd.supersede(b.key for b in blocks)
+            incoming = sum(ssd.footprint(b.key, b.size) for b in blocks)
+            if incoming <= ssd.capacity / 4 and self._trim_ssd(incoming):
+                ssd.delete_stale()  # room for this write first: LMDB refuses one that does not fit
         metas = [b.meta for b in blocks]
         view = stack.dram.view
         items = [(b.key, m, view(b)) for b, m in zip(blocks, metas)]
@@ -159,17 +164,19 @@ class TierMoves:
             self._trim_ssd()
         return len(blocks)
 
-    def _trim_ssd(self) -> None:
-        """Drop the first SSD blocks to go above the SSD tier's high watermark. Lock held."""
+    def _trim_ssd(self, incoming: int = 0) -> int:
+        """Drop the first SSD blocks to go above the SSD tier's high watermark (`incoming`: bytes about
+        to be written, on disk); how many went. Lock held."""
         stack = self._stack
         assert stack.ssd is not None
-        gone = stack.ssd.trim(stack.config.high_watermark, stack.config.low_watermark)
+        gone = stack.ssd.trim(stack.config.high_watermark, stack.config.low_watermark, incoming)
         for k in gone:
             b = stack.dram.blocks.get(k)
             if b is not None:
                 b.on_ssd = False
             stack.left(k, "ssd", "evict")
         stack.counters.ssd_evictions += len(gone)
+        return len(gone)
 
     def promote(self, k: bytes, now: float) -> DramBlock | None:
         """Copy a verified SSD block into DRAM and return it leased; None if gone, expired or corrupt,
@@ -342,7 +349,8 @@ class TierMoves:
         in two writes at once (the later one's index entry could outlive a deletion queued between
         them). Lock not held."""
         stack = self._stack
-        if stack.ssd is None:
+        ssd = stack.ssd
+        if ssd is None:
             return 0
         with stack.lock:
             self.wait_for_writes()
@@ -351,7 +359,9 @@ class TierMoves:
             self.begin_write(pending)
         written = 0
         try:
-            for batch in _batches(pending):
+            # at most an eighth of the SSD tier a transaction: what a write makes room for first (`demote`)
+            for batch in _batches(pending, min(_FLUSH_BATCH_BYTES, int(ssd.capacity) // 8),
+                                  lambda b: ssd.footprint(b.key, b.size)):
                 written += self.demote(batch)
         finally:
             with stack.lock:

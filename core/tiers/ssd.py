@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +27,23 @@ from ..errors import CapacityError, StorageError
 __all__ = ["SsdStore", "LOCK_FILE"]
 
 log = logging.getLogger("kvpool.ssd")
+
+_INHERITED = -2
+"""`_lock_fd` of a store in a forked child: its parent holds the folder; the child holds nothing."""
+_STORES: weakref.WeakSet[SsdStore] = weakref.WeakSet()
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child: let go of the parent's folder locks (a child that outlived its parent would
+    otherwise keep the folder held; one that uses the store works under its parent's lock)."""
+    for store in list(_STORES):
+        if store._lock_fd >= 0:
+            store._unlock.detach()
+            os.close(store._lock_fd)
+            store._lock_fd = _INHERITED
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 LOCK_FILE = "kvpool.lock"
 """Held (flock) by the process whose store has the folder open; holds that process's pid."""
@@ -51,10 +69,11 @@ class SsdStore:
         self._env: lmdb.Environment | None = None
         self._lock_fd = -1
         self._damage_logged = False
+        _STORES.add(self)
         self._open()
 
     def _hold(self) -> None:
-        """Take `LOCK_FILE` in the folder for this store's life (a forked child shares its parent's):
+        """Take `LOCK_FILE` in the folder for this store's life (a forked child works under its parent's):
         two workers given one SSD folder would each serve, evict and overwrite the other's blocks
         behind its back (and share a worker id), so the second is refused."""
         lock = self.path / LOCK_FILE
@@ -73,6 +92,7 @@ class SsdStore:
             os.close(fd)
             raise
         self._lock_fd = fd
+        self._unlock = weakref.finalize(self, os.close, fd)  # a store dropped unclosed lets go too
         with contextlib.suppress(OSError):  # the pid is for the message above only (a full disk: none)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -82,7 +102,7 @@ class SsdStore:
             private_dir(self.path, tighten=True)
         except OSError as e:  # the folder cannot be made (permissions, a file in the way)
             raise StorageError(f"cannot open the SSD tier at {self.path}: {e}") from e
-        if self._lock_fd < 0:
+        if self._lock_fd == -1:
             self._hold()
         try:
             self._env = lmdb.open(str(self.path), map_size=self.map_size, subdir=True, sync=self.sync,
@@ -215,6 +235,6 @@ class SsdStore:
         if self._env is not None and self._pid == os.getpid():
             self._env.close()
         self._env = None
-        if self._lock_fd >= 0:  # (a forked child's copy: closing it leaves its parent's lock held)
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        if self._lock_fd >= 0:
+            self._unlock()
+        self._lock_fd = -1

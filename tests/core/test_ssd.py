@@ -181,11 +181,37 @@ def test_cache_reopen_after_clean_close_serves_flushed_blocks(
     assert cache.stats().hits_ssd == 20
 
 
+def test_one_store_per_folder_and_a_forked_child_holds_none(tmp_path: Path) -> None:
+    """A second store on a folder is refused, naming the holder; a forked child (an engine's helper
+    process that never touches the store) does not keep the folder held once its parent closed it."""
+    path = tmp_path / "lmdb"
+    first = SsdStore(path, map_size=16 * MiB, sync=False)
+    with pytest.raises(StorageError, match=f"in use by another process \\(pid {os.getpid()}\\)"):
+        SsdStore(path, map_size=16 * MiB, sync=False)
+    read, write = os.pipe()
+    up, started = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child)
+        os.write(started, b"x")  # (after the fork handlers: the parent's lock is let go of by now)
+        os.read(read, 1)
+        os._exit(0)
+    try:
+        assert os.read(up, 1) == b"x"
+        first.close()
+        again = SsdStore(path, map_size=16 * MiB, sync=False)  # the child still lives
+        again.close()
+    finally:
+        os.write(write, b"x")
+        os.waitpid(child, 0)
+        for fd in (read, write, up, started):
+            os.close(fd)
+
+
 def test_flush_keeps_each_transaction_within_its_byte_bound(make_cache: Callable[..., TieredCache], ssd_dir: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """LMDB holds a transaction's dirty pages in the writer's heap: a flush of big blocks commits every
-    few MiB (here 3 blocks of 1 MiB per transaction), not every 1024 blocks (a stopping worker with 1 MiB
-    blocks grew by 600 MiB)."""
+    few MiB (here 3 MiB of pages: two 1 MiB blocks and their headers per transaction), not every 1024
+    blocks (a stopping worker with 1 MiB blocks grew by 600 MiB)."""
     from kvpool.core import tier_moves
 
     monkeypatch.setattr(tier_moves, "_FLUSH_BATCH_BYTES", 3 * MiB)
@@ -200,10 +226,30 @@ def test_flush_keeps_each_transaction_within_its_byte_bound(make_cache: Callable
         return real(self, blocks)
     monkeypatch.setattr(tier_moves.TierMoves, "demote", demote)
     assert cache.flush() == 10
-    assert batches == [3 * MiB, 3 * MiB, 3 * MiB, MiB]
+    assert batches == [2 * MiB] * 5
     cache.close()
     cache = make_cache(ssd_path=ssd_dir)
     assert all(cache.get(k) == payload(k, MiB) for k in keys)
+
+
+@pytest.mark.parametrize("size", [1 * KiB, 4 * KiB])
+def test_small_blocks_are_trimmed_before_lmdb_is_full(size: int, tmp_path: Path) -> None:
+    """A 4 KiB block and its header take two LMDB pages: counted by payload, the tier believed itself
+    half full when LMDB refused every write, never trimmed, and dropped every later demotion while the
+    oldest blocks stayed. Counted by what they take on disk, the oldest go first and none is dropped."""
+    cache = TieredCache(dram_bytes=1 * MiB, dram_slab_size=256 * KiB, prefault=False, ssd_path=str(tmp_path / "s"),
+                        ssd_map_size=8 * MiB, ssd_sync=False)
+    try:
+        keys = [f"k{i}" for i in range(6000)]
+        for i in range(0, len(keys), 100):
+            cache.batch_put(keys[i:i + 100], [payload(k, size) for k in keys[i:i + 100]])
+        cache.flush()
+        s = cache.stats()
+        assert s.dropped == 0 and s.ssd_evictions > 0
+        assert not any(cache.batch_exists(keys[:500])) and all(cache.batch_exists(keys[-500:]))
+        assert cache.check() == []
+    finally:
+        cache.close()
 
 
 def test_replaced_block_survives_flush_and_reopen(make_cache: Callable[..., TieredCache], ssd_dir: str) -> None:
