@@ -301,7 +301,9 @@ def test_a_remove_that_reached_no_owner_is_an_error_not_a_no(nats, spawn):
                 c.batch_remove([key])
         finally:
             os.kill(victim.proc.pid, signal.SIGCONT)
-        assert poll(lambda: c.get(key) == block(key, SIZE), 10)
+        with _direct(victim) as direct:  # the owner kept it...
+            assert poll(lambda: direct.get(key) == block(key, SIZE), 20), victim.log_tail()
+        assert poll(lambda: c.get(key) == block(key, SIZE), 20), victim.log_tail()  # ...and serves it again
 
 
 def test_a_clear_that_missed_a_worker_says_so(nats, spawn):
