@@ -20,7 +20,7 @@ import lmdb
 import numpy as np
 import xxhash
 
-from ..blocks import HEADER_SIZE, MAGIC, VERSION
+from ..blocks import HEADER_SIZE, MAGIC, READABLE, header_check
 from ..errors import CapacityError
 from ..keys import MAX_KEY_BYTES
 from .ssd import SsdStore
@@ -34,7 +34,7 @@ FILE_NAME = "kvpool-index"
 
 _MAGIC = b"KVPIDX02"  # 02: blocks' versions
 _HEAD = struct.Struct("<8sQQQQQQQ")  # magic, last txnid, entries, data file inode, keys, stale keys, body bytes, xxh3
-_BLOCK_HEADER = np.dtype([("magic", "S4"), ("version", "<u2"), ("flags", "<u2"), ("size", "<u8"),
+_BLOCK_HEADER = np.dtype([("magic", "S4"), ("version", "<u2"), ("flags", "<u2"), ("size", "<u8"),  # flags: the check
                           ("checksum", "<u8"), ("expires", "<f8"),
                           ("block_version", "<u8")])  # blocks._HEADER, for a vectorised decode
 
@@ -207,8 +207,11 @@ def scan(store: SsdStore) -> Snapshot:
             lens.append(len(v))
             heads += v[:HEADER_SIZE]
     h = np.frombuffer(heads, dtype=_BLOCK_HEADER)
-    ok = (h["magic"] == MAGIC) & (h["version"] == VERSION) & \
-        (h["size"] == np.asarray(lens, dtype=np.int64) - HEADER_SIZE)
+    checked = h["version"] >= 3
+    with np.errstate(over="ignore"):  # (the check's products wrap around 2**64, as meant)
+        check = header_check(h["size"], h["checksum"], h["expires"].view("<u8"), h["block_version"])
+    ok = (h["magic"] == MAGIC) & np.isin(h["version"], READABLE) & \
+        (h["size"] == np.asarray(lens, dtype=np.int64) - HEADER_SIZE) & (h["flags"] == np.where(checked, check, 0))
     if not ok.all():
         bad += [k for k, good in zip(keys, ok.tolist()) if not good]
         keys = [k for k, good in zip(keys, ok.tolist()) if good]

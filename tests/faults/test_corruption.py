@@ -11,7 +11,7 @@ import pytest
 
 from kvpool.core import PoolUnavailable
 from kvpool.core import protocol as P
-from kvpool.core.blocks import BlockMeta, checksum, encode_header
+from kvpool.core.blocks import checksum
 from kvpool.core.client import PoolClient
 from kvpool.core.errors import CorruptBlock
 from kvpool.core.nats_server import free_port
@@ -43,16 +43,17 @@ def test_corrupt_lmdb_values_are_counted_misses_after_restart(tmp_path):
         assert w.stop() == 0, w.log_tail()  # SIGTERM flushes DRAM to the SSD tier
     data = state / "ssd" / "data.mdb"
     _flip_in_file(data, block("c3", SIZE)[1000:1064], 10)  # a payload byte
-    c5 = block("c5", SIZE)
-    _flip_in_file(data, encode_header(BlockMeta(SIZE, checksum(c5)))[:-8], 0)  # the header's magic (not its version)
+    c5, c6 = block("c5", SIZE), block("c6", SIZE)
+    _flip_in_file(data, struct.pack("<QQ", SIZE, checksum(c5)), -8)  # the header's magic
+    _flip_in_file(data, struct.pack("<QQ", SIZE, checksum(c6)), 16 + 8 + 7)  # the top byte of the block's version
     w = WorkerProcess(state, ssd=True, dram_bytes="64MiB").wait_ready()
     try:
         with PoolClient(mode="local", worker=w.address) as c:
             _, misses = read_all(c, dict.fromkeys(KEYS, SIZE))
-            assert sorted(misses) == ["c3", "c5"]
-            assert c.stats().total.checksum_failures == 2
-            assert c.batch_exists(["c3", "c5"]) == [False, False]  # deleted, not served again
-            c.batch_put(["c3", "c5"], [block("c3", SIZE), c5])
+            assert sorted(misses) == ["c3", "c5", "c6"]  # c6 read as a block from far in the future, else
+            assert c.stats().total.checksum_failures == 3
+            assert c.batch_exists(["c3", "c5", "c6"]) == [False] * 3  # deleted, not served again
+            c.batch_put(["c3", "c5", "c6"], [block("c3", SIZE), c5, c6])  # c6's write is not refused as older
             assert read_all(c, dict.fromkeys(KEYS, SIZE))[1] == []
     finally:
         w.stop()
