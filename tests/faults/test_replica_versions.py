@@ -72,6 +72,18 @@ def _cluster(nats, spawn, **kw) -> list[WorkerProcess]:
     return [spawn(nats_url=nats.url, node_id=f"node{i}", **kw) for i in range(3)]
 
 
+def _ssd_cluster(nats, spawn) -> tuple[list[WorkerProcess], list[str]]:
+    """Three workers with SSD tiers and small DRAM (blocks reach SSD), and their ids."""
+    workers = _cluster(nats, spawn, ssd=True, dram_bytes="4MiB", env=SMALL_DRAM)
+    return workers, [worker_id(w) for w in workers]
+
+
+def _back_on_its_state(nats, victim: WorkerProcess) -> WorkerProcess:
+    """`victim` (the first of `_ssd_cluster`, stopped or killed) started again on its state."""
+    return WorkerProcess(victim.state_dir, nats_url=nats.url, node_id="node0", ssd=True, dram_bytes="4MiB",
+                         env=SMALL_DRAM).wait_ready()
+
+
 def _client(nats) -> PoolClient:
     return PoolClient(mode="cluster", nats_url=nats.url, replication=2, node_id="client", timeout_s=TIMEOUT_S)
 
@@ -167,8 +179,7 @@ def test_a_replica_away_past_the_member_ttl_catches_up(nats, spawn):
 def test_a_replica_restarted_on_its_state_serves_nothing_it_missed(nats, spawn, tmp_path, how):
     """The victim goes down (SIGTERM: DRAM flushed to SSD; kill -9: what had reached SSD survives), its
     keys change meanwhile, and it comes back on the same state: it drops what changed before it serves."""
-    workers = _cluster(nats, spawn, ssd=True, dram_bytes="4MiB", env=SMALL_DRAM)
-    ids = [worker_id(w) for w in workers]
+    workers, ids = _ssd_cluster(nats, spawn)
     truth = Truth()
     victim = workers[0]
     with _client(nats) as c:
@@ -186,8 +197,7 @@ def test_a_replica_restarted_on_its_state_serves_nothing_it_missed(nats, spawn, 
             assert victim.stop() == 0
             assert c.wait_for_members(lambda m: ids[0] not in m, 10)
         overwritten, removed = _change_while_away(c, truth, mine)
-        back = WorkerProcess(victim.state_dir, nats_url=nats.url, node_id="node0", ssd=True, dram_bytes="4MiB",
-                             env=SMALL_DRAM).wait_ready()
+        back = _back_on_its_state(nats, victim)
         try:
             assert worker_id(back) == ids[0]
             with _direct(back) as direct:
@@ -328,8 +338,7 @@ def test_a_clear_made_while_a_worker_was_away_holds_when_it_comes_back(nats, spa
     remove_all), or one prefix of it; the victim comes back on its state. It learns of the clear from its
     peers as it catches up: no cleared key is served (by it, or repaired back onto the others), every
     other key is."""
-    workers = _cluster(nats, spawn, ssd=True, dram_bytes="4MiB", env=SMALL_DRAM)
-    ids = [worker_id(w) for w in workers]
+    workers, ids = _ssd_cluster(nats, spawn)
     truth = Truth()
     victim = workers[0]
     with _client(nats) as c:
@@ -340,8 +349,7 @@ def test_a_clear_made_while_a_worker_was_away_holds_when_it_comes_back(nats, spa
         assert c.wait_for_members(lambda m: ids[0] not in m, 10)
         c.clear(prefix)
         truth.removed.update(k for k in keys if prefix is None or k.startswith(prefix))
-        back = WorkerProcess(victim.state_dir, nats_url=nats.url, node_id="node0", ssd=True, dram_bytes="4MiB",
-                             env=SMALL_DRAM).wait_ready()
+        back = _back_on_its_state(nats, victim)
         try:
             assert c.wait_for_members(lambda m: ids[0] in m and m[ids[0]].pid == back.proc.pid, 15)
             seen = truth.check(c)
