@@ -85,20 +85,30 @@ def write_private(path: Path, text: str, durable: bool = False) -> None:
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)  # (a link is removed, not followed)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    _write_new(tmp, text.encode(), durable)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _write_new(path: Path, data: bytes, durable: bool) -> None:
+    """Create `path` (0600; never through a link, never over a file) holding all of `data`, on disk first
+    if `durable`. A write that fails (a full disk) leaves no half-written file behind."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         try:
-            data = text.encode()
             if os.write(fd, data) != len(data):
-                raise OSError(errno.ENOSPC, f"short write to {tmp}")
+                raise OSError(errno.ENOSPC, f"short write to {path}")
             if durable:
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(OSError):  # a full disk: no half-written temporary left behind
-            os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
         raise
 
 
@@ -133,14 +143,7 @@ def load_or_create_token(path: Path) -> str:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
     try:
         private_dir(path.parent, tighten=path.parent == default_state_dir())
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            data = (token + "\n").encode()
-            if os.write(fd, data) != len(data):
-                raise OSError(errno.ENOSPC, "short write")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_new(tmp, (token + "\n").encode(), durable=True)
         try:
             os.link(tmp, path)  # fails if another worker made one meanwhile: use theirs
             log.info("created the pool token at %s (0600)", path)
