@@ -140,8 +140,7 @@ class TierStack:
 
     def removed_version(self, key: bytes) -> int:
         """The version of the newest removal of `key` this stack knows: its tombstone's, or a clear's."""
-        return max(self.tombstones.version(key), self.clears.version(key)) if self.clears else \
-            self.tombstones.version(key)
+        return max(self.tombstones.version(key), self.clears.version(key))
 
     def left(self, key: bytes, tier: str, why: str) -> None:
         """Tell the listeners that `tier` let go of `key`: dropped if another tier holds it, else removed."""
