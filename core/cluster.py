@@ -65,25 +65,43 @@ class Membership:
                                                  reconnected_cb=self._reconnected), timeout=connect_timeout_s + 2)
             # a client user may not create the bucket (nats_creds.PERMISSIONS): it waits for a worker's
             self._may_create = role != "client" or not (self._nc.options.get("user") or "@" in nats_url)
-            self._kv: Any = self._io.run(self._bucket(), timeout=connect_timeout_s + 2)
+            self._kv: Any = self._io.run(self._first_bucket(connect_timeout_s), timeout=connect_timeout_s + 2)
         except (AuthError, ConfigError):  # refused, or a credentials file that is not one
-            self._io.stop()
+            self._disconnect()
             raise
         except Exception as e:
-            self._io.stop()
             denied = nats_denied(getattr(self, "_nc", None), f"$JS.API.STREAM.CREATE.KV_{BUCKET}")
+            self._disconnect()
             if denied:
                 raise AuthError(f"the NATS user at {redacted_url(nats_url)} may not create the member bucket "
                                 f"(role {role!r}): {denied}") from e
             raise PoolUnavailable(f"cannot reach the cluster at {redacted_url(nats_url)}: {e}") from e
 
-    async def _bucket(self) -> Any:
+    async def _first_bucket(self, within_s: float) -> Any:
+        """`_bucket()`, asked again while JetStream cannot answer yet (a NATS cluster electing a leader
+        answers nothing, or 503) until `within_s` seconds have passed."""
+        from nats.errors import NoRespondersError
+        from nats.errors import TimeoutError as NatsTimeout
+        from nats.js.errors import ServiceUnavailableError
+
+        deadline = time.monotonic() + within_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return await self._bucket(timeout=max(0.5, min(2.0, left)))
+            except (NatsTimeout, NoRespondersError, ServiceUnavailableError) as e:
+                if left <= 0.7:
+                    raise
+                log.debug("members bucket not answering yet: %r", e)
+                await asyncio.sleep(0.2)
+
+    async def _bucket(self, timeout: float = 5.0) -> Any:
         """The members bucket, created on first use (entries age out after `ttl_s`); None while it does
-        not exist and this user may not create it."""
+        not exist and this user may not create it. `timeout`: for each JetStream request."""
         from nats.js.api import KeyValueConfig
         from nats.js.errors import BucketNotFoundError
 
-        js = self._nc.jetstream()
+        js = self._nc.jetstream(timeout=timeout)
         try:
             kv = await js.key_value(BUCKET)
         except BucketNotFoundError:
@@ -294,8 +312,13 @@ class Membership:
                 self._io.run(self._kv.delete(self._registered), timeout=2)
             except Exception as e:
                 log.warning("could not deregister %s: %s", self._registered, e)
-        try:
-            self._io.run(self._nc.close(), timeout=2)
-        except Exception as e:  # leaving anyway: the loop stops and the socket goes with it
-            log.debug("closing the NATS connection: %s", e)
+        self._disconnect()
+
+    def _disconnect(self) -> None:
+        """Close the NATS connection (if one was made) and stop its loop."""
+        if getattr(self, "_nc", None) is not None:
+            try:
+                self._io.run(self._nc.close(), timeout=2)
+            except Exception as e:  # leaving anyway: the loop stops and the socket goes with it
+                log.debug("closing the NATS connection: %s", e)
         self._io.stop()

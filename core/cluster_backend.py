@@ -124,16 +124,20 @@ class Repairs:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+JOIN_TIMEOUT_S = 10.0  # the least a client waits for NATS at start: a JetStream cluster electing answers nothing
+
+
 class ClusterBackend:
     """Routing over the live workers of the cluster at `nats_url`. `node_id` is this machine's id
-    (workers with the same one are reached through shared memory; default as a worker's)."""
+    (workers with the same one are reached through shared memory; default as a worker's). Each call
+    is bounded by `timeout_s`; joining the cluster by `timeout_s` or `JOIN_TIMEOUT_S`, the longer."""
 
     def __init__(self, nats_url: str, *, token: str | None = None, replication: int = 1, timeout_s: float = 5.0,
                  node_id: str | None = None, tls_ca: str | None = None) -> None:
         self.nats_url = nats_url
         self.replication = replication
         self.timeout_s = timeout_s
-        self.membership = Membership(nats_url, connect_timeout_s=timeout_s)
+        self.membership = Membership(nats_url, connect_timeout_s=max(timeout_s, JOIN_TIMEOUT_S))
         self.membership.watch()
         self.fanout = FanOut(node_id or default_node_id(), token, timeout_s, tls_ca)
         self.repairs = Repairs(self.fanout, timeout_s)

@@ -34,8 +34,12 @@ class Agent:
         self._lines: queue.Queue[str] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        ready = self._next(30)
-        assert ready.get("ready"), f"agent {name} on {host} not ready: {ready} {lab.log(f'{name}.log')}"
+        try:
+            ready = self._next(30)
+            assert ready.get("ready"), f"agent {name} on {host} not ready: {ready} {lab.log(f'{name}.log')}"
+        except BaseException:
+            self.close()  # its pipes too: left to the garbage collector they fail whichever test runs then
+            raise
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
