@@ -25,6 +25,7 @@ from .errors import KVPoolError, PoolUnavailable
 from .fanout import FanOut, Transport
 from .nats_creds import redacted_url
 from .pool_backend import MembersPredicate, leases_by_copy
+from .protocol import Op
 from .records import PoolStats, WorkerInfo, WorkerStats
 from .versions import CLOCK, REMOVED, SUPERSEDED
 
@@ -144,9 +145,41 @@ class ClusterBackend:
 
     # ----- placement --------------------------------------------------------------------------
 
-    def _owners(self, keys: Sequence[bytes], live: dict[str, WorkerInfo]) -> list[list[str]]:
+    def _owners(self, keys: Sequence[bytes], live: dict[str, WorkerInfo],
+                next_in_line: bool = False) -> list[list[str]]:
+        """Each key's owners (its first `replication` workers by rank); with `next_in_line`, followed by
+        the worker after them (where there is one): the key's owner if one of them left."""
         ids = list(live)
-        return [rank(k, ids)[:self.replication] for k in keys]
+        n = self.replication + next_in_line
+        return [rank(k, ids)[:n] for k in keys]
+
+    def supersede_next_in_line(self, keys: Sequence[bytes]) -> None:
+        """Before a put that goes another way (`shm_stage.Stagers`): `_supersede_next_in_line` as of now."""
+        live = self._live()
+        if len(live) > self.replication:
+            self._supersede_next_in_line(live, self._owners(keys, live, next_in_line=True), keys,
+                                         CLOCK.batch(len(keys)))
+
+    def _supersede_next_in_line(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
+                                versions: list[int]) -> None:
+        """Tell each key's worker next in line (`ranked`: `_owners(next_in_line=True)`) to drop a block
+        of it older than `versions` (`Op.SUPERSEDE`). It owned the key before a worker ranked above it
+        joined, and would serve that block again, though newer ones were written meanwhile, if that
+        worker left. Best effort: a worker that does not answer is marked down (`FanOut.each`), not an
+        error of the put or remove (it is then no member, or fences itself, when it comes back)."""
+        r = self.replication
+        groups: Groups = {}
+        for i, ws in enumerate(ranked):
+            if len(ws) > r:
+                groups.setdefault(ws[r], []).append(i)
+        if not groups:
+            return
+
+        def tell(t: Transport, idx: list[int]) -> None:
+            t.remove_as_of([keys[i] for i in idx], [versions[i] for i in idx], Op.SUPERSEDE)
+
+        for _ in self.fanout.each(live, groups, tell, self._deadline()):
+            pass
 
     def sole_owner(self, keys: Sequence[bytes]) -> WorkerInfo | None:
         """The live member that placement gives every key of `keys` to, as their only copy; None when
@@ -161,11 +194,11 @@ class ClusterBackend:
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout_s
 
-    @staticmethod
-    def _replica_groups(owners: list[list[str]]) -> Groups:
+    def _replica_groups(self, owners: list[list[str]]) -> Groups:
+        """Key indices by owner: the first `replication` workers of each of `owners` (`_owners`)."""
         groups: Groups = {}
         for i, ow in enumerate(owners):
-            for w in ow:
+            for w in ow[:self.replication]:
                 groups.setdefault(w, []).append(i)
         return groups
 
@@ -190,14 +223,19 @@ class ClusterBackend:
         live = self._live()
         if not live:
             raise PoolUnavailable(f"no live workers in the cluster at {redacted_url(self.nats_url)}")
-        superseded = self._put_as_of(live, keys, buffers, pin_s, CLOCK.batch(len(keys)))
+        ranked = self._owners(keys, live, next_in_line=True)
+        versions = CLOCK.batch(len(keys))
+        superseded = self._put_as_of(live, ranked, keys, buffers, pin_s, versions)
         if superseded:
             again = [keys[i] for i in superseded]
-            self._put_as_of(live, again, [buffers[i] for i in superseded], pin_s, self._stamps_above(live, again))
+            self._put_as_of(live, [ranked[i] for i in superseded], again, [buffers[i] for i in superseded], pin_s,
+                            self._stamps_above(live, again))
+        self._supersede_next_in_line(live, ranked, keys, versions)
 
-    def _put_as_of(self, live: dict[str, WorkerInfo], keys: Sequence[bytes], buffers: Sequence[Any], pin_s: float,
-                   versions: list[int]) -> list[int]:
-        """Put to every live owner as of `versions`; the indices an owner held as new or newer."""
+    def _put_as_of(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
+                   buffers: Sequence[Any], pin_s: float, versions: list[int]) -> list[int]:
+        """Put to every live owner (the first `replication` of `ranked`) as of `versions`; the indices an
+        owner held as new or newer."""
         stored = [0] * len(keys)
         superseded: set[int] = set()
 
@@ -205,7 +243,7 @@ class ClusterBackend:
             held = t.put_as_of([keys[i] for i in idx], [buffers[i] for i in idx], pin_s, [versions[i] for i in idx])
             return [idx[j] for j in held]
 
-        for _, idx, held in self.fanout.each(live, self._replica_groups(self._owners(keys, live)), put,
+        for _, idx, held in self.fanout.each(live, self._replica_groups(ranked), put,
                                              self._deadline()):
             superseded.update(held)
             for i in idx:
@@ -332,18 +370,23 @@ class ClusterBackend:
         """Remove from every live owner, as of one version per key (the same on every replica); a key an
         owner holds a block as new or newer of is removed again as of a version above its owners' newest."""
         live = self._live()
-        removed, superseded = self._remove_as_of(live, keys, CLOCK.batch(len(keys)))
+        ranked = self._owners(keys, live, next_in_line=True)
+        versions = CLOCK.batch(len(keys))
+        removed, superseded = self._remove_as_of(live, ranked, keys, versions)
         if superseded:
             again = [keys[i] for i in superseded]
-            for i, done in zip(superseded, self._remove_as_of(live, again, self._stamps_above(live, again))[0]):
+            for i, done in zip(superseded, self._remove_as_of(live, [ranked[i] for i in superseded], again,
+                                                              self._stamps_above(live, again))[0]):
                 removed[i] = removed[i] or done
+        self._supersede_next_in_line(live, ranked, keys, versions)
         return removed
 
-    def _remove_as_of(self, live: dict[str, WorkerInfo], keys: Sequence[bytes],
+    def _remove_as_of(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
                       versions: list[int]) -> tuple[list[bool], list[int]]:
-        """Remove from every live owner as of `versions`: whether an owner removed each key, and the
-        indices of those an owner held a block as new or newer of. PoolUnavailable if no owner of some
-        key answered (it may still hold the key: "not removed" would be an answer it never gave)."""
+        """Remove from every live owner (the first `replication` of `ranked`) as of `versions`: whether an
+        owner removed each key, and the indices of those an owner held a block as new or newer of.
+        PoolUnavailable if no owner of some key answered (it may still hold the key: "not removed" would
+        be an answer it never gave)."""
         removed = [False] * len(keys)
         reached = [False] * len(keys)
         superseded: set[int] = set()
@@ -351,7 +394,7 @@ class ClusterBackend:
         def rm(t: Transport, idx: list[int]) -> list[int]:
             return t.remove_as_of([keys[i] for i in idx], [versions[i] for i in idx])
 
-        for _, idx, outcomes in self.fanout.each(live, self._replica_groups(self._owners(keys, live)), rm,
+        for _, idx, outcomes in self.fanout.each(live, self._replica_groups(ranked), rm,
                                                  self._deadline()):
             for i, o in zip(idx, outcomes):
                 reached[i] = True

@@ -282,15 +282,17 @@ class Connection:
                 outcomes[i] = o
         return [o == P.REMOVED for o in outcomes]
 
-    def remove_as_of(self, keys: Sequence[bytes], versions: Sequence[int] | None) -> list[int]:
+    def remove_as_of(self, keys: Sequence[bytes], versions: Sequence[int] | None,
+                     op: P.Op = P.Op.REMOVE) -> list[int]:
         """Remove blocks as of `versions` (stamped now if None): each key's outcome, P.REMOVED, 0 (none
-        held) or P.SUPERSEDED (a block as new or newer is held, and stays)."""
+        held) or P.SUPERSEDED (a block as new or newer is held, and stays). `op` P.Op.SUPERSEDE: only
+        blocks the worker holds (a newer version lives on another worker), leaving no tombstone."""
         stamps = np.asarray(versions, dtype="<u8") if versions is not None else CLOCK.batch_array(len(keys))
         out: list[int] = []
         for f in P.frames(len(keys)):
-            reply = self.call(P.Op.REMOVE, P.pack_batch(list(keys[f]), stamps[f]))
+            reply = self.call(op, P.pack_batch(list(keys[f]), stamps[f]))
             if len(reply.meta) != f.stop - f.start:
-                raise PoolUnavailable(f"worker {self.address}: REMOVE reply of {len(reply.meta)} bytes for "
+                raise PoolUnavailable(f"worker {self.address}: {op.name} reply of {len(reply.meta)} bytes for "
                                       f"{f.stop - f.start} keys")
             out += np.frombuffer(reply.meta, dtype="<u1").tolist()
         return out

@@ -64,7 +64,8 @@ class FanOut:
         self._suspect: dict[str, float] = {}
         self._departures = Departures()
         self._warned: set[str] = set()  # workers whose failure was logged, until they answer again
-        self._lock = threading.Lock()  # guards the two dicts and the departures
+        self._lock = threading.Lock()  # guards the two dicts, the departures and `_closed`
+        self._closed = False  # a call still running (a read repair) connects nowhere after `close`
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvpool-fanout")
 
     def _askable(self, groups: Mapping[str, list[int]]) -> dict[str, list[int]]:
@@ -95,6 +96,8 @@ class FanOut:
         worker restarted under the same id: the old connection leads nowhere)."""
         stale: Transport | None = None
         with self._lock:  # one transport per worker, however many threads ask at once
+            if self._closed:
+                raise PoolUnavailable("the client is closed")
             known = self._transports.get(worker_id)
             if known is not None and known[0] != info.incarnation:
                 stale, known = known[1], None
@@ -201,6 +204,7 @@ class FanOut:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             transports = [t for _, t in self._transports.values()]
             self._transports.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -36,7 +36,7 @@ __all__ = ["MAGIC", "VERSION", "HEADER", "MAX_META", "MAX_DATA", "MAX_BATCH", "O
     "DRAIN_CHUNK", "CLEAR_KEY_MARK", "pack_changes", "unpack_changes"]
 
 MAGIC = b"KVPW"
-VERSION = 5
+VERSION = 6
 """2: HELLO/AUTH are a challenge-response in both directions (the token never crosses the wire).
 3: blocks carry versions (`kvpool.core.versions`): PUT, COMMIT and REMOVE send a versions column;
 GET, LEASE and EXISTS return one; CHANGES lists a worker's recent changes for a returning peer.
@@ -81,6 +81,8 @@ class Op(IntEnum):
     #               prefix cleared): the changes the worker accepted since then (`kvpool.core.catch_up`)
     COMMIT_UNCHECKED = 17  # same node: as COMMIT, but the worker takes the checksums on the writer's word for
     #                        now and hashes each block at its first read (a handoff's reader checks its own copy)
+    SUPERSEDE = 18  # keys + versions -> flags: as REMOVE, but only of blocks held (a newer version lives on
+    #                 another worker); a key not held is left alone, nothing recorded
 
 
 class Status(IntEnum):

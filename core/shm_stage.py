@@ -226,7 +226,9 @@ class Stager:
 class Stagers:
     """A producer's stagers, one per same-node worker its puts went to: `for_keys` picks the one for a
     put, or None where the put must go the ordinary way (another node, several owners or copies, an
-    embedded pool, blocks too large to keep spare slots for)."""
+    embedded pool, blocks too large to keep spare slots for). In a cluster, picking one first has the
+    keys' worker next in line drop older copies of them, as an ordinary put does
+    (`ClusterBackend.supersede_next_in_line`)."""
 
     def __init__(self, pool: PoolClient) -> None:
         self.pool = pool
@@ -257,7 +259,11 @@ class Stagers:
             if isinstance(backend, ClusterBackend) and not unix_socket_usable(where[0]):
                 return None  # another user's worker: reached over TCP
             stager = self._stagers[info.worker_id] = Stager(ShmTransport(*where), info.arena)
-        return stager if stager.fits(sizes) else None
+        if not stager.fits(sizes):
+            return None
+        if isinstance(backend, ClusterBackend):
+            backend.supersede_next_in_line(keys)  # as the ordinary put does
+        return stager
 
     def send_held(self) -> None:
         """`Stager.send_held` of each; raises the first failure after trying all."""

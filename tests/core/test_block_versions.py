@@ -16,6 +16,8 @@ from kvpool.core.versions import (
     CLOCK_SKEW_MS,
     COUNTER_BITS,
     REMOVE,
+    REMOVED,
+    SUPERSEDED,
     ChangeLog,
     HybridClock,
     Tombstones,
@@ -170,6 +172,17 @@ def test_a_removal_leaves_a_tombstone_that_stops_older_puts(cache: TieredCache) 
     assert cache.get("k") == b"v3"
     assert cache.batch_remove(["j"], versions=[50]) == [False]  # older than the block: it stays
     assert cache.get("j") == b"v1"
+
+
+def test_a_supersede_drops_only_older_blocks_held_and_remembers_nothing_else(cache: TieredCache) -> None:
+    """What the worker next in line hears after a put or remove elsewhere (`Op.SUPERSEDE`)."""
+    cache.batch_put(["old", "new"], [b"v1", b"v3"], versions=[100, 300])
+    outcomes = cache.remove_as_of(["old", "new", "none"], [200, 200, 200], held_only=True)
+    assert outcomes == [REMOVED, SUPERSEDED, 0]
+    assert [cache.get(k) for k in ("old", "new")] == [None, b"v3"]
+    assert cache.replicas.removed_versions([b"old", b"none"]) == [200, 0]  # no tombstone for a key not held
+    cache.batch_put(["none"], [b"v1"], versions=[100])  # so a put of it, however old, is stored
+    assert cache.get("none") == b"v1"
 
 
 def test_a_clear_stops_older_puts_under_it_and_is_told_to_peers(cache: TieredCache) -> None:

@@ -29,9 +29,11 @@ def _fill_and_check(w: WorkerProcess, n: int) -> dict[str, int]:
             c.batch_put(names[i:i + 16], [block(k, SIZE) for k in names[i:i + 16]])
         newest = dict.fromkeys(names[-16:], SIZE)
         assert read_all(c, newest)[1] == []  # in DRAM
-        for k in names:  # a block that is present reads back exactly (from SSD, or promoted)
-            if c.batch_exists([k]) == [True]:
-                assert c.get(k) == block(k, SIZE), k
+        # one key at a time (the single-key path): exact (from SSD, or promoted) or a miss; a block seen
+        # present a moment before may be a miss by now (demotions still trim the SSD tier for room)
+        older = [c.get(k) for k in names[:-16]]
+        assert all(got is None or got == block(k, SIZE) for k, got in zip(names, older)), "wrong bytes"
+        assert any(got is not None for got in older), "no block on SSD was readable"
         read_all(c, keys)  # exact or miss
         stats = _stats(c)
     assert w.proc.poll() is None

@@ -289,6 +289,30 @@ def test_a_late_replica_never_writes_into_the_callers_buffer_after_the_call(nats
         assert bytes(buf) == block(other, SIZE), "a late answer was written into the caller's buffer"
 
 
+def test_a_read_around_a_worker_that_never_finishes_connecting_keeps_its_deadline(nats, spawn):
+    """R=2 over TCP, the primary paused before this client first connects to it: the kernel accepts the
+    connection, the handshake gets no answer. The read is served by the replica within the call's
+    timeout: the abandoned call's handshake is aborted like any other exchange."""
+    workers = [spawn(nats_url=nats.url, node_id=f"node{i}", env=SMALL_DRAM) for i in range(3)]
+    ids = [worker_id(w) for w in workers]
+    key = "connecting-0"
+    victim = workers[ids.index(rank(key.encode(), ids)[0])]
+    with _client(nats) as c:
+        wait_members(c, 3)
+        c.batch_put([key], [block(key, SIZE)])
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    try:
+        with _client(nats) as c:
+            wait_members(c, 3)
+            buf = bytearray(SIZE)
+            t0 = time.monotonic()
+            assert c.batch_get_into([key], [buf]) == [SIZE] and bytes(buf) == block(key, SIZE)
+            took = time.monotonic() - t0
+        assert took < TIMEOUT_S * 1.2, f"the read took {took:.2f} s (timeout {TIMEOUT_S} s)"
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+
+
 def _suspect(c: PoolClient, victim: WorkerProcess, key: str) -> None:
     """Pause `victim` and let a read of `key` (which it owns) time out on it: the client skips it now."""
     os.kill(victim.proc.pid, signal.SIGSTOP)

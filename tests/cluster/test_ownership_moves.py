@@ -1,0 +1,67 @@
+"""A key's owner changes as workers join and leave (rendezvous placement). The worker that owned it
+before a newcomer keeps its copy; were that copy served again once the newcomer leaves, a reader would
+get an older version than the one written meanwhile. Every put and remove therefore tells the worker
+next in line to drop an older block of the key (`Op.SUPERSEDE`)."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import pytest
+
+from kvpool.core import PoolClient, Stagers
+from kvpool.core.cluster import rank
+from kvpool.core.procs import WorkerProcess
+
+N = 48
+SIZE = 4096
+
+
+def block(key: str, version: int) -> bytes:
+    return (f"{key}@{version};".encode() * SIZE)[:SIZE]
+
+
+def read(pool: PoolClient, keys: list[str]) -> list[int | str]:
+    """Per key: the version read, -1 for a miss."""
+    bufs = [bytearray(SIZE) for _ in keys]
+    out: list[int | str] = []
+    for k, b, n in zip(keys, bufs, pool.batch_get_into(keys, bufs)):
+        out.append(-1 if n < 0 else next((v for v in (1, 2) if bytes(b) == block(k, v)), "wrong"))
+    return out
+
+
+@pytest.mark.parametrize(("change", "replication"), [("overwritten", 1), ("staged", 1), ("removed", 1),
+                                                     ("overwritten", 2), ("removed", 2)])  # (staged: one copy only)
+def test_a_key_written_while_a_newcomer_owned_it_is_never_served_older_after_it_leaves(
+        nats, spawn: Callable[..., WorkerProcess], change: str, replication: int) -> None:
+    first = [spawn(nats_url=nats.url, extra=["--worker-id", f"w-{i}"]) for i in range(replication)]
+    keys = [f"moves/{i}" for i in range(N)]
+    with PoolClient(mode="cluster", nats_url=nats.url, replication=replication, timeout_s=5) as pool:
+        assert pool.wait_for_members(lambda m: len(m) == replication, 15)
+        pool.batch_put(keys, [block(k, 1) for k in keys])
+        newcomer = spawn(nats_url=nats.url, extra=["--worker-id", "w-new"])
+        assert pool.wait_for_members(lambda m: len(m) == replication + 1, 15)
+        ids = [*(f"w-{i}" for i in range(replication)), "w-new"]
+        moved = [k for k in keys if "w-new" in rank(k.encode(), ids)[:replication]]
+        assert moved, "some keys move to the newcomer"
+        if change == "overwritten":
+            pool.batch_put(moved, [block(k, 2) for k in moved])
+            assert read(pool, moved) == [2] * len(moved)
+        elif change == "staged":  # a stream producer's puts: through the newcomer's arena (`Stagers`)
+            with contextlib.closing(Stagers(pool)) as stagers:
+                names = [k.encode() for k in moved]
+                stager = stagers.for_keys(names, [SIZE] * len(names))
+                assert stager is not None
+                stager.put(names, [memoryview(block(k, 2)) for k in moved], 0.0)
+                stagers.settle()
+            assert read(pool, moved) == [2] * len(moved)
+        else:
+            pool.batch_remove(moved)  # (the newcomer holds none of them: "not found" is its answer)
+        newcomer.stop(timeout=10)
+        assert pool.wait_for_members(lambda m: "w-new" not in m, 15)
+        got = dict(zip(keys, read(pool, keys)))
+        assert "wrong" not in got.values()
+        stale = {k: got[k] for k in moved if got[k] not in ((-1,) if change == "removed" else (2, -1))}
+        assert not stale, f"served older than what was {change} while the newcomer owned them: {stale}"
+        assert all(got[k] == 1 for k in keys if k not in moved), "keys that never moved are still served"
+    assert first
