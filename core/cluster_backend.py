@@ -25,7 +25,6 @@ from .errors import KVPoolError, PoolUnavailable
 from .fanout import FanOut, Transport
 from .nats_creds import redacted_url
 from .pool_backend import MembersPredicate, leases_by_copy
-from .protocol import Op
 from .records import PoolStats, WorkerInfo, WorkerStats
 from .versions import CLOCK, REMOVED, SUPERSEDED
 
@@ -35,6 +34,11 @@ log = logging.getLogger("kvpool.client")
 
 Groups = dict[str, list[int]]
 """Key indices by the worker asked about them."""
+
+
+def _split(idx: list[int]) -> tuple[list[int], list[int]]:
+    """A group of `ClusterBackend._replica_groups(next_in_line=True)`: (keys owned, keys next in line)."""
+    return [i for i in idx if i >= 0], [~i for i in idx if i < 0]
 
 
 def _newest(heard: dict[str, tuple[bool, int]]) -> tuple[int, bool]:
@@ -153,32 +157,33 @@ class ClusterBackend:
         n = self.replication + next_in_line
         return [rank(k, ids)[:n] for k in keys]
 
-    def supersede_next_in_line(self, keys: Sequence[bytes]) -> None:
-        """Before a put that goes another way (`shm_stage.Stagers`): `_supersede_next_in_line` as of now."""
-        live = self._live()
-        if len(live) > self.replication:
-            self._supersede_next_in_line(live, self._owners(keys, live, next_in_line=True), keys,
-                                         CLOCK.batch(len(keys)))
-
-    def _supersede_next_in_line(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
-                                versions: list[int]) -> None:
-        """Tell each key's worker next in line (`ranked`: `_owners(next_in_line=True)`) to drop a block
-        of it older than `versions` (`Op.SUPERSEDE`). It owned the key before a worker ranked above it
-        joined, and would serve that block again, though newer ones were written meanwhile, if that
-        worker left. Best effort: a worker that does not answer is marked down (`FanOut.each`), not an
-        error of the put or remove (it is then no member, or fences itself, when it comes back)."""
-        r = self.replication
-        groups: Groups = {}
-        for i, ws in enumerate(ranked):
-            if len(ws) > r:
-                groups.setdefault(ws[r], []).append(i)
-        if not groups:
+    @staticmethod
+    def _supersede(t: Transport, nxt: list[int], keys: Sequence[bytes], versions: list[int]) -> None:
+        """Tell `t`'s worker, next in line for each key `nxt` indexes, to drop a block of it older than
+        its version (`Connection.supersede`: one way, nothing waits for it). That worker owned the key
+        before one ranked above it joined, and would serve the block again, though newer ones were
+        written meanwhile, if that one left. Best effort: a failure is logged and the put or remove it
+        came with stands (the worker is then no member, or fences itself, when it answers again)."""
+        if not nxt:
             return
+        try:
+            t.supersede([keys[i] for i in nxt], [versions[i] for i in nxt])
+        except KVPoolError as e:
+            log.debug("worker %s next in line of %d keys not told: %s", t.address, len(nxt), e)
+
+    def supersede_next_in_line(self, keys: Sequence[bytes]) -> None:
+        """Before a put that goes another way (`shm_stage.Stagers`): each key's worker next in line is
+        told, as of now, what an ordinary put tells it (`_supersede`)."""
+        live = self._live()
+        if len(live) <= self.replication:
+            return
+        versions = CLOCK.batch(len(keys))
 
         def tell(t: Transport, idx: list[int]) -> None:
-            t.remove_as_of([keys[i] for i in idx], [versions[i] for i in idx], Op.SUPERSEDE)
+            self._supersede(t, _split(idx)[1], keys, versions)
 
-        for _ in self.fanout.each(live, groups, tell, self._deadline()):
+        for _ in self.fanout.each(live, self._replica_groups(self._owners(keys, live, True), True, owners=False),
+                                  tell, self._deadline()):
             pass
 
     def sole_owner(self, keys: Sequence[bytes]) -> WorkerInfo | None:
@@ -194,12 +199,19 @@ class ClusterBackend:
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout_s
 
-    def _replica_groups(self, owners: list[list[str]]) -> Groups:
-        """Key indices by owner: the first `replication` workers of each of `owners` (`_owners`)."""
+    def _replica_groups(self, ranked: list[list[str]], next_in_line: bool = False, *,
+                        owners: bool = True) -> Groups:
+        """Key indices by worker (`ranked`: `_owners`): i where it owns key i (one of the first
+        `replication` of ranked[i]); with `next_in_line`, also ~i where it is the worker after them
+        (`_split` parts them); without `owners`, only the latter."""
+        r = self.replication
         groups: Groups = {}
-        for i, ow in enumerate(owners):
-            for w in ow[:self.replication]:
-                groups.setdefault(w, []).append(i)
+        for i, ws in enumerate(ranked):
+            if owners:
+                for w in ws[:r]:
+                    groups.setdefault(w, []).append(i)
+            if next_in_line and len(ws) > r:
+                groups.setdefault(ws[r], []).append(~i)
         return groups
 
     def _live(self) -> dict[str, WorkerInfo]:
@@ -225,28 +237,31 @@ class ClusterBackend:
             raise PoolUnavailable(f"no live workers in the cluster at {redacted_url(self.nats_url)}")
         ranked = self._owners(keys, live, next_in_line=True)
         versions = CLOCK.batch(len(keys))
-        superseded = self._put_as_of(live, ranked, keys, buffers, pin_s, versions)
+        superseded = self._put_as_of(live, ranked, keys, buffers, pin_s, versions, next_in_line=True)
         if superseded:
             again = [keys[i] for i in superseded]
             self._put_as_of(live, [ranked[i] for i in superseded], again, [buffers[i] for i in superseded], pin_s,
                             self._stamps_above(live, again))
-        self._supersede_next_in_line(live, ranked, keys, versions)
 
     def _put_as_of(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
-                   buffers: Sequence[Any], pin_s: float, versions: list[int]) -> list[int]:
-        """Put to every live owner (the first `replication` of `ranked`) as of `versions`; the indices an
-        owner held as new or newer."""
+                   buffers: Sequence[Any], pin_s: float, versions: list[int], next_in_line: bool = False) -> list[int]:
+        """Put to every live owner (the first `replication` of `ranked`) as of `versions`, and with
+        `next_in_line` tell the worker after them in the same round (`_supersede`); the indices an owner
+        held as new or newer."""
         stored = [0] * len(keys)
         superseded: set[int] = set()
 
         def put(t: Transport, idx: list[int]) -> list[int]:
-            held = t.put_as_of([keys[i] for i in idx], [buffers[i] for i in idx], pin_s, [versions[i] for i in idx])
-            return [idx[j] for j in held]
+            own, nxt = _split(idx)
+            held = t.put_as_of([keys[i] for i in own], [buffers[i] for i in own], pin_s,
+                               [versions[i] for i in own]) if own else []
+            self._supersede(t, nxt, keys, versions)
+            return [own[j] for j in held]
 
-        for _, idx, held in self.fanout.each(live, self._replica_groups(ranked), put,
+        for _, idx, held in self.fanout.each(live, self._replica_groups(ranked, next_in_line), put,
                                              self._deadline()):
             superseded.update(held)
-            for i in idx:
+            for i in _split(idx)[0]:
                 stored[i] += 1
         if not all(stored):
             raise PoolUnavailable(f"{stored.count(0)} of {len(keys)} blocks reached no live worker")
@@ -372,31 +387,34 @@ class ClusterBackend:
         live = self._live()
         ranked = self._owners(keys, live, next_in_line=True)
         versions = CLOCK.batch(len(keys))
-        removed, superseded = self._remove_as_of(live, ranked, keys, versions)
+        removed, superseded = self._remove_as_of(live, ranked, keys, versions, next_in_line=True)
         if superseded:
             again = [keys[i] for i in superseded]
             for i, done in zip(superseded, self._remove_as_of(live, [ranked[i] for i in superseded], again,
                                                               self._stamps_above(live, again))[0]):
                 removed[i] = removed[i] or done
-        self._supersede_next_in_line(live, ranked, keys, versions)
         return removed
 
     def _remove_as_of(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
-                      versions: list[int]) -> tuple[list[bool], list[int]]:
-        """Remove from every live owner (the first `replication` of `ranked`) as of `versions`: whether an
-        owner removed each key, and the indices of those an owner held a block as new or newer of.
+                      versions: list[int], next_in_line: bool = False) -> tuple[list[bool], list[int]]:
+        """Remove from every live owner (the first `replication` of `ranked`) as of `versions`, and with
+        `next_in_line` tell the worker after them in the same round (`_supersede`): whether an owner
+        removed each key, and the indices of those an owner held a block as new or newer of.
         PoolUnavailable if no owner of some key answered (it may still hold the key: "not removed" would
         be an answer it never gave)."""
         removed = [False] * len(keys)
         reached = [False] * len(keys)
         superseded: set[int] = set()
 
-        def rm(t: Transport, idx: list[int]) -> list[int]:
-            return t.remove_as_of([keys[i] for i in idx], [versions[i] for i in idx])
+        def rm(t: Transport, idx: list[int]) -> tuple[list[int], list[int]]:
+            own, nxt = _split(idx)
+            outcomes = t.remove_as_of([keys[i] for i in own], [versions[i] for i in own]) if own else []
+            self._supersede(t, nxt, keys, versions)
+            return own, outcomes
 
-        for _, idx, outcomes in self.fanout.each(live, self._replica_groups(ranked), rm,
-                                                 self._deadline()):
-            for i, o in zip(idx, outcomes):
+        for _, _, (own, outcomes) in self.fanout.each(live, self._replica_groups(ranked, next_in_line), rm,
+                                                      self._deadline()):
+            for i, o in zip(own, outcomes):
                 reached[i] = True
                 removed[i] = removed[i] or o == REMOVED
                 if o == SUPERSEDED:

@@ -215,8 +215,12 @@ class Connection:
                 socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
     def close(self) -> None:
+        """Close the socket, shut down first: a call blocked on it in another thread (a read repair of a
+        client closing) fails at once, where a close alone would leave it waiting out its timeout."""
         if self._sock is not None:
             try:
+                with suppress(OSError):
+                    socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
                 self._sock.close()
             finally:
                 self._sock = None
@@ -282,17 +286,15 @@ class Connection:
                 outcomes[i] = o
         return [o == P.REMOVED for o in outcomes]
 
-    def remove_as_of(self, keys: Sequence[bytes], versions: Sequence[int] | None,
-                     op: P.Op = P.Op.REMOVE) -> list[int]:
+    def remove_as_of(self, keys: Sequence[bytes], versions: Sequence[int] | None) -> list[int]:
         """Remove blocks as of `versions` (stamped now if None): each key's outcome, P.REMOVED, 0 (none
-        held) or P.SUPERSEDED (a block as new or newer is held, and stays). `op` P.Op.SUPERSEDE: only
-        blocks the worker holds (a newer version lives on another worker), leaving no tombstone."""
+        held) or P.SUPERSEDED (a block as new or newer is held, and stays)."""
         stamps = np.asarray(versions, dtype="<u8") if versions is not None else CLOCK.batch_array(len(keys))
         out: list[int] = []
         for f in P.frames(len(keys)):
-            reply = self.call(op, P.pack_batch(list(keys[f]), stamps[f]))
+            reply = self.call(P.Op.REMOVE, P.pack_batch(list(keys[f]), stamps[f]))
             if len(reply.meta) != f.stop - f.start:
-                raise PoolUnavailable(f"worker {self.address}: {op.name} reply of {len(reply.meta)} bytes for "
+                raise PoolUnavailable(f"worker {self.address}: REMOVE reply of {len(reply.meta)} bytes for "
                                       f"{f.stop - f.start} keys")
             out += np.frombuffer(reply.meta, dtype="<u1").tolist()
         return out
@@ -321,6 +323,15 @@ class Connection:
 
     def clear(self, prefix: bytes | None = None) -> None:
         self.call(P.Op.CLEAR, P.pack_batch([prefix]) if prefix is not None else b"")
+
+    def supersede(self, keys: Sequence[bytes], versions: Sequence[int]) -> None:
+        """Have the worker drop the blocks of `keys` it holds older than `versions` (a newer version lives
+        on another worker), leaving no tombstone. One way: nothing waits for the worker; the requests
+        sent after it on this connection are handled after it."""
+        stamps = np.asarray(versions, dtype="<u8")
+        with self._session() as sock:
+            for f in P.frames(len(keys)):
+                P.send_frame(sock, P.Op.SUPERSEDE, P.pack_batch(list(keys[f]), stamps[f]))
 
     def batch_pin(self, keys: Sequence[bytes], pin_s: float) -> None:
         """Pin blocks for `pin_s` seconds (<= 0: unpin). One way: nothing waits for the worker."""

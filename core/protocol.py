@@ -81,8 +81,8 @@ class Op(IntEnum):
     #               prefix cleared): the changes the worker accepted since then (`kvpool.core.catch_up`)
     COMMIT_UNCHECKED = 17  # same node: as COMMIT, but the worker takes the checksums on the writer's word for
     #                        now and hashes each block at its first read (a handoff's reader checks its own copy)
-    SUPERSEDE = 18  # keys + versions -> flags: as REMOVE, but only of blocks held (a newer version lives on
-    #                 another worker); a key not held is left alone, nothing recorded
+    SUPERSEDE = 18  # keys + versions -> (no reply): as REMOVE, but only of blocks held (a newer version lives
+    #                 on another worker); a key not held is left alone, nothing recorded
 
 
 class Status(IntEnum):

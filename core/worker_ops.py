@@ -53,7 +53,7 @@ class RequestHandlers(ConnectionServing):
         self._handlers = {
             P.Op.HELLO: self._hello, P.Op.AUTH: self._auth, P.Op.PUT: self._put, P.Op.GET: self._get,
             P.Op.EXISTS: self._exists, P.Op.PREFIX: self._prefix, P.Op.REMOVE: self._remove,
-            P.Op.SUPERSEDE: self._remove,
+            P.Op.SUPERSEDE: self._supersede,
             P.Op.CLEAR: self._clear, P.Op.STATS: self._stats, P.Op.ALLOC: self._alloc,
             P.Op.COMMIT: self._commit, P.Op.COMMIT_UNCHECKED: self._commit_unchecked, P.Op.ABORT: self._abort,
             P.Op.LEASE: self._lease,
@@ -280,8 +280,13 @@ class RequestHandlers(ConnectionServing):
         keys, (versions,) = P.unpack_batch(frame.meta, "<u8")
         if not self._in_namespace(conn, frame, keys):
             return
-        held_only = frame.op == P.Op.SUPERSEDE
-        self._reply(conn, frame, _flags(self.cache.remove_as_of(keys, versions.tolist(), held_only=held_only)))
+        self._reply(conn, frame, _flags(self.cache.remove_as_of(keys, versions.tolist())))
+
+    def _supersede(self, conn: Conn, frame: P.Frame) -> None:
+        keys, (versions,) = P.unpack_batch(frame.meta, "<u8")
+        if not self._in_namespace(conn, frame, keys, reply=False):  # no reply: refused, logged
+            return
+        self.cache.remove_as_of(keys, versions.tolist(), held_only=True)
 
     def _changes(self, conn: Conn, frame: P.Frame) -> None:
         """The changes this worker accepted since a time, for a peer catching up (`kvpool.core.catch_up`)."""

@@ -151,4 +151,35 @@ def test_an_aborted_connection_fails_at_once_and_never_connects_again(tmp_path):
         with pytest.raises(PoolUnavailable, match="abandoned"):
             t.hello()
         assert time.monotonic() - start < 1.0
+
+
+def test_closing_a_connection_ends_a_call_blocked_on_it_in_another_thread(tmp_path):
+    """A client closing (its read repairs still running) must not leave a call blocked on a closed socket
+    until its timeout: on Linux, closing a socket does not wake a receive blocked on it."""
+    import socket
+    import threading
+    import time
+
+    from kvpool.core.transport import connect
+
+    path = str(tmp_path / "silent.sock")
+    with socket.socket(socket.AF_UNIX) as silent:  # accepts, never answers
+        silent.bind(path)
+        silent.listen(8)
+        t = connect(path, "t" * 32, timeout_s=5)
+        ended: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                t.hello()
+            except BaseException as e:  # (what the call ended with is the point)
+                ended.append(e)
+        caller = threading.Thread(target=call)
+        caller.start()
+        time.sleep(0.3)  # in its handshake now, waiting on the silent peer
+        start = time.monotonic()
+        t.close()
+        caller.join(5)
+        assert not caller.is_alive() and isinstance(ended[0], PoolUnavailable)
+        assert time.monotonic() - start < 1.0, "the call ran on to its timeout"
         t.close()
