@@ -310,12 +310,9 @@ class TieredCache:
         a put older than it that arrives later does not bring the key back."""
         return [o == REMOVED for o in self.remove_as_of(keys, versions)]
 
-    def remove_as_of(self, keys: Sequence[Key], versions: Sequence[int] | None = None, *,
-                     held_only: bool = False) -> list[int]:
+    def remove_as_of(self, keys: Sequence[Key], versions: Sequence[int] | None = None) -> list[int]:
         """`batch_remove`, each key's outcome told apart: REMOVED, 0 (nothing to remove) or SUPERSEDED
-        (its block is as new as the removal or newer, and stays). `held_only`: only keys whose block is
-        held are removed (a newer version of them lives on another worker); the others are left alone,
-        with no tombstone."""
+        (its block is as new as the removal or newer, and stays)."""
         raw_keys = keys_bytes(keys)
         stamps = list(versions) if versions is not None else CLOCK.batch(len(raw_keys))
         if len(stamps) != len(raw_keys):
@@ -327,10 +324,7 @@ class TieredCache:
             kept: set[bytes] = set()
             for k, v in zip(raw_keys, stamps):
                 CLOCK.observe(v)
-                held = stack.version_of(k)
-                if held_only and not held:
-                    continue
-                if v > held:
+                if v > stack.version_of(k):
                     stack.tombstones.add(k, v)
                     doomed[k] = max(v, doomed.get(k, 0))
                 else:  # a block as new or newer: the removal changes nothing

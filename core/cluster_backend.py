@@ -126,7 +126,8 @@ class Repairs:
         self._pool.submit(lambda: None).result()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Drop the repairs not begun; wait for the one under way (its fan-out closed first, it fails fast)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 JOIN_TIMEOUT_S = 10.0  # the least a client waits for NATS at start: a JetStream cluster electing answers nothing
@@ -451,6 +452,6 @@ class ClusterBackend:
         return self.membership.wait_for(predicate, timeout_s)
 
     def close(self) -> None:
+        self.fanout.close()  # first: a repair under way fails fast, and connects nowhere new
         self.repairs.close()
-        self.fanout.close()
         self.membership.close()

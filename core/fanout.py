@@ -145,6 +145,8 @@ class FanOut:
                 used[w] = t
             return call(t, idx)
 
+        if self._closed:
+            raise PoolUnavailable("the client is closed")
         groups = self._askable(groups)
         if not groups:
             return
@@ -163,7 +165,10 @@ class FanOut:
             self._answered(w)
             yield w, idx, result
             return
-        futures = {self._pool.submit(ask, w, idx): (w, idx) for w, idx in groups.items()}
+        try:
+            futures = {self._pool.submit(ask, w, idx): (w, idx) for w, idx in groups.items()}
+        except RuntimeError as e:  # `close` shut the pool down meanwhile (what was submitted fails fast)
+            raise PoolUnavailable("the client is closed") from e
         done, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
         if late:
             with gate:
@@ -183,14 +188,16 @@ class FanOut:
         """Calls past their deadline: each worker is marked down and its connection aborted, and this
         returns once every such call has stopped (at once: its I/O fails), so that none writes into the
         caller's buffers, or sends from them, after the caller has them back."""
+        started = []
         for f, w in late.items():
             if f.cancel():
-                continue  # never started
+                continue  # never started (or cancelled by `close`: `wait` would not see it end)
+            started.append(f)
             self.failed(w, PoolTimeout(f"no answer within the call's {self.timeout_s} s", limit=self.timeout_s), f)
             t = used.get(w)
             if t is not None:
                 t.abort()
-        _, running = wait(late, timeout=self.timeout_s)
+        _, running = wait(started, timeout=self.timeout_s)
         if running:  # nothing left to block on once aborted: a defect if seen
             log.error("%d abandoned call(s) still running %.0f s after their connections were aborted",
                       len(running), self.timeout_s)
@@ -207,6 +214,8 @@ class FanOut:
             self._closed = True
             transports = [t for _, t in self._transports.values()]
             self._transports.clear()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        # queued calls still run, and fail at once (closed): a future cancelled here would never be seen
+        # to end by `wait` (it only learns of cancellations a worker thread reports)
+        self._pool.shutdown(wait=False)
         for t in transports:
             t.close()

@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 
 from .tier_stack import TierStack
-from .versions import CLEAR, CLOCK, CLOCK_SKEW_MS, COUNTER_BITS, REMOVE, Change
+from .versions import CLEAR, CLOCK, CLOCK_SKEW_MS, COUNTER_BITS, PUT, REMOVE, Change
 
 __all__ = ["ReplicaState"]
 
@@ -82,6 +82,16 @@ class ReplicaState:
                 stack.tombstones.add(k, v if kind == REMOVE else v - 1)  # v itself is still welcome
                 doomed.append(k)
             return sum(stack.remove(list(dict.fromkeys(doomed)))) if doomed else 0
+
+    def supersede(self, keys: Sequence[bytes], versions: Sequence[int]) -> int:
+        """A newer version of each key lives on another worker (its owners', told to the worker next in
+        line): `apply_changes` of those puts, for the keys this cache holds a block of; the others are
+        left alone (most are: no tombstone for them). Returns blocks dropped."""
+        with self._lock:
+            self._stack.check_open()
+            version = self._stack.version_of
+            held = [(k, v, PUT) for k, v in zip(keys, versions) if version(k)]
+        return self.apply_changes(held) if held else 0
 
     def covered_since(self, since_ms: int) -> None:
         """The change log holds everything accepted since `since_ms` (unix ms): this cache accepted

@@ -286,7 +286,7 @@ class RequestHandlers(ConnectionServing):
         keys, (versions,) = P.unpack_batch(frame.meta, "<u8")
         if not self._in_namespace(conn, frame, keys, reply=False):  # no reply: refused, logged
             return
-        self.cache.remove_as_of(keys, versions.tolist(), held_only=True)
+        self.cache.replicas.supersede(keys, versions.tolist())
 
     def _changes(self, conn: Conn, frame: P.Frame) -> None:
         """The changes this worker accepted since a time, for a peer catching up (`kvpool.core.catch_up`)."""

@@ -63,5 +63,7 @@ def test_a_key_written_while_a_newcomer_owned_it_is_never_served_older_after_it_
         assert "wrong" not in got.values()
         stale = {k: got[k] for k in moved if got[k] not in ((-1,) if change == "removed" else (2, -1))}
         assert not stale, f"served older than what was {change} while the newcomer owned them: {stale}"
+        if change != "removed" and replication > 1:  # the other owner of each still holds version 2
+            assert {k: got[k] for k in moved if got[k] != 2} == {}, "a replica's newest copy was not served"
         assert all(got[k] == 1 for k in keys if k not in moved), "keys that never moved are still served"
     assert first

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -311,6 +312,27 @@ def test_a_read_around_a_worker_that_never_finishes_connecting_keeps_its_deadlin
         assert took < TIMEOUT_S * 1.2, f"the read took {took:.2f} s (timeout {TIMEOUT_S} s)"
     finally:
         os.kill(victim.proc.pid, signal.SIGCONT)
+
+
+def test_closing_a_client_mid_repair_returns_at_once_and_leaves_no_thread(nats, spawn):
+    """A read repair under way when its client closes: the close neither waits out the repair's deadline
+    nor leaves its threads running (each key's second owner lacks it: 2,000 repairs across workers)."""
+    workers = _cluster(nats, spawn)
+    keys = [f"mid-repair/{i}" for i in range(2000)]
+    with PoolClient(mode="cluster", nats_url=nats.url, node_id="client", timeout_s=TIMEOUT_S) as one:  # R=1
+        wait_members(one, len(workers))
+        one.batch_put(keys, [b"x" * 4096] * len(keys))
+    c = _client(nats)
+    wait_members(c, len(workers))
+    assert all(n == 4096 for n in c.batch_get_into(keys, [bytearray(4096) for _ in keys]))
+    t0 = time.monotonic()
+    c.close()
+    took = time.monotonic() - t0
+    assert took < 1.0, f"close took {took:.2f} s"
+    deadline = time.monotonic() + 1.0
+    while alive := [t.name for t in threading.enumerate() if t.name.startswith(("kvpool-repair", "kvpool-fanout"))]:
+        assert time.monotonic() < deadline, f"threads left running after close: {alive}"
+        time.sleep(0.05)
 
 
 def _suspect(c: PoolClient, victim: WorkerProcess, key: str) -> None:
