@@ -13,11 +13,11 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+from .background import Background
 from .buffers import readable
 from .cluster import Membership, rank
 from .config import default_node_id
@@ -34,11 +34,6 @@ log = logging.getLogger("kvpool.client")
 
 Groups = dict[str, list[int]]
 """Key indices by the worker asked about them."""
-
-
-def _split(idx: list[int]) -> tuple[list[int], list[int]]:
-    """A group of `ClusterBackend._replica_groups(next_in_line=True)`: (keys owned, keys next in line)."""
-    return [i for i in idx if i >= 0], [~i for i in idx if i < 0]
 
 
 def _newest(heard: dict[str, tuple[bool, int]]) -> tuple[int, bool]:
@@ -72,12 +67,10 @@ class Repairs:
     def __init__(self, fanout: FanOut, timeout_s: float, max_pending: int = 4096) -> None:
         self.fanout = fanout
         self.timeout_s = timeout_s
-        self.max_pending = max_pending
+        self._queue = Background("kvpool-repair", max_pending)
         self.done = 0
         """Keys repaired (an owner answered the repair)."""
-        self._pending = 0
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-repair")
 
     def submit(self, live: dict[str, WorkerInfo], repairs: list[Repair]) -> None:
         if not repairs:
@@ -85,15 +78,7 @@ class Repairs:
         jobs: list[tuple[Repair, bytes | None]] = []
         for r in repairs:
             jobs.append((r, None if r.buffer is None else bytes(readable(r.buffer)[:r.size])))
-        with self._lock:
-            if self._pending + len(jobs) > self.max_pending:
-                return
-            self._pending += len(jobs)
-        try:
-            self._pool.submit(self._run, live, jobs)
-        except RuntimeError:  # closed meanwhile
-            with self._lock:
-                self._pending -= len(jobs)
+        self._queue.submit(len(jobs), lambda: self._run(live, jobs))  # full: skipped
 
     def _run(self, live: dict[str, WorkerInfo], jobs: list[tuple[Repair, bytes | None]]) -> None:
         try:
@@ -117,17 +102,14 @@ class Repairs:
                 self.done += done
         except KVPoolError as e:  # a repair that fails is retried by the next read of its key
             log.debug("read repair of %d keys failed: %s", len(jobs), e)
-        finally:
-            with self._lock:
-                self._pending -= len(jobs)
 
     def wait(self) -> None:
         """Until the repairs submitted so far are done (tests, shutdown)."""
-        self._pool.submit(lambda: None).result()
+        self._queue.wait()
 
     def close(self) -> None:
         """Drop the repairs not begun; wait for the one under way (its fan-out closed first, it fails fast)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._queue.close()
 
 
 JOIN_TIMEOUT_S = 10.0  # the least a client waits for NATS at start: a JetStream cluster electing answers nothing
@@ -147,6 +129,8 @@ class ClusterBackend:
         self.membership.watch()
         self.fanout = FanOut(node_id or default_node_id(), token, timeout_s, tls_ca)
         self.repairs = Repairs(self.fanout, timeout_s)
+        self.supersedes = Background("kvpool-supersede", 1 << 16)
+        """Where puts and removes tell the workers next in line (`_supersede`)."""
 
     # ----- placement --------------------------------------------------------------------------
 
@@ -158,34 +142,43 @@ class ClusterBackend:
         n = self.replication + next_in_line
         return [rank(k, ids)[:n] for k in keys]
 
-    @staticmethod
-    def _supersede(t: Transport, nxt: list[int], keys: Sequence[bytes], versions: list[int]) -> None:
-        """Tell `t`'s worker, next in line for each key `nxt` indexes, to drop a block of it older than
-        its version (`Connection.supersede`: one way, nothing waits for it). That worker owned the key
-        before one ranked above it joined, and would serve the block again, though newer ones were
-        written meanwhile, if that one left. Best effort: a failure is logged and the put or remove it
-        came with stands (the worker is then no member, or fences itself, when it answers again)."""
-        if not nxt:
+    def _supersede(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
+                   versions: list[int]) -> None:
+        """Tell each key's worker next in line (`ranked`: `_owners(next_in_line=True)`) to drop a block of
+        it older than its version (`Connection.supersede`, one way). That worker owned the key before one
+        ranked above it joined, and would serve the block again, though newer ones were written
+        meanwhile, if that one left. In the background (`supersedes`): a put never waits on a worker
+        that owns none of its keys; here when 65,536 keys wait already. Best effort: a failure is
+        logged, and the put or remove stands (the worker is then no member, or fenced, when it
+        answers again)."""
+        r = self.replication
+        groups: Groups = {}
+        for i, ws in enumerate(ranked):
+            if len(ws) > r:
+                groups.setdefault(ws[r], []).append(i)
+        if not groups:
             return
-        try:
-            t.supersede([keys[i] for i in nxt], [versions[i] for i in nxt])
-        except KVPoolError as e:
-            log.debug("worker %s next in line of %d keys not told: %s", t.address, len(nxt), e)
+        keys = list(keys)  # the caller may change its list once the put returns
+
+        def tell(t: Transport, idx: list[int]) -> None:
+            t.supersede([keys[i] for i in idx], [versions[i] for i in idx])
+
+        def send() -> None:
+            try:
+                for _ in self.fanout.each(live, groups, tell, self._deadline()):
+                    pass
+            except KVPoolError as e:
+                log.debug("the workers next in line of %d keys not told: %s", len(keys), e)
+
+        if not self.supersedes.submit(len(keys), send):
+            send()
 
     def supersede_next_in_line(self, keys: Sequence[bytes]) -> None:
         """Before a put that goes another way (`shm_stage.Stagers`): each key's worker next in line is
         told, as of now, what an ordinary put tells it (`_supersede`)."""
         live = self._live()
-        if len(live) <= self.replication:
-            return
-        versions = CLOCK.batch(len(keys))
-
-        def tell(t: Transport, idx: list[int]) -> None:
-            self._supersede(t, _split(idx)[1], keys, versions)
-
-        for _ in self.fanout.each(live, self._replica_groups(self._owners(keys, live, True), True, owners=False),
-                                  tell, self._deadline()):
-            pass
+        if len(live) > self.replication:
+            self._supersede(live, self._owners(keys, live, next_in_line=True), keys, CLOCK.batch(len(keys)))
 
     def sole_owner(self, keys: Sequence[bytes]) -> WorkerInfo | None:
         """The live member that placement gives every key of `keys` to, as their only copy; None when
@@ -200,19 +193,12 @@ class ClusterBackend:
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout_s
 
-    def _replica_groups(self, ranked: list[list[str]], next_in_line: bool = False, *,
-                        owners: bool = True) -> Groups:
-        """Key indices by worker (`ranked`: `_owners`): i where it owns key i (one of the first
-        `replication` of ranked[i]); with `next_in_line`, also ~i where it is the worker after them
-        (`_split` parts them); without `owners`, only the latter."""
-        r = self.replication
+    def _replica_groups(self, owners: list[list[str]]) -> Groups:
+        """Key indices by owner: the first `replication` workers of each of `owners` (`_owners`)."""
         groups: Groups = {}
-        for i, ws in enumerate(ranked):
-            if owners:
-                for w in ws[:r]:
-                    groups.setdefault(w, []).append(i)
-            if next_in_line and len(ws) > r:
-                groups.setdefault(ws[r], []).append(~i)
+        for i, ow in enumerate(owners):
+            for w in ow[:self.replication]:
+                groups.setdefault(w, []).append(i)
         return groups
 
     def _live(self) -> dict[str, WorkerInfo]:
@@ -238,31 +224,32 @@ class ClusterBackend:
             raise PoolUnavailable(f"no live workers in the cluster at {redacted_url(self.nats_url)}")
         ranked = self._owners(keys, live, next_in_line=True)
         versions = CLOCK.batch(len(keys))
-        superseded = self._put_as_of(live, ranked, keys, buffers, pin_s, versions, next_in_line=True)
-        if superseded:
-            again = [keys[i] for i in superseded]
-            self._put_as_of(live, [ranked[i] for i in superseded], again, [buffers[i] for i in superseded], pin_s,
-                            self._stamps_above(live, again))
+        try:
+            superseded = self._put_as_of(live, ranked, keys, buffers, pin_s, versions)
+            if superseded:
+                again = [keys[i] for i in superseded]
+                stamps = self._stamps_above(live, again)
+                for i, v in zip(superseded, stamps):
+                    versions[i] = v
+                self._put_as_of(live, [ranked[i] for i in superseded], again, [buffers[i] for i in superseded],
+                                pin_s, stamps)
+        finally:  # (a put that failed may have reached an owner: the older copies go too)
+            self._supersede(live, ranked, keys, versions)
 
     def _put_as_of(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
-                   buffers: Sequence[Any], pin_s: float, versions: list[int], next_in_line: bool = False) -> list[int]:
-        """Put to every live owner (the first `replication` of `ranked`) as of `versions`, and with
-        `next_in_line` tell the worker after them in the same round (`_supersede`); the indices an owner
-        held as new or newer."""
+                   buffers: Sequence[Any], pin_s: float, versions: list[int]) -> list[int]:
+        """Put to every live owner (the first `replication` of `ranked`) as of `versions`; the indices an
+        owner held as new or newer."""
         stored = [0] * len(keys)
         superseded: set[int] = set()
 
         def put(t: Transport, idx: list[int]) -> list[int]:
-            own, nxt = _split(idx)
-            held = t.put_as_of([keys[i] for i in own], [buffers[i] for i in own], pin_s,
-                               [versions[i] for i in own]) if own else []
-            self._supersede(t, nxt, keys, versions)
-            return [own[j] for j in held]
+            held = t.put_as_of([keys[i] for i in idx], [buffers[i] for i in idx], pin_s, [versions[i] for i in idx])
+            return [idx[j] for j in held]
 
-        for _, idx, held in self.fanout.each(live, self._replica_groups(ranked, next_in_line), put,
-                                             self._deadline()):
+        for _, idx, held in self.fanout.each(live, self._replica_groups(ranked), put, self._deadline()):
             superseded.update(held)
-            for i in _split(idx)[0]:
+            for i in idx:
                 stored[i] += 1
         if not all(stored):
             raise PoolUnavailable(f"{stored.count(0)} of {len(keys)} blocks reached no live worker")
@@ -388,34 +375,35 @@ class ClusterBackend:
         live = self._live()
         ranked = self._owners(keys, live, next_in_line=True)
         versions = CLOCK.batch(len(keys))
-        removed, superseded = self._remove_as_of(live, ranked, keys, versions, next_in_line=True)
-        if superseded:
-            again = [keys[i] for i in superseded]
-            for i, done in zip(superseded, self._remove_as_of(live, [ranked[i] for i in superseded], again,
-                                                              self._stamps_above(live, again))[0]):
-                removed[i] = removed[i] or done
+        try:
+            removed, superseded = self._remove_as_of(live, ranked, keys, versions)
+            if superseded:
+                again = [keys[i] for i in superseded]
+                stamps = self._stamps_above(live, again)
+                for i, v in zip(superseded, stamps):
+                    versions[i] = v
+                for i, done in zip(superseded, self._remove_as_of(live, [ranked[i] for i in superseded], again,
+                                                                  stamps)[0]):
+                    removed[i] = removed[i] or done
+        finally:
+            self._supersede(live, ranked, keys, versions)
         return removed
 
     def _remove_as_of(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
-                      versions: list[int], next_in_line: bool = False) -> tuple[list[bool], list[int]]:
-        """Remove from every live owner (the first `replication` of `ranked`) as of `versions`, and with
-        `next_in_line` tell the worker after them in the same round (`_supersede`): whether an owner
-        removed each key, and the indices of those an owner held a block as new or newer of.
+                      versions: list[int]) -> tuple[list[bool], list[int]]:
+        """Remove from every live owner (the first `replication` of `ranked`) as of `versions`: whether an
+        owner removed each key, and the indices of those an owner held a block as new or newer of.
         PoolUnavailable if no owner of some key answered (it may still hold the key: "not removed" would
         be an answer it never gave)."""
         removed = [False] * len(keys)
         reached = [False] * len(keys)
         superseded: set[int] = set()
 
-        def rm(t: Transport, idx: list[int]) -> tuple[list[int], list[int]]:
-            own, nxt = _split(idx)
-            outcomes = t.remove_as_of([keys[i] for i in own], [versions[i] for i in own]) if own else []
-            self._supersede(t, nxt, keys, versions)
-            return own, outcomes
+        def rm(t: Transport, idx: list[int]) -> list[int]:
+            return t.remove_as_of([keys[i] for i in idx], [versions[i] for i in idx])
 
-        for _, _, (own, outcomes) in self.fanout.each(live, self._replica_groups(ranked, next_in_line), rm,
-                                                      self._deadline()):
-            for i, o in zip(own, outcomes):
+        for _, idx, outcomes in self.fanout.each(live, self._replica_groups(ranked), rm, self._deadline()):
+            for i, o in zip(idx, outcomes):
                 reached[i] = True
                 removed[i] = removed[i] or o == REMOVED
                 if o == SUPERSEDED:
@@ -452,6 +440,7 @@ class ClusterBackend:
         return self.membership.wait_for(predicate, timeout_s)
 
     def close(self) -> None:
-        self.fanout.close()  # first: a repair under way fails fast, and connects nowhere new
+        self.supersedes.close(flush=True)  # first: what the puts made owe the workers next in line
+        self.fanout.close()  # then: a repair under way fails fast, and connects nowhere new
         self.repairs.close()
         self.membership.close()

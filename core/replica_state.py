@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 
 from .tier_stack import TierStack
-from .versions import CLEAR, CLOCK, CLOCK_SKEW_MS, COUNTER_BITS, PUT, REMOVE, Change
+from .versions import CLEAR, CLOCK, CLOCK_SKEW_MS, COUNTER_BITS, REMOVE, Change
 
 __all__ = ["ReplicaState"]
 
@@ -84,14 +84,24 @@ class ReplicaState:
             return sum(stack.remove(list(dict.fromkeys(doomed)))) if doomed else 0
 
     def supersede(self, keys: Sequence[bytes], versions: Sequence[int]) -> int:
-        """A newer version of each key lives on another worker (its owners', told to the worker next in
-        line): `apply_changes` of those puts, for the keys this cache holds a block of; the others are
-        left alone (most are: no tombstone for them). Returns blocks dropped."""
+        """Each key was written (or removed) at its owners as of its version, after this worker, now next
+        in line, stopped owning it: a block held of it goes, if stamped before that version or up to
+        `CLOCK_SKEW_MS` after it (another writer's clock may run that far ahead of this one's), with a
+        tombstone just below the version (that version itself is still welcome: a replica answering
+        with its block wins a read). A key not held is left alone (most are: no tombstone). Returns
+        blocks dropped."""
+        margin = CLOCK_SKEW_MS << COUNTER_BITS
         with self._lock:
-            self._stack.check_open()
-            version = self._stack.version_of
-            held = [(k, v, PUT) for k, v in zip(keys, versions) if version(k)]
-        return self.apply_changes(held) if held else 0
+            stack = self._stack
+            stack.check_open()
+            doomed: list[bytes] = []
+            for k, v in zip(keys, versions):
+                CLOCK.observe(v)
+                held = stack.version_of(k)
+                if held and held < v + margin:
+                    stack.tombstones.add(k, v - 1)
+                    doomed.append(k)
+            return sum(stack.remove(list(dict.fromkeys(doomed)))) if doomed else 0
 
     def covered_since(self, since_ms: int) -> None:
         """The change log holds everything accepted since `since_ms` (unix ms): this cache accepted

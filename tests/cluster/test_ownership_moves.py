@@ -5,13 +5,17 @@ next in line to drop an older block of the key (`Op.SUPERSEDE`)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import time
 from collections.abc import Callable
 
 import pytest
 
-from kvpool.core import PoolClient, Stagers
+from kvpool.core import PoolClient, Stagers, versions
 from kvpool.core.cluster import rank
 from kvpool.core.procs import WorkerProcess
+from kvpool.core.versions import CLOCK_SKEW_MS, COUNTER_BITS
 
 N = 48
 SIZE = 4096
@@ -57,6 +61,7 @@ def test_a_key_written_while_a_newcomer_owned_it_is_never_served_older_after_it_
             assert read(pool, moved) == [2] * len(moved)
         else:
             pool.batch_remove(moved)  # (the newcomer holds none of them: "not found" is its answer)
+        pool.backend.supersedes.wait()  # (the worker next in line is told in the background)
         newcomer.stop(timeout=10)
         assert pool.wait_for_members(lambda m: "w-new" not in m, 15)
         got = dict(zip(keys, read(pool, keys)))
@@ -67,3 +72,47 @@ def test_a_key_written_while_a_newcomer_owned_it_is_never_served_older_after_it_
             assert {k: got[k] for k in moved if got[k] != 2} == {}, "a replica's newest copy was not served"
         assert all(got[k] == 1 for k in keys if k not in moved), "keys that never moved are still served"
     assert first
+
+
+def test_a_block_stamped_by_a_clock_ahead_does_not_outlive_a_later_write(
+        nats, spawn: Callable[..., WorkerProcess], monkeypatch: pytest.MonkeyPatch) -> None:
+    """R=1: a block stamped by a clock running ahead (within the skew bound: another writer's; here this
+    process's clock, moved ahead and back) while the first worker owned its key, then overwritten at a
+    newcomer with a lower stamp: once the newcomer leaves, the first worker serves nothing older."""
+    spawn(nats_url=nats.url, extra=["--worker-id", "w-0"])
+    keys = [f"skew/{i}" for i in range(N)]
+    with PoolClient(mode="cluster", nats_url=nats.url, timeout_s=5) as pool:
+        assert pool.wait_for_members(lambda m: len(m) == 1, 15)
+        monkeypatch.setattr(versions.CLOCK, "_last", versions.CLOCK.now() + ((CLOCK_SKEW_MS // 2) << COUNTER_BITS))
+        pool.batch_put(keys, [block(k, 1) for k in keys])
+        monkeypatch.setattr(versions.CLOCK, "_last", 0)  # back: the next writer's clock is half a skew behind
+        newcomer = spawn(nats_url=nats.url, extra=["--worker-id", "w-new"])
+        assert pool.wait_for_members(lambda m: len(m) == 2, 15)
+        moved = [k for k in keys if rank(k.encode(), ["w-0", "w-new"])[0] == "w-new"]
+        pool.batch_put(moved, [block(k, 2) for k in moved])
+        assert read(pool, moved) == [2] * len(moved)
+        pool.backend.supersedes.wait()
+        newcomer.stop(timeout=10)
+        assert pool.wait_for_members(lambda m: "w-new" not in m, 15)
+        got = read(pool, moved)
+        assert set(got) <= {2, -1}, f"the block stamped ahead came back: {got}"
+
+
+def test_a_put_does_not_wait_on_a_paused_worker_that_owns_none_of_its_keys(
+        nats, spawn: Callable[..., WorkerProcess]) -> None:
+    """The worker next in line is told in the background: a put whose owner answers returns at once,
+    though the next in line (paused, and not yet connected to) answers nothing."""
+    workers = [spawn(nats_url=nats.url, extra=["--worker-id", f"w-{i}"]) for i in range(3)]
+    ids = [f"w-{i}" for i in range(3)]
+    key = next(k for k in (f"paused/{i}" for i in range(1000)) if rank(k.encode(), ids)[1] == "w-2")
+    with PoolClient(mode="cluster", nats_url=nats.url, timeout_s=2) as pool:
+        assert pool.wait_for_members(lambda m: len(m) == 3, 15)
+        os.kill(workers[2].proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            pool.batch_put([key], [block(key, 1)])
+            took = time.monotonic() - t0
+        finally:
+            os.kill(workers[2].proc.pid, signal.SIGCONT)
+        assert read(pool, [key]) == [1]
+    assert took < 1.0, f"the put took {took:.2f} s"

@@ -4,12 +4,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from kvpool.core import BufferSizeError, PoolUnavailable
 from kvpool.core.client import PoolClient
+from kvpool.core.connection import Connection
 
 
 def _block(i: int, size: int = 64 << 10) -> bytes:
@@ -120,42 +122,9 @@ def test_batches_larger_than_one_frame_are_split_not_refused(spawn, transport):
         assert c.batch_remove(keys) == [True] * len(keys)
 
 
-def test_an_aborted_connection_fails_at_once_and_never_connects_again(tmp_path):
-    """What a call abandoned at its deadline still does stops when its connection is aborted, and the
-    connection makes no new one (a paused worker would hold a reconnect for the whole timeout)."""
-    import socket
-    import threading
-    import time
-
-    from kvpool.core.transport import connect
-
-    path = str(tmp_path / "silent.sock")
-    with socket.socket(socket.AF_UNIX) as silent:  # accepts, never answers
-        silent.bind(path)
-        silent.listen(8)
-        t = connect(path, "t" * 32, timeout_s=5)
-        stuck: list[BaseException] = []
-
-        def call() -> None:
-            try:
-                t.hello()
-            except BaseException as e:  # (what the call ended with is the point)
-                stuck.append(e)
-        caller = threading.Thread(target=call)
-        caller.start()
-        time.sleep(0.3)  # in its handshake now, waiting on the silent peer
-        start = time.monotonic()
-        t.abort()
-        caller.join(5)
-        assert not caller.is_alive() and isinstance(stuck[0], PoolUnavailable)
-        with pytest.raises(PoolUnavailable, match="abandoned"):
-            t.hello()
-        assert time.monotonic() - start < 1.0
-
-
-def test_closing_a_connection_ends_a_call_blocked_on_it_in_another_thread(tmp_path):
-    """A client closing (its read repairs still running) must not leave a call blocked on a closed socket
-    until its timeout: on Linux, closing a socket does not wake a receive blocked on it."""
+def _end_a_call_blocked_in_its_handshake(tmp_path, end: Callable[[Connection], None]) -> Connection:
+    """A call blocked on a peer that accepts and never answers, in another thread; `end(connection)` from
+    this one must end it at once (PoolUnavailable), not at its 5 s timeout. Returns the connection."""
     import socket
     import threading
     import time
@@ -178,8 +147,23 @@ def test_closing_a_connection_ends_a_call_blocked_on_it_in_another_thread(tmp_pa
         caller.start()
         time.sleep(0.3)  # in its handshake now, waiting on the silent peer
         start = time.monotonic()
-        t.close()
+        end(t)
         caller.join(5)
         assert not caller.is_alive() and isinstance(ended[0], PoolUnavailable)
         assert time.monotonic() - start < 1.0, "the call ran on to its timeout"
-        t.close()
+    return t
+
+
+def test_an_aborted_connection_fails_at_once_and_never_connects_again(tmp_path):
+    """What a call abandoned at its deadline still does stops when its connection is aborted, and the
+    connection makes no new one (a paused worker would hold a reconnect for the whole timeout)."""
+    t = _end_a_call_blocked_in_its_handshake(tmp_path, Connection.abort)
+    with pytest.raises(PoolUnavailable, match="abandoned"):
+        t.hello()
+    t.close()
+
+
+def test_closing_a_connection_ends_a_call_blocked_on_it_in_another_thread(tmp_path):
+    """A client closing (its read repairs still running) must not leave a call blocked on a closed socket
+    until its timeout: on Linux, closing a socket does not wake a receive blocked on it."""
+    _end_a_call_blocked_in_its_handshake(tmp_path, Connection.close)

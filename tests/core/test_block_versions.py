@@ -174,11 +174,13 @@ def test_a_removal_leaves_a_tombstone_that_stops_older_puts(cache: TieredCache) 
 
 def test_a_supersede_drops_only_older_blocks_held_and_remembers_nothing_else(cache: TieredCache) -> None:
     """What the worker next in line hears after a put or remove elsewhere (`Op.SUPERSEDE`): a block
-    older than the version elsewhere goes, with a tombstone just below it (a replica answering with that
-    version's block still wins a read: a removal would win the tie); a key not held is left alone."""
-    cache.batch_put(["old", "same", "new"], [b"v1", b"v2", b"v3"], versions=[100, 200, 300])
-    assert cache.replicas.supersede([b"old", b"same", b"new", b"none"], [200, 200, 200, 200]) == 1
-    assert [cache.get(k) for k in ("old", "same", "new")] == [None, b"v2", b"v3"]
+    stamped before the version elsewhere, or less than the clock skew after it, goes, with a tombstone
+    just below the version (a replica answering with that version's block still wins a read: a removal
+    would win the tie); a block stamped later stays; a key not held is left alone."""
+    skew = CLOCK_SKEW_MS << COUNTER_BITS
+    cache.batch_put(["old", "ahead", "new"], [b"v1", b"v2", b"v3"], versions=[100, 200 + skew - 1, 200 + skew])
+    assert cache.replicas.supersede([b"old", b"ahead", b"new", b"none"], [200, 200, 200, 200]) == 2
+    assert [cache.get(k) for k in ("old", "ahead", "new")] == [None, None, b"v3"]
     assert cache.replicas.removed_versions([b"old", b"none"]) == [199, 0]
     cache.batch_put(["old", "none"], [b"v2", b"v1"], versions=[200, 100])  # that version itself is welcome;
     assert [cache.get(k) for k in ("old", "none")] == [b"v2", b"v1"]      # a key not held: any put

@@ -330,7 +330,8 @@ def test_closing_a_client_mid_repair_returns_at_once_and_leaves_no_thread(nats, 
     took = time.monotonic() - t0
     assert took < 1.0, f"close took {took:.2f} s"
     deadline = time.monotonic() + 1.0
-    while alive := [t.name for t in threading.enumerate() if t.name.startswith(("kvpool-repair", "kvpool-fanout"))]:
+    ours = ("kvpool-repair", "kvpool-fanout", "kvpool-supersede")
+    while alive := [t.name for t in threading.enumerate() if t.name.startswith(ours)]:
         assert time.monotonic() < deadline, f"threads left running after close: {alive}"
         time.sleep(0.05)
 
