@@ -145,12 +145,12 @@ class ClusterBackend:
     def _supersede(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
                    versions: list[int]) -> None:
         """Tell each key's worker next in line (`ranked`: `_owners(next_in_line=True)`) to drop a block of
-        it older than its version (`Connection.supersede`, one way). That worker owned the key before one
-        ranked above it joined, and would serve the block again, though newer ones were written
-        meanwhile, if that one left. In the background (`supersedes`): a put never waits on a worker
-        that owns none of its keys; here when 65,536 keys wait already. Best effort: a failure is
-        logged, and the put or remove stands (the worker is then no member, or fenced, when it
-        answers again)."""
+        it stamped before its version, or within the clock-skew bound after it (`Connection.supersede`,
+        one way; `ReplicaState.supersede`). That worker owned the key before one ranked above it joined,
+        and would serve the block again, though newer ones were written meanwhile, if that one left.
+        In the background (`supersedes`): a put never waits on a worker that owns none of its keys;
+        here when 65,536 keys wait already. Best effort: a failure is logged, and the put or remove
+        stands (the worker is then no member, or fenced, when it answers again)."""
         r = self.replication
         groups: Groups = {}
         for i, ws in enumerate(ranked):
