@@ -325,9 +325,9 @@ class Connection:
         self.call(P.Op.CLEAR, P.pack_batch([prefix]) if prefix is not None else b"")
 
     def supersede(self, keys: Sequence[bytes], versions: Sequence[int]) -> None:
-        """Have the worker drop the blocks of `keys` it holds older than `versions` (a newer version lives
-        on another worker), leaving no tombstone. One way: nothing waits for the worker; the requests
-        sent after it on this connection are handled after it."""
+        """Tell the worker, next in line for `keys`, that their owners took a put or remove as of
+        `versions`: it drops its older blocks of them (`ReplicaState.supersede`). One way: nothing waits
+        for the worker; the requests sent after it on this connection are handled after it."""
         stamps = np.asarray(versions, dtype="<u8")
         with self._session() as sock:
             for f in P.frames(len(keys)):

@@ -42,7 +42,8 @@ VERSION = 6
 GET, LEASE and EXISTS return one; CHANGES lists a worker's recent changes for a returning peer.
 4: a put or remove no newer than what the worker holds is told (ITEM_SUPERSEDED, SUPERSEDED), not
 answered as done.
-5: CHANGES tells clears (`pack_changes`)."""
+5: CHANGES tells clears (`pack_changes`).
+6: SUPERSEDE tells a key's worker next in line of a put or remove at its owners."""
 HEADER = struct.Struct("<4sBBHIIQII")
 MAX_META = 16 << 20
 MAX_DATA = 8 << 30
@@ -81,8 +82,8 @@ class Op(IntEnum):
     #               prefix cleared): the changes the worker accepted since then (`kvpool.core.catch_up`)
     COMMIT_UNCHECKED = 17  # same node: as COMMIT, but the worker takes the checksums on the writer's word for
     #                        now and hashes each block at its first read (a handoff's reader checks its own copy)
-    SUPERSEDE = 18  # keys + versions -> (no reply): as REMOVE, but only of blocks held (a newer version lives
-    #                 on another worker); a key not held is left alone, nothing recorded
+    SUPERSEDE = 18  # keys + versions -> (no reply): the key's owners took a put or remove as of the version; a
+    #                 block held stamped before it (or within the clock skew after) goes (`ReplicaState.supersede`)
 
 
 class Status(IntEnum):
