@@ -27,6 +27,7 @@ __all__ = ["BUCKET", "rank", "Membership"]
 log = logging.getLogger("kvpool.cluster")
 
 BUCKET = "kvpool_members"
+_NO_PEERS_YET = 10005  # JetStream's "no suitable peers for placement": fewer nodes up than the replicas
 
 
 def rank(key: bytes, worker_ids: Sequence[str]) -> list[str]:
@@ -79,18 +80,20 @@ class Membership:
 
     async def _first_bucket(self, within_s: float) -> Any:
         """`_bucket()`, asked again while JetStream cannot answer yet (a NATS cluster electing a leader
-        answers nothing, or 503) until `within_s` seconds have passed."""
+        answers nothing, or 503; one whose nodes are not all up yet has "no suitable peers" to place
+        the bucket's replicas on) until `within_s` seconds have passed."""
         from nats.errors import NoRespondersError
         from nats.errors import TimeoutError as NatsTimeout
-        from nats.js.errors import ServiceUnavailableError
+        from nats.js.errors import APIError
 
         deadline = time.monotonic() + within_s
         while True:
             left = deadline - time.monotonic()
             try:
                 return await self._bucket(timeout=max(0.5, min(2.0, left)))
-            except (NatsTimeout, NoRespondersError, ServiceUnavailableError) as e:
-                if left <= 0.7:
+            except (NatsTimeout, NoRespondersError, APIError) as e:
+                not_yet = not isinstance(e, APIError) or e.code == 503 or e.err_code == _NO_PEERS_YET
+                if not not_yet or left <= 0.7:
                     raise
                 log.debug("members bucket not answering yet: %r", e)
                 await asyncio.sleep(0.2)

@@ -82,3 +82,21 @@ def test_a_cluster_without_a_leader_is_a_typed_error_after_the_join_time(nodes: 
     with pytest.raises(PoolUnavailable, match="cannot reach the cluster"):
         Membership(nodes.url, connect_timeout_s=3)
     assert time.monotonic() - t0 < 3 + 2 + 1
+
+
+def test_a_worker_waits_for_enough_nodes_to_place_the_bucket_replicas(nodes: ThreeNodes) -> None:
+    """Two of three nodes up: JetStream has a leader but cannot place a bucket of three replicas (it
+    answers nothing here; "no suitable peers" while the third is up but not yet current, as a CI run
+    saw): a worker starting with its NATS cluster waits, and the third comes up within its join time."""
+    nodes.start(0)
+    nodes.start(1)
+    wait_listening(nodes, 0)
+    wait_listening(nodes, 1)
+    time.sleep(3)  # a leader among the two
+    late = threading.Timer(1.0, lambda: nodes.start(2))
+    late.start()
+    try:
+        m = Membership(nodes.url, connect_timeout_s=15, replicas=3, role="worker")
+    finally:
+        late.join()
+    m.close()
