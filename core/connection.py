@@ -216,14 +216,15 @@ class Connection:
 
     def close(self) -> None:
         """Close the socket, shut down first: a call blocked on it in another thread (a read repair of a
-        client closing) fails at once, where a close alone would leave it waiting out its timeout."""
-        if self._sock is not None:
+        client closing) fails at once, where a close alone would leave it waiting out its timeout. That
+        call closes the connection too, maybe at the same moment: each works on the socket it took."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
             try:
                 with suppress(OSError):
-                    socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
-                self._sock.close()
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+                sock.close()
             finally:
-                self._sock = None
                 self.generation += 1
 
     # ----- operations common to both transports ----------------------------------------------
