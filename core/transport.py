@@ -159,47 +159,50 @@ class ShmTransport(Connection):
     @property
     def arena(self) -> memoryview:
         """The worker's arena mapped read-only: what gets and leases read."""
-        if self._arena is None:
-            self._arena = self._attach(writable=False)
-            self._pages = ArenaPages(self._arena, writable=False)
-        return self._arena
+        with self._session():
+            return self._mapped(writable=False)[0]
 
     @property
     def writable_arena(self) -> memoryview:
         """The arena mapped read-write, made at the first put: a writer copies into the slots it
         ALLOCs (the worker checks each block's checksum before it commits it)."""
-        if self._arena_rw is None:
-            self._arena_rw = self._attach(writable=True)
-            self._pages_rw = ArenaPages(self._arena_rw, writable=True)
-        return self._arena_rw
+        with self._session():
+            return self._mapped(writable=True)[0]
 
     @contextmanager
     def held(self) -> Iterator[tuple[socket.socket, memoryview, ArenaPages]]:
         """The connection, the arena mapped read-write and its pages, held for a run of requests of
         the caller's own (`kvpool.core.shm_stage.Stager`); failures as any exchange's."""
-        arena = self.writable_arena
         with self._session() as sock:
-            assert self._pages_rw is not None  # made with the mapping
-            yield sock, arena, self._pages_rw
+            yield sock, *self._mapped(writable=True)
 
-    def _attach(self, writable: bool) -> memoryview:
-        with self._session():  # connecting fills self.info; a failure to map is the worker's, typed
-            return DramArena.attach(self.info.arena, self.info.arena_size, writable)
+    def _mapped(self, writable: bool) -> tuple[memoryview, ArenaPages]:
+        """The arena mapping (made at first use) and its pages. Called within a session (connected, so
+        `info` is known; the connection's lock held, so that `close` in another thread cannot release
+        the mapping while the call copies through it); a failure to map is the worker's, typed."""
+        if writable:
+            if self._arena_rw is None or self._pages_rw is None:
+                self._arena_rw = DramArena.attach(self.info.arena, self.info.arena_size, True)
+                self._pages_rw = ArenaPages(self._arena_rw, writable=True)
+            return self._arena_rw, self._pages_rw
+        if self._arena is None or self._pages is None:
+            self._arena = DramArena.attach(self.info.arena, self.info.arena_size, False)
+            self._pages = ArenaPages(self._arena, writable=False)
+        return self._arena, self._pages
 
     def put_as_of(self, keys: Sequence[bytes], buffers: Sequence[Any], pin_s: float,
                   versions: Sequence[int] | None) -> list[int]:
         """`Connection.put_as_of`: a batch larger than the worker lets one connection reserve at once
         goes in several rounds."""
         views = [readable(b) for b in buffers]
-        arena = self.writable_arena  # connects, so `info` is known
-        budget = self.info.max_reserve or P.MAX_DATA
+        budget = self.hello().max_reserve or P.MAX_DATA
         stamps = _stamps(versions, len(keys))
         superseded: list[int] = []
         for f in P.frames(len(keys), [v.nbytes for v in views], budget):
-            superseded += [f.start + i for i in self._put_frame(arena, keys[f], views[f], pin_s, stamps[f])]
+            superseded += [f.start + i for i in self._put_frame(keys[f], views[f], pin_s, stamps[f])]
         return superseded
 
-    def _put_frame(self, arena: memoryview, keys: Sequence[bytes], views: Sequence[memoryview], pin_s: float,
+    def _put_frame(self, keys: Sequence[bytes], views: Sequence[memoryview], pin_s: float,
                    versions: np.ndarray) -> list[int]:
         """Copy the frame's blocks into slots of the arena part by part (`kvpool.core.shm_put`); the
         indices of those superseded."""
@@ -209,10 +212,10 @@ class ShmTransport(Connection):
             i = int(np.argmax(lens))
             raise_item(P.ITEM_TOO_LARGE, keys[i], lens[i], max_block)
         with self._session() as sock:
+            arena, pages = self._mapped(writable=True)
             if pin_s > 0:
                 send_pin(sock, keys, pin_s)
-            assert self._pages_rw is not None  # made with the mapping
-            put = PartedPut(sock, arena, self._pages_rw, keys, views, versions)
+            put = PartedPut(sock, arena, pages, keys, views, versions)
             try:
                 offsets = put.run()
             except BaseException:
@@ -231,15 +234,12 @@ class ShmTransport(Connection):
     def batch_lease(self, keys: Sequence[bytes]) -> Iterator[list[memoryview | None]]:
         """Read-only views straight into the arena (zero copy), valid until the block exits."""
         with ExitStack() as stack:
-            arena = self.arena
-            yield [None if off < 0 else arena[off:off + size]  # a slice of the read-only mapping
-                   for f in P.frames(len(keys))
-                   for off, size in zip(*stack.enter_context(self._lease_frame(keys[f])))]
+            yield [view for f in P.frames(len(keys)) for view in stack.enter_context(self._lease_frame(keys[f]))]
 
     @contextmanager
-    def _lease_frame(self, keys: Sequence[bytes]) -> Iterator[tuple[list[int], list[int]]]:
-        """Lease the blocks of `keys`: their offsets and sizes in the arena (offset < 0: a miss), until
-        the block exits. The worker verified each block's checksum at commit.
+    def _lease_frame(self, keys: Sequence[bytes]) -> Iterator[list[memoryview | None]]:
+        """Lease the blocks of `keys`: a view of each in the read-only mapping (None: a miss), until the
+        block exits. The worker verified each block's checksum at commit.
 
         Leases live as long as the connection they were taken on: if it closed meanwhile (a timeout or
         a lost worker, in any thread using this transport), the worker has ended them and their slots
@@ -247,27 +247,28 @@ class ShmTransport(Connection):
         views may have changed under the caller), and sends no RELEASE (lease ids are the connection's,
         and the next connection's leases may carry the same ones)."""
         with self._session() as sock:  # a malformed reply drops the connection (PoolUnavailable), as any protocol error
+            arena, pages = self._mapped(writable=False)
             P.send_frame(sock, P.Op.LEASE, P.pack_batch(list(keys)))
-            ids, offsets, sizes, _ = self._lease_reply(sock, len(keys))
+            ids, offsets, sizes, _ = self._lease_reply(sock, len(keys), pages)
+            views = [None if off < 0 else arena[off:off + size] for off, size in zip(offsets.tolist(), sizes.tolist())]
             generation = self.generation
         held = ids[offsets >= 0]
         try:
-            yield offsets.tolist(), sizes.tolist()
+            yield views
         except BaseException:
             with suppress(PoolUnavailable):  # the caller's error is the one to raise
                 self._release(held, generation)
             raise
         self._release(held, generation)
 
-    def _lease_reply(self, sock: socket.socket, n: int) -> tuple[np.ndarray, ...]:
+    def _lease_reply(self, sock: socket.socket, n: int, pages: ArenaPages) -> tuple[np.ndarray, ...]:
         """A LEASE reply's columns for `n` keys: lease ids, offsets, sizes (the arena readied where they
         lie) and versions (the reply also carries checksums, which a same-node reader does not need)."""
         meta = P.recv_reply(sock, P.Op.LEASE).meta
         if len(meta) != 40 * n:
             raise ProtocolError(f"LEASE reply metadata is {len(meta)} bytes for {n} keys")
         ids, offsets, sizes = (np.frombuffer(meta, dtype="<i8", count=n, offset=8 * n * j) for j in range(3))
-        if self._pages is not None:  # (mapped by the caller first)
-            self._pages.ready(offsets, sizes)
+        pages.ready(offsets, sizes)
         return ids, offsets, sizes, np.frombuffer(meta, dtype="<u8", count=n, offset=32 * n)  # (then checksums)
 
     def _release(self, ids: np.ndarray, generation: int) -> None:
@@ -282,17 +283,15 @@ class ShmTransport(Connection):
     def batch_get_versions_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> tuple[list[int], list[int]]:
         """`batch_get_into`, and each key's version as the worker knows it (a miss: its removal's, or 0)."""
         views, dests = destination_views(buffers)
-        arena = self.arena
         out: list[int] = []
         versions: list[int] = []
         for f in P.frames(len(keys)):
-            out += self._get_frame(arena, keys[f], views[f], versions)
+            out += self._get_frame(keys[f], views[f], versions)
         if dests is not None:
             finish_all(dests, out)
         return out, _observed(versions)
 
-    def _get_frame(self, arena: memoryview, keys: Sequence[bytes], views: list[memoryview],
-                   versions: list[int]) -> list[int]:
+    def _get_frame(self, keys: Sequence[bytes], views: list[memoryview], versions: list[int]) -> list[int]:
         """LEASE a frame's blocks in two requests sent back to back (a quarter of them, then the rest),
         copy each part out as its reply arrives (the first while the worker serves the second), and
         RELEASE them together."""
@@ -303,11 +302,12 @@ class ShmTransport(Connection):
         held: list[np.ndarray] = []
         too_small: BufferSizeError | None = None
         with self._session() as sock:
+            arena, pages = self._mapped(writable=False)
             for p in parts:
                 P.send_frame(sock, P.Op.LEASE, P.pack_batch(list(keys[p])))
             try:
                 for p in parts:
-                    ids, offsets, sizes, vers = self._lease_reply(sock, p.stop - p.start)
+                    ids, offsets, sizes, vers = self._lease_reply(sock, p.stop - p.start, pages)
                     held.append(ids[offsets >= 0])
                     versions += vers.tolist()
                     if too_small is None:
@@ -328,20 +328,29 @@ class ShmTransport(Connection):
         return out
 
     def close(self) -> None:
+        """Close the connection and let go of the arena mappings: released at once, unless a call in
+        another thread holds the connection (copying through one; it fails on the closed socket), when
+        each is unmapped as that call lets go of it. A mapping that still backs a caller's leased view
+        goes with the view."""
         super().close()
+        mappings = (self._arena, self._arena_rw)
+        self._arena = self._arena_rw = None
         self._pages = self._pages_rw = None
-        for name in ("_arena", "_arena_rw"):
-            view: memoryview | None = getattr(self, name)
-            if view is None:
-                continue
-            mapping = view.obj  # the mmap DramArena.attach made
-            view.release()
-            setattr(self, name, None)
-            try:
-                if isinstance(mapping, mmap.mmap):
-                    mapping.close()
-            except BufferError:
-                pass  # a caller still holds a leased view; the mapping goes when it does
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            for view in mappings:
+                if view is None:
+                    continue
+                mapping = view.obj  # the mmap DramArena.attach made
+                view.release()
+                try:
+                    if isinstance(mapping, mmap.mmap):
+                        mapping.close()
+                except BufferError:
+                    pass  # a caller still holds a leased view; the mapping goes when it does
+        finally:
+            self._lock.release()
 
 
 def _copy_out(arena: memoryview, keys: Sequence[bytes], offsets: list[int], sizes: list[int],
