@@ -128,7 +128,7 @@ class Connection:
                 raise PoolUnavailable(f"worker socket {self.address} is served by uid {uid}, not this user: "
                                       "treated as absent")
         try:
-            hello = P.unpack_json(self._roundtrip(P.Op.HELLO).meta)
+            hello = P.unpack_json(self._roundtrip(sock, P.Op.HELLO).meta)
         except (ProtocolError, ConnectionError) as e:
             if self.unix or self._tls is not None:
                 raise
@@ -152,7 +152,7 @@ class Connection:
         nonce_c = secrets.token_bytes(NONCE_BYTES)
         mine = proof(token, nonce_w, nonce_c, "client")
         answer = P.pack_json({"nonce": nonce_c.hex(), "proof": mine.hex()})
-        info = P.unpack_json(self._roundtrip(P.Op.AUTH, answer).meta)
+        info = P.unpack_json(self._roundtrip(sock, P.Op.AUTH, answer).meta)
         try:
             theirs = bytes.fromhex(str(info.pop("proof", "")))
         except ValueError:
@@ -190,14 +190,16 @@ class Connection:
                 self.close()
                 raise PoolUnavailable(f"worker {self.address}: {e}") from e
 
-    def _roundtrip(self, op: int, meta: bytes = b"", data: list[memoryview] | None = None) -> P.Frame:
-        assert self._sock is not None, "called outside a session"
-        P.send_frame(self._sock, op, meta, data=data)
-        return P.recv_reply(self._sock, op)
+    @staticmethod
+    def _roundtrip(sock: socket.socket, op: int, meta: bytes = b"", data: list[memoryview] | None = None) -> P.Frame:
+        """One request and its reply on `sock`, the session's (a close in another thread meanwhile fails it
+        as any socket error: typed by the session)."""
+        P.send_frame(sock, op, meta, data=data)
+        return P.recv_reply(sock, op)
 
     def call(self, op: int, meta: bytes = b"") -> P.Frame:
-        with self._session():
-            return self._roundtrip(op, meta)
+        with self._session() as sock:
+            return self._roundtrip(sock, op, meta)
 
     def hello(self) -> WorkerInfo:
         """The worker's description, connecting first if need be."""

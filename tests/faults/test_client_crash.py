@@ -26,8 +26,8 @@ CHILD = textwrap.dedent("""
     views = lease.__enter__()
     assert views[0] is not None
     sizes = np.array([1 << 20, 1 << 20], dtype="<i8")
-    with t._session():
-        reply = t._roundtrip(P.Op.ALLOC, P.pack_batch([b"half", b"held"], sizes))
+    with t._session() as sock:
+        reply = t._roundtrip(sock, P.Op.ALLOC, P.pack_batch([b"half", b"held"], sizes))
     for off in np.frombuffer(reply.meta, dtype="<i8").tolist():
         assert off >= 0
         t.writable_arena[off:off + (1 << 19)] = b"\\xee" * (1 << 19)

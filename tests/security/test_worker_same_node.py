@@ -38,12 +38,13 @@ def test_a_same_node_commit_with_a_wrong_checksum_is_refused(worker: Worker) -> 
         data = b"the real bytes" * 100
         arena = t.writable_arena  # maps (and connects) outside the session below
         sizes = np.array([len(data)], "<i8")
-        with t._session():
-            offsets = np.frombuffer(t._roundtrip(P.Op.ALLOC, P.pack_batch([b"forged"], sizes)).meta, dtype="<i8")
+        with t._session() as sock:
+            offsets = np.frombuffer(t._roundtrip(sock, P.Op.ALLOC, P.pack_batch([b"forged"], sizes)).meta, dtype="<i8")
             off = int(offsets[0])
             arena[off:off + len(data)] = data
             lie = np.array([12345], dtype="<u8")  # not the checksum of what is in the slot
-            reply = t._roundtrip(P.Op.COMMIT, P.pack_batch([b"forged"], offsets, sizes, lie, np.array([1], "<u8")))
+            commit = P.pack_batch([b"forged"], offsets, sizes, lie, np.array([1], "<u8"))
+            reply = t._roundtrip(sock, P.Op.COMMIT, commit)
         assert np.frombuffer(reply.meta, dtype="<i1").tolist() == [P.ITEM_CORRUPT]
         assert worker.metrics.corrupt_blocks._value.get() == 1
         assert t.batch_exists([b"forged"]) == [False]
@@ -59,16 +60,16 @@ def test_a_block_changed_between_write_and_commit_is_refused(worker: Worker) -> 
     try:
         data = bytes(range(256)) * 16
         arena = t.writable_arena
-        with t._session():
+        with t._session() as sock:
             sizes = np.array([len(data)], "<i8")
-            offsets = np.frombuffer(t._roundtrip(P.Op.ALLOC, P.pack_batch([b"k"], sizes)).meta, dtype="<i8")
+            offsets = np.frombuffer(t._roundtrip(sock, P.Op.ALLOC, P.pack_batch([b"k"], sizes)).meta, dtype="<i8")
             off = int(offsets[0])
             arena[off:off + len(data)] = data
             from kvpool.core.blocks import checksum
 
             csum = np.array([checksum(data)], dtype="<u8")
             arena[off] ^= 0xFF  # another writer scribbles before the commit
-            reply = t._roundtrip(P.Op.COMMIT, P.pack_batch([b"k"], offsets, sizes, csum, np.array([1], "<u8")))
+            reply = t._roundtrip(sock, P.Op.COMMIT, P.pack_batch([b"k"], offsets, sizes, csum, np.array([1], "<u8")))
         status = int(np.frombuffer(reply.meta, dtype="<i1")[0])
         from kvpool.core.connection import raise_item
 
