@@ -35,6 +35,10 @@ _PAGE = 256
 """Consumers per JetStream CONSUMER.LIST page."""
 _PIN_BATCH = 4096
 """Keys per pin request (a worker takes at most 65536 keys per frame)."""
+LOW_WATER = 0.75
+"""Past the budget, the oldest messages are unpinned until the rest take at most this share of it: the
+unpins go in batches (with a producer ahead of the reconciler, one request to the worker per quarter of
+the budget put, not one per message)."""
 
 
 def subject_matches(filt: str, subj: str) -> bool:
@@ -93,9 +97,9 @@ class PinKeeper:
 
     def add(self, seq: int, subj: str, keys: Sequence[Key], nbytes: int = 0) -> None:
         """Message `seq` (on `subj`) names blocks `keys` (`nbytes` of payload), put pinned just before
-        it was published. Past `max_pinned_bytes`, the oldest messages' blocks are unpinned: they stay
-        readable until the pool needs their room, then a consumer gets a PayloadError for them,
-        rather than unacked payloads filling the pool until unrelated puts fail."""
+        it was published. Past `max_pinned_bytes`, the oldest messages' blocks are unpinned (down to
+        `LOW_WATER` of it): they stay readable until the pool needs their room, then a consumer gets a
+        PayloadError for them, rather than unacked payloads filling the pool until unrelated puts fail."""
         with self._lock:
             self._messages[seq] = (subj, keys)
             if nbytes:
@@ -106,11 +110,13 @@ class PinKeeper:
             self._pin(dropped, 0)
 
     def _over_budget(self) -> list[Key]:
-        """Forget the oldest counted messages until the rest fit the budget (the newest always stays);
-        returns their keys that no remaining message names. Caller holds the lock."""
+        """Past the budget, forget the oldest counted messages until the rest take `LOW_WATER` of it (the
+        newest always stays); returns their keys that no remaining message names. Caller holds the lock."""
         budget = self.max_pinned_bytes
+        if budget is None or self._pinned_bytes <= budget:
+            return []
         gone: dict[int, Sequence[Key]] = {}
-        while budget is not None and self._pinned_bytes > budget and len(self._sizes) > 1:
+        while self._pinned_bytes > budget * LOW_WATER and len(self._sizes) > 1:
             seq = min(self._sizes)
             self._pinned_bytes -= self._sizes.pop(seq)
             gone[seq] = self._messages.pop(seq, ("", ()))[1]
