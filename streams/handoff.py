@@ -20,7 +20,10 @@ short or mixed request.
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,11 +31,11 @@ from typing import Any
 from kvpool.core import Key, PoolClient
 
 from . import envelope as env
-from ._link import Link
+from ._link import Link, translate
 from .admin import check_token, subject
 from .consumer import Checks
 from .errors import ForgedMessage, HandoffError, HandoffTimeout, MalformedMessage, StreamError
-from .live import Feed, Raw
+from .live import Feed, Raw, stored_last
 from .payload import fetch_many
 from .sealing import ChainCheck, verify
 from .wire import Wire
@@ -54,8 +57,8 @@ LOOK_S = 0.25
 """The least time a read-back is given (more while the caller's timeout allows, up to the link's): with
 NATS unreachable, `iter_layers(timeout=t)` gives up after about t + LOOK_S, not the link's timeout."""
 _END_STORED_S = 1.0
-"""How long a receiver that got a request's end live waits for the stream to have stored it, so that
-the purge takes it too."""
+"""How long a receiver's purge of a request whose end came live waits for the stream to have stored the
+end, so that the purge takes it too."""
 
 Into = Callable[[int, int], Any]
 """into(layer, nbytes) -> a writable buffer of at least `nbytes` for that layer's blocks, back to back."""
@@ -127,6 +130,8 @@ class HandoffReceiver:
         self.stream, self.pool = check_token(stream, "stream name"), pool
         self._checks = Checks(self.stream, pool, limits, 0, secret)
         self.counts = {"rejected": 0, "recovered": 0, "in_place": 0, "from_pool": 0}
+        self._purges: set[concurrent.futures.Future[Any]] = set()  # purges under way (`_purge`)
+        self._purges_lock = threading.Lock()
         self._link = Link(nats_url, timeout_s)
         try:
             self._wire = Wire(nats_url, timeout_s)  # the live messages, read in the caller's thread
@@ -143,8 +148,9 @@ class HandoffReceiver:
         end whose layer count disagrees with the layers that arrived, or a second producer claiming the
         request raises HandoffError. Each buffer is a checksum-verified copy of its block: a view into
         `into(layer, nbytes)` (e.g. the decode engine's own KV memory), or a fresh buffer. A handoff has
-        one reader: once the end arrives, the request's messages are purged from the stream, which also
-        ends the producer's pins on their blocks."""
+        one reader: once the end arrives, the request's messages are purged from the stream (in the
+        background: the loop ends with the last layer; `close` waits for the purges under way), which
+        also ends the producer's pins on their blocks."""
         filt = subject(self.stream, "req", check_token(request_id, "request id"))
         feed = Feed(self._link, self._wire, self.stream, filt)
         rejected = [0]
@@ -205,10 +211,9 @@ class HandoffReceiver:
                 if end is not None:
                     req.drop_waiting()
                     try:
-                        self._purge(feed, filt, end[1], request_id)
-                    except StreamError as e:  # housekeeping: every layer is here; the stream's limits drop them
-                        log.warning("stream %r: request %r read whole, but its messages were not purged: %s",
-                                    self.stream, request_id, e)
+                        self._purge(filt, end[1], request_id)
+                    except StreamError as e:
+                        self._not_purged(request_id, e)
                     if end[0].layers != len(seen):
                         raise HandoffError(f"request {request_id!r}: its end says {end[0].layers} layer(s); "
                                            f"{len(seen)} arrived", size=len(seen), limit=end[0].layers)
@@ -216,18 +221,45 @@ class HandoffReceiver:
         finally:
             feed.close()
 
-    def _purge(self, feed: Feed, filt: str, end: Raw, request_id: str) -> None:
-        """Drop the request's messages from the stream. An end that came live may not be stored yet:
-        wait (briefly) until it is, so that the purge takes it too."""
-        if end.seq is None:
-            deadline = time.monotonic() + _END_STORED_S
-            while True:
-                last = feed.last_stored()
-                if (last is not None and last.data == end.data) or time.monotonic() > deadline:
-                    break
-                time.sleep(0.001)
+    def _purge(self, filt: str, end: Raw, request_id: str) -> None:
+        """Drop the request's messages from the stream, in the background: the caller has every layer,
+        and its engine need not wait for housekeeping. An end that came live may not be stored yet: the
+        purge waits (briefly) until it is, so that it takes it too. A purge that fails is logged (the
+        stream's limits drop the messages); `close` waits for those under way."""
         link = self._link
-        link.call(link.js.purge_stream(self.stream, subject=filt), f"purge request {request_id!r}")
+        stream = self.stream
+
+        async def purge() -> None:
+            if end.seq is None:
+                deadline = time.monotonic() + _END_STORED_S
+                while True:
+                    last = await stored_last(link, stream, filt)
+                    if (last is not None and last.data == end.data) or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.001)
+            await link.js.purge_stream(stream, subject=filt)
+
+        async def bounded() -> None:
+            try:
+                await asyncio.wait_for(purge(), link.timeout_s + _END_STORED_S)
+            except Exception as e:  # housekeeping: every layer is in the caller's hands
+                err = translate(e, f"purge request {request_id!r}")
+                self._not_purged(request_id, err if isinstance(err, StreamError) else StreamError(repr(err)))
+
+        if link.io.loop.is_closed():
+            return
+        future = link.io.spawn(bounded())
+        with self._purges_lock:
+            self._purges.add(future)
+        future.add_done_callback(self._purged)
+
+    def _purged(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._purges_lock:
+            self._purges.discard(future)
+
+    def _not_purged(self, request_id: str, err: StreamError) -> None:
+        log.warning("stream %r: request %r read whole, but its messages were not purged: %s",
+                    self.stream, request_id, err)
 
     def _admit(self, raw: Raw, request_id: str, rejected: list[int]) -> Item | None:
         """The layer or end in `raw` if it is well formed, signed where a secret is set, and of this
@@ -261,6 +293,10 @@ class HandoffReceiver:
             "(live)" if raw.seq is None else raw.seq, rejected[0], err)
 
     def close(self) -> None:
+        """Close, once the purges under way have ended (each is bounded by the connection's timeout)."""
+        with self._purges_lock:
+            purges = list(self._purges)
+        concurrent.futures.wait(purges, self._link.timeout_s + _END_STORED_S + 1)
         try:
             self._wire.close()
         finally:

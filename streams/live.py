@@ -38,6 +38,14 @@ async def _get(link: Link, stream: str, **kw: Any) -> Any:
         raise
 
 
+async def stored_last(link: Link, stream: str, subj: str) -> Raw | None:
+    """The last message `stream` holds on subject `subj`, or None."""
+    m = await _get(link, stream, subject=subj)
+    if m is None:
+        return None
+    return Raw(str(m.subject or subj), dict(m.headers or {}), bytes(m.data or b""), m.seq)
+
+
 @dataclasses.dataclass(frozen=True)
 class Raw:
     """One message as delivered: live (`seq` None) or read back from the stream (`seq` its sequence)."""
@@ -106,15 +114,6 @@ class Feed:
             self._next_seq = int(m.seq) + 1
             self._read_back.append(Raw(str(m.subject or self.subject), dict(m.headers or {}),
                                        bytes(m.data or b""), int(m.seq)))
-
-    def last_stored(self) -> Raw | None:
-        """The last message the stream holds on the subject, or None."""
-        async def last() -> Raw | None:
-            m = await _get(self._link, self.stream, subject=self.subject)
-            if m is None:
-                return None
-            return Raw(str(m.subject or self.subject), dict(m.headers or {}), bytes(m.data or b""), m.seq)
-        return self._link.call(last(), f"read the last message on {self.subject!r}")
 
     def close(self) -> None:
         self._wire.unsubscribe(self._sid)

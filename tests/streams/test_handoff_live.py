@@ -263,6 +263,30 @@ def test_a_request_read_whole_is_not_failed_by_a_purge_that_fails(nats, make_str
     assert "read whole, but its messages were not purged" in caplog.text
 
 
+def test_the_purge_is_housekeeping_the_caller_does_not_wait_for_but_close_does(nats, make_stream, pool, monkeypatch):
+    """The request's messages are purged in the background: the decode side's loop over the layers ends
+    with the last of them, not after two more round trips to JetStream; closing the receiver waits."""
+    from nats.js.manager import JetStreamManager
+
+    real = JetStreamManager.purge_stream
+    purges: list[float] = []
+
+    async def slow_purge(self: Any, *args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.5)
+        purges.append(time.monotonic())
+        return await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(JetStreamManager, "purge_stream", slow_purge)
+    s = make_stream()
+    _handoff(nats.url, s, pool, "tidy").join(20)
+    with HandoffReceiver(s, nats.url, pool) as rx:
+        assert _receive(rx, "tidy") == list(range(LAYERS))
+        returned = time.monotonic()
+        assert purges == []  # under way
+    assert len(purges) == 1 and purges[0] > returned  # close waited for it
+    assert stream_info(nats.url, s)["messages"] == 0
+
+
 def test_a_receiver_whose_nats_is_gone_gives_up_near_its_own_timeout(nats, make_stream, pool):
     """The NATS server goes while a receiver waits: its read-backs are bounded by what is left of the
     caller's timeout (at least LOOK_S), not by the connection's 5 s: an engine asking for 1 s hears back
