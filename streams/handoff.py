@@ -56,6 +56,8 @@ _AHEAD = 1024
 LOOK_S = 0.25
 """The least time a read-back is given (more while the caller's timeout allows, up to the link's): with
 NATS unreachable, `iter_layers(timeout=t)` gives up after about t + LOOK_S, not the link's timeout."""
+_PURGING = 64
+"""Purges a receiver lets run in the background at once; the next request's waits for one to end."""
 _END_STORED_S = 1.0
 """How long a receiver's purge of a request whose end came live waits for the stream to have stored the
 end, so that the purge takes it too."""
@@ -225,7 +227,8 @@ class HandoffReceiver:
         """Drop the request's messages from the stream, in the background: the caller has every layer,
         and its engine need not wait for housekeeping. An end that came live may not be stored yet: the
         purge waits (briefly) until it is, so that it takes it too. A purge that fails is logged (the
-        stream's limits drop the messages); `close` waits for those under way."""
+        stream's limits drop the messages); `close` waits for those under way, and a request ending with
+        `_PURGING` under way for one of them."""
         link = self._link
         stream = self.stream
 
@@ -248,6 +251,10 @@ class HandoffReceiver:
 
         if link.io.loop.is_closed():
             return
+        with self._purges_lock:
+            running = list(self._purges)
+        if len(running) >= _PURGING:  # JetStream slower than the requests end: no queue without bound
+            concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
         future = link.io.spawn(bounded())
         with self._purges_lock:
             self._purges.add(future)

@@ -287,6 +287,34 @@ def test_the_purge_is_housekeeping_the_caller_does_not_wait_for_but_close_does(n
     assert stream_info(nats.url, s)["messages"] == 0
 
 
+def test_purges_under_way_are_bounded(nats, make_stream, pool, monkeypatch):
+    """With `_PURGING` purges under way, a request's end waits for one of them: a JetStream slower than
+    the requests end builds no queue without bound."""
+    from nats.js.manager import JetStreamManager
+
+    from kvpool.streams import handoff
+
+    real = JetStreamManager.purge_stream
+    purges: list[float] = []
+
+    async def slow_purge(self: Any, *args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.5)
+        purges.append(time.monotonic())
+        return await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(JetStreamManager, "purge_stream", slow_purge)
+    monkeypatch.setattr(handoff, "_PURGING", 1)
+    s = make_stream()
+    for r in ("one", "two"):
+        _handoff(nats.url, s, pool, r).join(20)
+    with HandoffReceiver(s, nats.url, pool) as rx:
+        assert _receive(rx, "one") == list(range(LAYERS))
+        assert _receive(rx, "two") == list(range(LAYERS))
+        assert len(purges) == 1  # the second request's end waited for the first purge, not for its own
+    assert len(purges) == 2
+    assert stream_info(nats.url, s)["messages"] == 0
+
+
 def test_a_receiver_whose_nats_is_gone_gives_up_near_its_own_timeout(nats, make_stream, pool):
     """The NATS server goes while a receiver waits: its read-backs are bounded by what is left of the
     caller's timeout (at least LOOK_S), not by the connection's 5 s: an engine asking for 1 s hears back
