@@ -263,9 +263,8 @@ def test_a_request_read_whole_is_not_failed_by_a_purge_that_fails(nats, make_str
     assert "read whole, but its messages were not purged" in caplog.text
 
 
-def test_the_purge_is_housekeeping_the_caller_does_not_wait_for_but_close_does(nats, make_stream, pool, monkeypatch):
-    """The request's messages are purged in the background: the decode side's loop over the layers ends
-    with the last of them, not after two more round trips to JetStream; closing the receiver waits."""
+def _slow_purges(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Make every JetStream purge take 0.5 s more; returns when each purge was sent (monotonic seconds)."""
     from nats.js.manager import JetStreamManager
 
     real = JetStreamManager.purge_stream
@@ -277,6 +276,13 @@ def test_the_purge_is_housekeeping_the_caller_does_not_wait_for_but_close_does(n
         return await real(self, *args, **kwargs)
 
     monkeypatch.setattr(JetStreamManager, "purge_stream", slow_purge)
+    return purges
+
+
+def test_the_purge_is_housekeeping_the_caller_does_not_wait_for_but_close_does(nats, make_stream, pool, monkeypatch):
+    """The request's messages are purged in the background: the decode side's loop over the layers ends
+    with the last of them, not after two more round trips to JetStream; closing the receiver waits."""
+    purges = _slow_purges(monkeypatch)
     s = make_stream()
     _handoff(nats.url, s, pool, "tidy").join(20)
     with HandoffReceiver(s, nats.url, pool) as rx:
@@ -290,19 +296,9 @@ def test_the_purge_is_housekeeping_the_caller_does_not_wait_for_but_close_does(n
 def test_purges_under_way_are_bounded(nats, make_stream, pool, monkeypatch):
     """With `_PURGING` purges under way, a request's end waits for one of them: a JetStream slower than
     the requests end builds no queue without bound."""
-    from nats.js.manager import JetStreamManager
-
     from kvpool.streams import handoff
 
-    real = JetStreamManager.purge_stream
-    purges: list[float] = []
-
-    async def slow_purge(self: Any, *args: Any, **kwargs: Any) -> Any:
-        await asyncio.sleep(0.5)
-        purges.append(time.monotonic())
-        return await real(self, *args, **kwargs)
-
-    monkeypatch.setattr(JetStreamManager, "purge_stream", slow_purge)
+    purges = _slow_purges(monkeypatch)
     monkeypatch.setattr(handoff, "_PURGING", 1)
     s = make_stream()
     for r in ("one", "two"):
