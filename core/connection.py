@@ -61,6 +61,9 @@ class Connection:
         self._tls = client_context(self.tls_ca) if self.tls_ca else None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self._gate = threading.Lock()
+        """Held while this process copies into slots reserved on the connection (`ShmTransport.copying`);
+        `close` and `abort` take it, so that no such copy lands once the worker may have freed them."""
         self._aborted = False
         _OPEN.add(self)
         self.generation = 0
@@ -209,9 +212,11 @@ class Connection:
     def abort(self) -> None:
         """From another thread: end the exchange in progress at once (its blocked send or receive fails)
         and every later one (no new connection is made). What a call abandoned past its deadline was
-        doing stops here, so it can never write into (or send from) its caller's buffers afterwards."""
-        self._aborted = True
-        sock = self._sock
+        doing stops here, so it can never write into (or send from) its caller's buffers afterwards, nor
+        into slots it reserved (a copy under way ends first: `ShmTransport.copying`)."""
+        with self._gate:
+            self._aborted = True
+            sock = self._sock
         if sock is not None:
             with suppress(OSError):  # the plain socket's shutdown, under TLS too (its state untouched)
                 socket.socket.shutdown(sock, socket.SHUT_RDWR)
@@ -219,8 +224,10 @@ class Connection:
     def close(self) -> None:
         """Close the socket, shut down first: a call blocked on it in another thread (a read repair of a
         client closing) fails at once, where a close alone would leave it waiting out its timeout. That
-        call closes the connection too, maybe at the same moment: each works on the socket it took."""
-        sock, self._sock = self._sock, None
+        call closes the connection too, maybe at the same moment: each works on the socket it took. A
+        copy into slots reserved on it ends first (`ShmTransport.copying`): the worker frees them at once."""
+        with self._gate:
+            sock, self._sock = self._sock, None
         if sock is not None:
             try:
                 with suppress(OSError):
@@ -364,6 +371,7 @@ def _forked() -> None:
     would keep the parent's leases and reserved slots held at the worker (it sees no close)."""
     for conn in list(_OPEN):
         conn._lock = threading.Lock()  # another thread of the parent may have held it at the fork
+        conn._gate = threading.Lock()
         if conn._sock is not None:
             conn._sock.close()  # the child's copy only: the parent's socket stays open
             conn._sock = None

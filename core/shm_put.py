@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import socket
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import numpy as np
 
@@ -86,8 +87,12 @@ class PartedPut:
     `run` raises anything but a block's own error (`raise_item`'s): replies may be left unread."""
 
     def __init__(self, sock: socket.socket, arena: memoryview, pages: ArenaPages, keys: Sequence[bytes],
-                 views: Sequence[memoryview], versions: np.ndarray) -> None:
+                 views: Sequence[memoryview], versions: np.ndarray,
+                 copying: Callable[[], AbstractContextManager[None]]) -> None:
         self.sock, self.arena, self.pages, self.keys, self.views = sock, arena, pages, keys, views
+        self.copying = copying
+        """Held around each part's copy: a close of the connection waits for it, and after one, no copy
+        starts (`ShmTransport.copying`)."""
         self.versions = versions
         lens = [v.nbytes for v in views]
         self.sizes = np.array(lens, dtype="<i8")
@@ -151,4 +156,6 @@ class PartedPut:
 
     def _copy_and_commit(self, part: slice) -> None:
         """Copy the part's blocks into their slots, hashing each as it lands, and COMMIT them."""
-        self._send(P.Op.COMMIT, part, copy_in(self.arena, self.offsets[part], self.views[part]))
+        with self.copying():
+            csums = copy_in(self.arena, self.offsets[part], self.views[part])
+        self._send(P.Op.COMMIT, part, csums)

@@ -99,7 +99,8 @@ class Stager:
                 self._send_held(sock)
                 offsets = self._slots(sock, keys, sizes)
                 pages.ready(offsets, sizes)
-                csums = copy_in(arena, offsets, views)
+                with t.copying(sock):
+                    csums = copy_in(arena, offsets, views)
                 self._held = [pin_request(keys, pin_s)] if pin_s > 0 else []
                 self._held.append((P.Op.COMMIT_UNCHECKED, P.pack_batch(keys, offsets, sizes, csums, versions)))
                 self._held_owed = [(P.Op.COMMIT_UNCHECKED, keys, sizes)]

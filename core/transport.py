@@ -14,6 +14,7 @@ same as a block found corrupt at rest.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import socket
@@ -176,19 +177,32 @@ class ShmTransport(Connection):
         with self._session() as sock:
             yield sock, *self._mapped(writable=True)
 
+    @contextmanager
+    def copying(self, sock: socket.socket) -> Iterator[None]:
+        """Hold off `close` and `abort` (from other threads) while this call copies into slots it reserved
+        on `sock`, its session's connection: the worker frees a closed connection's reserved slots and may
+        give them to another writer at once, so no copy may land after the close. PoolUnavailable if the
+        connection closed already. Keep the copy short (a part): a close waits for it."""
+        with self._gate:
+            if self._sock is not sock or self._aborted:
+                raise PoolUnavailable(f"the connection to worker {self.address} was closed during the put: "
+                                      "the slots it reserved are the worker's again")
+            yield
+
     def _mapped(self, writable: bool) -> tuple[memoryview, ArenaPages]:
         """The arena mapping (made at first use) and its pages. Called within a session (connected, so
         `info` is known; the connection's lock held, so that `close` in another thread cannot release
         the mapping while the call copies through it); a failure to map is the worker's, typed."""
-        if writable:
-            if self._arena_rw is None or self._pages_rw is None:
-                self._arena_rw = DramArena.attach(self.info.arena, self.info.arena_size, True)
-                self._pages_rw = ArenaPages(self._arena_rw, writable=True)
-            return self._arena_rw, self._pages_rw
-        if self._arena is None or self._pages is None:
-            self._arena = DramArena.attach(self.info.arena, self.info.arena_size, False)
-            self._pages = ArenaPages(self._arena, writable=False)
-        return self._arena, self._pages
+        # (read once into locals: `close` in another thread clears the fields without the lock)
+        arena, pages = (self._arena_rw, self._pages_rw) if writable else (self._arena, self._pages)
+        if arena is None or pages is None:
+            arena = DramArena.attach(self.info.arena, self.info.arena_size, writable)
+            pages = ArenaPages(arena, writable=writable)
+            if writable:
+                self._arena_rw, self._pages_rw = arena, pages
+            else:
+                self._arena, self._pages = arena, pages
+        return arena, pages
 
     def put_as_of(self, keys: Sequence[bytes], buffers: Sequence[Any], pin_s: float,
                   versions: Sequence[int] | None) -> list[int]:
@@ -215,7 +229,7 @@ class ShmTransport(Connection):
             arena, pages = self._mapped(writable=True)
             if pin_s > 0:
                 send_pin(sock, keys, pin_s)
-            put = PartedPut(sock, arena, pages, keys, views, versions)
+            put = PartedPut(sock, arena, pages, keys, views, versions, functools.partial(self.copying, sock))
             try:
                 offsets = put.run()
             except BaseException:

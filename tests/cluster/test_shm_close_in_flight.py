@@ -1,10 +1,13 @@
 """A same-node transport closed from another thread while a call copies through its mapping of the arena:
 the call fails with PoolUnavailable (a typed error, as every other failure of the connection), never a
-ValueError of a released mapping, and the mapping is unmapped once the call has let go of it."""
+ValueError of a released mapping, and the mapping is unmapped once the call has let go of it. A put closed
+(or aborted at its deadline) before it copies a part writes nothing more: the worker frees a closed
+connection's reserved slots, and another writer may have committed its blocks there by then."""
 from __future__ import annotations
 
 import gc
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,8 +16,11 @@ import numpy as np
 import pytest
 
 from kvpool.core import shm_put, transport
+from kvpool.core.arena_pages import ArenaPages
 from kvpool.core.errors import PoolUnavailable
 from kvpool.core.server import Worker
+from kvpool.core.shm_refs import recording
+from kvpool.core.shm_stage import Stager
 from kvpool.core.transport import ShmTransport
 
 _KEYS = [f"k{i}".encode() for i in range(16)]
@@ -64,17 +70,6 @@ def test_a_get_closed_mid_copy_is_unavailable(worker: Worker, stored: ShmTranspo
     assert all(np.array_equal(o, b) for o, b in zip(out, _BLOCKS))
 
 
-def test_a_put_closed_mid_copy_is_unavailable(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
-    t = ShmTransport(worker.unix_path)
-    try:
-        closes = _closing_first(monkeypatch, shm_put, "copy_in", t)
-        with pytest.raises(PoolUnavailable):
-            t.batch_put(_KEYS, _BLOCKS)
-        assert closes == [1]
-    finally:
-        t.close()
-
-
 def test_a_lease_closed_before_its_views_are_made_is_unavailable(worker: Worker, stored: ShmTransport,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     closes = _closing_first(monkeypatch, ShmTransport, "_lease_reply", stored)
@@ -101,3 +96,65 @@ def test_the_mappings_go_once_the_call_lets_go(worker: Worker, monkeypatch: pyte
         assert _mappings(worker) == own
     finally:
         t.close()
+
+
+def _reserved(worker: Worker) -> int:
+    return sum(sum(c.reserved.values()) for c in list(worker._conns))
+
+
+@pytest.mark.parametrize("end", ["close", "abort"])
+@pytest.mark.parametrize("how", ["put", "staged"])
+def test_a_put_ended_before_it_copies_writes_nothing_into_slots_the_worker_gave_another_writer(
+        worker: Worker, monkeypatch: pytest.MonkeyPatch, end: str, how: str) -> None:
+    """Another thread closes (or, at a deadline, aborts) the writer's connection just before it copies;
+    the worker frees the slots it reserved and another writer commits its blocks there; then the first
+    writer's copy would run: it must fail, and the other writer's blocks read back as they were put."""
+    writer, other, reader = (ShmTransport(worker.unix_path) for _ in range(3))
+    size, n = 256 << 10, 8
+    freed: list[int] = []
+    victims = [f"victim{i}".encode() for i in range(n)]
+
+    def ended_first(real: Callable[..., Any]) -> Callable[..., Any]:
+        def hook(*args: Any, **kwargs: Any) -> Any:
+            if not freed and threading.current_thread().name == "writer":
+                freed.append(_reserved(worker))
+                closer = threading.Thread(target=getattr(writer, end))
+                closer.start()
+                closer.join()
+                deadline = time.monotonic() + 5
+                while _reserved(worker) and time.monotonic() < deadline:  # the worker saw it: slots freed
+                    time.sleep(0.01)
+                with recording(victims) as rec:
+                    other.batch_put(victims, [np.full(size, 0x11, dtype=np.uint8)] * n)
+                freed.append(sum(p is not None for p in rec.places(victims)))
+            return real(*args, **kwargs)
+        return hook
+
+    if how == "put":  # the writer's part is copied in `_copy_and_commit`, under `ShmTransport.copying`
+        monkeypatch.setattr(shm_put.PartedPut, "_copy_and_commit", ended_first(shm_put.PartedPut._copy_and_commit))
+    else:  # a stager readies the slots' pages, then copies
+        monkeypatch.setattr(ArenaPages, "ready", ended_first(ArenaPages.ready))
+    failed: list[BaseException] = []
+
+    def put() -> None:
+        keys, blocks = [f"w{i}".encode() for i in range(n)], [np.full(size, 0xAA, dtype=np.uint8)] * n
+        try:
+            if how == "put":
+                writer.batch_put(keys, blocks)
+            else:
+                Stager(writer, writer.hello().arena).put(keys, [memoryview(b) for b in blocks])
+        except BaseException as e:
+            failed.append(e)
+    t = threading.Thread(target=put, name="writer")
+    t.start()
+    t.join(30)
+    monkeypatch.undo()
+    try:
+        assert len(freed) == 2 and freed[0] > 0 and freed[1] == n  # the writer held slots; the other's went in
+        assert len(failed) == 1 and isinstance(failed[0], PoolUnavailable), failed
+        out = [np.zeros(size, dtype=np.uint8) for _ in range(n)]
+        assert reader.batch_get_into(victims, out) == [size] * n
+        assert [int(o.min()) for o in out] == [0x11] * n and [int(o.max()) for o in out] == [0x11] * n
+    finally:
+        for t_ in (writer, other, reader):
+            t_.close()
