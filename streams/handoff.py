@@ -234,12 +234,13 @@ class HandoffReceiver:
 
         async def purge() -> None:
             if end.seq is None:
-                deadline = time.monotonic() + _END_STORED_S
+                deadline, pause = time.monotonic() + _END_STORED_S, 0.001
                 while True:
                     last = await stored_last(link, stream, filt)
                     if (last is not None and last.data == end.data) or time.monotonic() > deadline:
                         break
-                    await asyncio.sleep(0.001)
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, 0.05)  # a stream that never stores it is not asked 1000 times
             await link.js.purge_stream(stream, subject=filt)
 
         async def bounded() -> None:
