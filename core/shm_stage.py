@@ -38,7 +38,7 @@ from .cluster_backend import ClusterBackend
 from .connection import pin_request, raise_item
 from .errors import KVPoolError, PoolUnavailable
 from .fanout import Departures
-from .shm_put import copy_in, recv_column
+from .shm_put import PART_BYTES, copy_in, part_slices, recv_column
 from .shm_refs import Place
 from .transport import ShmTransport
 from .versions import CLOCK
@@ -99,8 +99,10 @@ class Stager:
                 self._send_held(sock)
                 offsets = self._slots(sock, keys, sizes)
                 pages.ready(offsets, sizes)
-                with t.copying(sock):
-                    csums = copy_in(arena, offsets, views)
+                csums = np.empty(len(views), dtype="<u8")
+                for part in part_slices(sizes.tolist(), PART_BYTES):  # a close waits for a part at most
+                    with t.copying(sock):
+                        csums[part] = copy_in(arena, offsets[part], views[part])
                 self._held = [pin_request(keys, pin_s)] if pin_s > 0 else []
                 self._held.append((P.Op.COMMIT_UNCHECKED, P.pack_batch(keys, offsets, sizes, csums, versions)))
                 self._held_owed = [(P.Op.COMMIT_UNCHECKED, keys, sizes)]
