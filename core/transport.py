@@ -343,9 +343,9 @@ class ShmTransport(Connection):
 
     def close(self) -> None:
         """Close the connection and let go of the arena mappings: released at once, unless a call in
-        another thread holds the connection (copying through one; it fails on the closed socket), when
-        each is unmapped as that call lets go of it. A mapping that still backs a caller's leased view
-        goes with the view."""
+        another thread holds the connection, when each is unmapped as that call lets go of it (the call
+        fails on the closed socket; a put copies nothing more: `copying`). A mapping that still backs a
+        caller's leased view goes with the view."""
         super().close()
         mappings = (self._arena, self._arena_rw)
         self._arena = self._arena_rw = None
