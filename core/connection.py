@@ -43,6 +43,8 @@ log = logging.getLogger("kvpool.transport")
 
 DEFAULT_MAX_BLOCK = 16 << 20
 """What `max_block` assumes of a worker whose HELLO does not say (an older worker)."""
+GATE_WAIT_S = 1.0
+"""The longest `close` or `abort` waits for a copy into reserved slots under way (`Connection._gate`)."""
 
 
 class Connection:
@@ -214,19 +216,31 @@ class Connection:
         and every later one (no new connection is made). What a call abandoned past its deadline was
         doing stops here, so it can never write into (or send from) its caller's buffers afterwards, nor
         into slots it reserved (a copy under way ends first: `ShmTransport.copying`)."""
-        with self._gate:
+        with self._gated():
             self._aborted = True
             sock = self._sock
         if sock is not None:
             with suppress(OSError):  # the plain socket's shutdown, under TLS too (its state untouched)
                 socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
+    @contextmanager
+    def _gated(self) -> Iterator[None]:
+        """`_gate` for `close` and `abort`, waited for at most GATE_WAIT_S: a part's copy takes
+        milliseconds, but a close from a signal handler that interrupted this thread's own copy would
+        otherwise wait for itself."""
+        got = self._gate.acquire(timeout=GATE_WAIT_S)
+        try:
+            yield
+        finally:
+            if got:
+                self._gate.release()
+
     def close(self) -> None:
         """Close the socket, shut down first: a call blocked on it in another thread (a read repair of a
         client closing) fails at once, where a close alone would leave it waiting out its timeout. That
         call closes the connection too, maybe at the same moment: each works on the socket it took. A
         copy into slots reserved on it ends first (`ShmTransport.copying`): the worker frees them at once."""
-        with self._gate:
+        with self._gated():
             sock, self._sock = self._sock, None
         if sock is not None:
             try:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool.core import shm_put, transport
+from kvpool.core import connection, shm_put, transport
 from kvpool.core.arena_pages import ArenaPages
 from kvpool.core.errors import PoolUnavailable
 from kvpool.core.server import Worker
@@ -158,3 +158,16 @@ def test_a_put_ended_before_it_copies_writes_nothing_into_slots_the_worker_gave_
     finally:
         for t_ in (writer, other, reader):
             t_.close()
+
+
+def test_a_close_from_the_thread_whose_copy_it_interrupted_does_not_wait_for_itself(
+        worker: Worker, stored: ShmTransport, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal handler that closes the client runs in the thread it interrupted, maybe in the middle of
+    a copy (the gate held): its close waits GATE_WAIT_S at most, then goes on."""
+    monkeypatch.setattr(connection, "GATE_WAIT_S", 0.2)
+    with stored._session() as sock, stored.copying(sock):  # this thread, copying
+        t0 = time.monotonic()
+        stored.close()
+        assert time.monotonic() - t0 < 2
+    out = [np.zeros(64 << 10, dtype=np.uint8) for _ in _KEYS]
+    assert stored.batch_get_into(_KEYS, out) == [b.nbytes for b in _BLOCKS]  # and a later call connects again
