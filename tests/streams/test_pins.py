@@ -224,3 +224,27 @@ def test_handoffs_nobody_reads_are_within_the_budget_too(nats, pool):
             p.end_request(f"r{r}", 1)
         p.flush()
         squeeze(pool)  # unrelated puts succeed: the oldest layers were unpinned and evicted
+
+
+def test_past_the_budget_pins_are_dropped_in_batches_oldest_first(nats, make_stream, pool, monkeypatch):
+    """A producer ahead of its reconciler is over the budget at almost every layer: each time over, the
+    oldest layers are unpinned down to 3/4 of the budget in one request, not one request per layer."""
+    unpins: list[list[str]] = []
+    real = PoolClient.batch_pin
+
+    def batch_pin(self: PoolClient, keys, seconds: float) -> None:
+        if seconds <= 0:
+            unpins.append(list(keys))
+        real(self, keys, seconds)
+
+    monkeypatch.setattr(PoolClient, "batch_pin", batch_pin)
+    s = make_stream()
+    layers = 16
+    with Producer(s, nats.url, pool, max_pinned_bytes=4 * MiB) as p:
+        for layer in range(layers):  # 1 MiB each, nothing ever read
+            p.publish_kv("r", layer, [f"r/L{layer}"], [bytes([layer]) * MiB])
+            p.flush()  # its announcement stored: counted against the budget
+        unpinned = [k for keys in unpins for k in keys]
+        assert sorted(unpinned) == sorted(f"r/L{i}" for i in range(len(unpinned)))  # the oldest, each once
+        assert layers - len(unpinned) <= 4  # within the budget (4 MiB)
+        assert len(unpins) <= (layers - 4) // 2  # in batches: one request per two layers over it at most
