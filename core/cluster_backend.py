@@ -228,11 +228,8 @@ class ClusterBackend:
             superseded = self._put_as_of(live, ranked, keys, buffers, pin_s, versions)
             if superseded:
                 again = [keys[i] for i in superseded]
-                stamps = self._stamps_above(live, again)
-                for i, v in zip(superseded, stamps):
-                    versions[i] = v
                 self._put_as_of(live, [ranked[i] for i in superseded], again, [buffers[i] for i in superseded],
-                                pin_s, stamps)
+                                pin_s, self._restamp(live, keys, superseded, versions))
         finally:  # (a put that failed may have reached an owner: the older copies go too)
             self._supersede(live, ranked, keys, versions)
 
@@ -255,14 +252,21 @@ class ClusterBackend:
             raise PoolUnavailable(f"{stored.count(0)} of {len(keys)} blocks reached no live worker")
         return sorted(superseded)
 
-    def _stamps_above(self, live: dict[str, WorkerInfo], keys: Sequence[bytes]) -> list[int]:
-        """Fresh versions for `keys`, above the newest any of their live owners knows of each."""
-        def ask(t: Transport, idx: list[int]) -> tuple[list[bool], list[int]]:
-            return t.batch_versions([keys[i] for i in idx])  # merged into this process's clock
+    def _restamp(self, live: dict[str, WorkerInfo], keys: Sequence[bytes], idx: list[int],
+                 versions: list[int]) -> list[int]:
+        """Fresh versions for the keys `idx` indexes, above the newest any of their live owners knows of
+        each: written into `versions` (what the workers next in line are told) and returned."""
+        again = [keys[i] for i in idx]
 
-        for _ in self.fanout.each(live, self._replica_groups(self._owners(keys, live)), ask, self._deadline()):
+        def ask(t: Transport, sub: list[int]) -> tuple[list[bool], list[int]]:
+            return t.batch_versions([again[j] for j in sub])  # merged into this process's clock
+
+        for _ in self.fanout.each(live, self._replica_groups(self._owners(again, live)), ask, self._deadline()):
             pass
-        return CLOCK.batch(len(keys))
+        stamps = CLOCK.batch(len(again))
+        for i, v in zip(idx, stamps):
+            versions[i] = v
+        return stamps
 
     def batch_get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[int]:
         """The newest version of each block among its live owners, or a miss (-1) where the newest thing
@@ -379,9 +383,7 @@ class ClusterBackend:
             removed, superseded = self._remove_as_of(live, ranked, keys, versions)
             if superseded:
                 again = [keys[i] for i in superseded]
-                stamps = self._stamps_above(live, again)
-                for i, v in zip(superseded, stamps):
-                    versions[i] = v
+                stamps = self._restamp(live, keys, superseded, versions)
                 for i, done in zip(superseded, self._remove_as_of(live, [ranked[i] for i in superseded], again,
                                                                   stamps)[0]):
                     removed[i] = removed[i] or done
