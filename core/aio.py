@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import random
 import ssl
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
@@ -14,8 +15,8 @@ from typing import Any, Literal, TypeVar
 from .errors import AuthError, KVPoolError, PoolTimeout, PoolUnavailable
 from .nats_creds import NatsCreds, Role, creds_path, find_creds, redacted_url
 
-__all__ = ["LoopThread", "nats_error_logger", "PING_INTERVAL_S", "MAX_OUTSTANDING_PINGS", "nats_connect",
-    "nats_denied", "NatsFailure", "nats_failure", "nats_error"]
+__all__ = ["LoopThread", "nats_error_logger", "PING_INTERVAL_S", "MAX_OUTSTANDING_PINGS", "CONNECT_ATTEMPT_S",
+    "nats_connect", "nats_denied", "NatsFailure", "nats_failure", "nats_error"]
 
 T = TypeVar("T")
 
@@ -75,11 +76,16 @@ def _auth_refused(e: Exception) -> bool:
     return "authorization violation" in str(e).lower() or "authentication" in str(e).lower()
 
 
-PING_INTERVAL_S = 2.0
+PING_INTERVAL_S = 1.0
 MAX_OUTSTANDING_PINGS = 2
 """A server that answers no ping for about PING_INTERVAL_S * (MAX_OUTSTANDING_PINGS + 1) seconds is
 given up for another of the cluster's: a cut network sends no FIN, and nats-py's default (pings every
-2 minutes) would leave a client deaf to membership for minutes, well past the member TTL."""
+2 minutes) would leave a client deaf to membership for minutes, and a worker unheard, well past the
+member TTL (10 s by default: a worker cut off from its node must be heard through another within it)."""
+CONNECT_ATTEMPT_S = 2.0
+"""How long one attempt to reach one server may take (the Go client's default), so that a failover
+that tries the lost server again, or a first connection to a list with an unreachable server in it,
+moves on to the next in seconds."""
 
 
 def _tls_only_client() -> type:
@@ -112,6 +118,9 @@ async def nats_connect(url: str, timeout_s: float, log: logging.Logger, *, role:
     import nats.aio.client
 
     servers = [u.strip() for u in url.split(",") if u.strip()]  # a NATS cluster: any of its servers
+    # spread over the cluster's servers, but in a fixed order from here on: nats-py then tries the server
+    # it lost last (its own shuffle on each reconnect may try the lost one first)
+    random.shuffle(servers)
     if creds is None and not any("@" in u for u in servers):
         creds = find_creds(role)
     auth: dict[str, Any] = dict(creds.connect_options()) if creds is not None else {}
@@ -133,9 +142,9 @@ async def nats_connect(url: str, timeout_s: float, log: logging.Logger, *, role:
 
     nc: Any = _tls_only_client()() if tls is not None else nats.aio.client.Client()
     connecting: asyncio.Future[Any] = asyncio.ensure_future(nc.connect(
-        servers, connect_timeout=timeout_s, allow_reconnect=True, max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5, ping_interval=PING_INTERVAL_S, max_outstanding_pings=MAX_OUTSTANDING_PINGS,
-        error_cb=on_error, **auth, **callbacks))
+        servers, connect_timeout=min(timeout_s, CONNECT_ATTEMPT_S), dont_randomize=True, allow_reconnect=True,
+        max_reconnect_attempts=-1, reconnect_time_wait=0.5, ping_interval=PING_INTERVAL_S,
+        max_outstanding_pings=MAX_OUTSTANDING_PINGS, error_cb=on_error, **auth, **callbacks))
     racing: set[asyncio.Future[Any]] = {connecting, refused}
     done, _ = await asyncio.wait(racing, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     if connecting not in done:

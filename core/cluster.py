@@ -27,6 +27,9 @@ __all__ = ["BUCKET", "rank", "Membership"]
 log = logging.getLogger("kvpool.cluster")
 
 BUCKET = "kvpool_members"
+BEAT_RETRY_S = 0.25
+"""How soon a heartbeat that failed is tried again: a worker whose NATS node is cut off fails over to
+another (aio.PING_INTERVAL_S) and must be heard again well within the member TTL."""
 _NO_PEERS_YET = 10005  # JetStream's "no suitable peers for placement": fewer nodes up than the replicas
 
 
@@ -150,21 +153,33 @@ class Membership:
 
         async def beat() -> None:
             nonlocal last_ok
+            failing = False
             while True:
                 try:
                     check_gap()
-                    await self._kv.put(worker_id, json.dumps({**info(), "ts": time.time()}).encode())
+                    # at most a beat per try: a put sent just before a cut cable gets no answer, and the
+                    # next one goes out (through the node the connection has failed over to) at once
+                    await asyncio.wait_for(
+                        self._kv.put(worker_id, json.dumps({**info(), "ts": time.time()}).encode()), heartbeat_s)
                     # a put may hang through the whole outage (a cut cable) and then succeed: the gap is
                     # told before this heartbeat counts, so the worker fences before it serves again
                     check_gap()
                     last_ok = time.monotonic()
+                    if failing:
+                        log.warning("heartbeats get through again")
+                        failing = False
                     if on_beat is not None:
                         on_beat()
                 except asyncio.CancelledError:
                     raise
-                except Exception as e:  # NATS restarting: keep beating; recreate the bucket if lost
-                    log.warning("heartbeat failed: %s", e)
-                    await self._reopen_bucket()
+                except Exception as e:  # NATS restarting or failing over: keep trying; recreate the bucket if lost
+                    if not failing:
+                        log.warning("heartbeat failed (trying again every %.1f s): %r", BEAT_RETRY_S, e)
+                        failing = True
+                    if not isinstance(e, asyncio.TimeoutError):  # an answer saying the bucket is gone
+                        await self._reopen_bucket()
+                    await asyncio.sleep(BEAT_RETRY_S)
+                    continue
                 await asyncio.sleep(heartbeat_s)
 
         try:
