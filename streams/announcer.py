@@ -62,12 +62,17 @@ class Announcer:
 
     def send(self, subj: str, body: bytes, headers: dict[str, str], keys: Sequence[Key], nbytes: int = 0) -> str:
         """Publish an announcement naming blocks `keys` (`nbytes` of them); returns its token without
-        waiting for the ack."""
+        waiting for the ack. One that raises was not sent, and is not sent later: the caller may send it
+        again."""
+        self._resend_if_reconnected()  # (before this one is listed: it goes out once, below)
         token = str(next(self._tokens))
         headers = {**headers, _EXPECTED_STREAM: self.stream, _MSG_ID: f"{self._id}.{token}"}
         self._unacked[token] = (subj, body, headers, keys, nbytes)
-        self._resend_if_reconnected()
-        self._wire.publish(subj, body, headers, reply=f"{self._inbox}.{token}")
+        try:
+            self._wire.publish(subj, body, headers, reply=f"{self._inbox}.{token}")
+        except BaseException:
+            del self._unacked[token]  # not sent (a send that fails leaves no whole message): nor resent later
+            raise
         return token
 
     def publish(self, subj: str, body: bytes, headers: dict[str, str]) -> int:

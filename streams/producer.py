@@ -98,7 +98,8 @@ class Producer:
         memory and the announcement is sent, without waiting for JetStream to acknowledge it (nor, on this
         node, for the worker to commit them: their commit goes just after the announcement), so that the
         next layer's put overlaps this one's publish; `end_request` waits for both. An
-        announcement the stream refused (e.g. StreamFull) raises from the next call."""
+        announcement the stream refused (e.g. StreamFull) raises from the next call. A call that raises
+        announced nothing: the layer may be published again (e.g. once NATS is back)."""
         if len(block_keys) != len(tensors):
             raise InvalidArgument(f"{len(block_keys)} block keys but {len(tensors)} tensors")
         limit = env.Limits().max_layer
@@ -116,8 +117,12 @@ class Producer:
         try:
             chain = self._chain(request_id)
             body = dataclasses.replace(ref, seal=chain.next()).encode()
+            try:
+                announcer.send(subj, body, self._signed(subj, {env.KIND: env.KV}, body), ref.keys, ref.total)
+            except BaseException:  # not announced: a retry of this layer takes its place in the chain
+                chain.take_back()
+                raise
             chain.layers += 1
-            announcer.send(subj, body, self._signed(subj, {env.KIND: env.KV}, body), ref.keys, ref.total)
         finally:  # the worker commits the layer while the announcement is on its way, not before
             self._stagers.send_held()
 
@@ -158,18 +163,25 @@ class Producer:
         every layer announced before; raises the error of any it refused. Returns the end's sequence.
 
         The end carries the number of layers this producer published for the request (the receiver
-        checks it against what arrived); `layers`, if given, must agree with it."""
+        checks it against what arrived); `layers`, if given, must agree with it. A call that raises may be
+        made again: the receiver takes the end once."""
         subj = subject(self.stream, "req", check_token(request_id, "request id"))
-        chain = self._chains.get(request_id) or Sealer()
+        published = self._chains[request_id].layers if request_id in self._chains else 0
         if self._stagers is not None:
             self._stagers.settle()  # a layer's put the worker refused fails the request here, not its end
-        if layers is not None and layers != chain.layers:
+        if layers is not None and layers != published:
             raise InvalidArgument(f"end_request({request_id!r}, layers={layers}): this producer published "
-                                  f"{chain.layers} layer(s) of it", size=layers, limit=chain.layers)
+                                  f"{published} layer(s) of it", size=layers, limit=published)
+        chain = self._chain(request_id)  # (kept until the end is stored: asked again, it goes on the same chain)
         body = env.End(request_id, chain.layers, chain.next(last=True)).encode()
-        self._chains.pop(request_id, None)
         headers = {env.KIND: env.END, env.TYPE: "json"}
-        return self._announcing().publish(subj, body, self._signed(subj, headers, body))
+        try:
+            seq = self._announcing().publish(subj, body, self._signed(subj, headers, body))
+        except BaseException:  # the end may be asked again (sent, but not acknowledged: stored twice, read once)
+            chain.take_back()
+            raise
+        self._chains.pop(request_id, None)
+        return seq
 
     def _stored(self, seq: int, subj: str, keys: Sequence[Key], nbytes: int) -> None:
         """JetStream stored kv announcement `seq` (blocks `keys`, `nbytes` of them): they stay pinned

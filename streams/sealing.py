@@ -71,14 +71,20 @@ class Sealer:
         self.nonce, self.n = secrets.token_hex(16), 0
         self._next = secrets.token_bytes(32)
         self._revealed = b""
+        self._before = (self._next, self._revealed, self.n)
         self.layers = 0
 
     def next(self, last: bool = False) -> Seal:
+        self._before = (self._next, self._revealed, self.n)
         now, self._next = self._next, secrets.token_bytes(32)
         seal = Seal(self.nonce, self.n, self._revealed.hex(), "" if last else _h(now))
         self._revealed = now
         self.n += 1
         return seal
+
+    def take_back(self) -> None:
+        """Undo the last `next()`: its message was never sent, and the next one takes its place."""
+        self._next, self._revealed, self.n = self._before
 
 
 class ChainCheck:

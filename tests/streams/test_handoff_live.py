@@ -360,3 +360,44 @@ def test_a_read_back_cut_short_keeps_what_it_took(nats, make_stream, pool, monke
     assert 1 <= len(first) < LAYERS + 1
     seqs = [m.seq for m in first + rest]
     assert seqs == sorted(set(seqs)) and len(seqs) == LAYERS + 1  # every layer and the end, once each
+
+
+def test_a_layer_or_end_whose_send_failed_is_published_again_and_taken_once(nats, make_stream, pool, monkeypatch):
+    """A publish_kv or end_request that raised (NATS unreachable: the send failed) announced nothing: the
+    producer calls it again and the receiver takes each layer and the end once, in one chain."""
+    from kvpool.streams import StreamUnavailable
+    from kvpool.streams.wire import Wire
+
+    s, failed = make_stream(), []
+    real = Wire.publish
+
+    def flaky(self: Wire, subj: str, body: bytes, headers: dict[str, str] | None = None, reply: str = "") -> None:
+        kind = (headers or {}).get("Kvpool-Kind")
+        which = "end" if kind == "end" else json.loads(body)["layer"] if kind == "kv" else None
+        if which in (2, "end") and which not in failed:
+            failed.append(which)
+            raise StreamUnavailable("NATS at nats://test: sending failed twice (injected)")
+        real(self, subj, body, headers, reply)
+
+    monkeypatch.setattr(Wire, "publish", flaky)
+
+    def again(call: Callable[..., object], *args: object) -> None:
+        try:
+            call(*args)
+        except StreamUnavailable:
+            call(*args)
+
+    def produce() -> None:
+        with Producer(s, nats.url, pool=pool, timeout_s=5) as p:
+            for layer in range(LAYERS):
+                again(p.publish_kv, "again", layer, [f"again/L{layer}"], [_block("again", layer)])
+            again(p.end_request, "again", LAYERS)
+
+    with HandoffReceiver(s, nats.url, pool) as rx:
+        producer = threading.Thread(target=produce, daemon=True)
+        producer.start()
+        got = _receive(rx, "again")
+        producer.join(20)
+    assert failed == [2, "end"]
+    assert got == list(range(LAYERS))
+    assert rx.counts["rejected"] == 0
