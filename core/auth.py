@@ -176,8 +176,17 @@ def proof(token: str, nonce_w: bytes, nonce_c: bytes, role: str) -> bytes:
 
 def peer_uid(sock: socket.socket) -> int:
     """The uid of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return int(struct.unpack("3i", creds)[1])
+    return _peer_cred(sock)[1]
+
+
+def peer_pid(sock: socket.socket) -> int:
+    """The pid of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
+    return _peer_cred(sock)[0]
+
+
+def _peer_cred(sock: socket.socket) -> tuple[int, int, int]:
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return int(pid), int(uid), int(gid)
 
 
 def same_user(uid: int) -> bool:

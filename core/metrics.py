@@ -41,6 +41,9 @@ class WorkerMetrics:
         self.deadline_closes = Counter("kvpool_deadline_closes", "Connections closed for a deadline "
                                        "(auth: not authenticated in time; io: a request not done in time)",
                                        ["deadline"], registry=self.registry)
+        self.polled_requests = Counter("kvpool_polled_requests", "Requests taken by a connection's thread while "
+                                       "it polled for them after answering the one before (`poll_us`), not "
+                                       "woken from sleep", registry=self.registry)
         self.corrupt_blocks = Counter("kvpool_corrupt_blocks", "Blocks put (over TCP, or committed by a "
                                       "same-node writer) whose bytes failed their checksum (not stored)",
                                       registry=self.registry)

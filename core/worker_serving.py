@@ -9,6 +9,7 @@ back its reservations and leases.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import select
 import socket
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import protocol as P
-from .auth import AuthThrottle, peer_uid, same_user
+from .auth import AuthThrottle, peer_pid, peer_uid, same_user
 from .cache import BlockRef, TieredCache
 from .config import WorkerConfig
 from .errors import KVPoolError, ProtocolError
@@ -36,6 +37,10 @@ _SOCK_BUF = 8 << 20  # room for the sender to run ahead while a received chunk i
 
 _PREAUTH_META = 4096
 """Metadata bytes a frame may carry before its connection authenticates (HELLO and AUTH need little)."""
+
+_ALONE_S = 0.01
+"""A connection polls for its next request (`ConnectionServing._poll`) only if every request this long
+before came on it."""
 
 _SHM_OPS = frozenset({P.Op.ALLOC, P.Op.COMMIT, P.Op.COMMIT_UNCHECKED, P.Op.ABORT, P.Op.LEASE, P.Op.RELEASE})
 
@@ -56,6 +61,9 @@ class Conn:
         self.request_since = 0.0  # monotonic time of the current request's first byte; 0 between requests
         self.closing = ""  # why the watchdog shut the connection down
         self.busy = False
+        self.may_poll = False  # a same-node client in another process: see ConnectionServing._poll
+        self.answered_at = 0.0  # perf_counter() when the last request was answered
+        self.in_burst = False  # the last request came within `poll_us` of the answer before it
         self.reserved: dict[int, int] = {}  # offset -> size
         self.leases: dict[int, BlockRef] = {}  # lease id -> block
         self.next_lease = 1
@@ -78,6 +86,10 @@ class ConnectionServing:
         self._conns: set[Conn] = set()
         self._conns_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self._pollers = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) // 2))
+        """Connection threads that may poll for their next request at once (`_poll`)."""
+        self._last_conn: Conn | None = None  # whose request came last
+        self._switched_at = 0.0  # perf_counter() when a request last came on another connection than the one before
         self._acceptors: list[threading.Thread] = []  # one accept loop per listener
         self._accept_errors: dict[str, str] = {}  # transport -> the error last logged
         self._refusing: set[str] = set()  # connection limits already logged as reached
@@ -194,6 +206,7 @@ class ConnectionServing:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, io_timeout)  # see _next_frame
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, io_timeout)
         conn = Conn(sock, transport, authed, peer)
+        conn.may_poll = transport == "shm" and self.config.poll_us > 0 and _other_process(sock)
         if not conn.authed:
             sock.settimeout(self.config.auth_timeout_s)  # lifted by a good AUTH; the watchdog bounds the rest
         t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name="kvpool-conn")
@@ -250,9 +263,10 @@ class ConnectionServing:
                 conn.busy = True
                 t0 = time.perf_counter()
                 self._dispatch(conn, frame)
+                conn.answered_at = t1 = time.perf_counter()
                 served, latency = self._op_metrics.get(frame.op) or self._metrics_of(frame.op)
                 served.inc()
-                latency.observe(time.perf_counter() - t0)
+                latency.observe(t1 - t0)
                 conn.busy = False
                 conn.request_since = 0.0
         except ProtocolError as e:
@@ -313,19 +327,46 @@ class ConnectionServing:
         # The idle wait is the header's own receive (no MSG_PEEK first): it returns with the first bytes.
         head = bytearray(P.HEADER.size)
         view = memoryview(head)
-        while True:
+        got = self._poll(conn, view)
+        if got > 0:
+            self.metrics.polled_requests.inc()
+        while got < 0:
             try:
                 got = sock.recv_into(view)
-                break
             except BlockingIOError:  # SO_RCVTIMEO while idle: keep waiting, unless stopping
                 if self._stopping.is_set():
                     raise ConnectionError("worker stopping") from None
+        now = time.perf_counter()
+        conn.in_burst = now - conn.answered_at < self.config.poll_us * 1e-6
+        if conn is not self._last_conn:
+            self._last_conn, self._switched_at = conn, now
         if not got:
             raise ConnectionError("closed by the client")
         conn.request_since = time.monotonic()
         if got < len(head):
             P.recv_exactly(sock, view[got:])
         return P.recv_frame(sock, max_meta, head)
+
+    def _poll(self, conn: Conn, view: memoryview) -> int:
+        """In a burst, the first bytes of the next request as they arrive within `poll_us` of the last
+        answer (0: the client closed), without the thread going to sleep; -1 if none came. Only a
+        same-node client in another process (`Conn.may_poll`), in a burst, that had the worker to itself
+        for `_ALONE_S`: a polling thread keeps the GIL (and a core) from the worker's other threads, so
+        its poll would delay another connection's requests (or those of a client in the worker's own
+        process) by up to `poll_us` each; and at most half the cores poll."""
+        if (not conn.may_poll or not conn.in_burst or time.perf_counter() - self._switched_at < _ALONE_S
+                or not self._pollers.acquire(blocking=False)):
+            return -1
+        try:
+            until, sock = conn.answered_at + self.config.poll_us * 1e-6, conn.sock
+            while time.perf_counter() < until:
+                try:
+                    return sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    continue
+            return -1
+        finally:
+            self._pollers.release()
 
     def _cleanup(self, conn: Conn) -> None:
         """Give back what a departed client held: reservations (never committed) and leases."""
@@ -365,6 +406,14 @@ class ConnectionServing:
         """A fresh nonce for this connection's AUTH (each HELLO replaces the last)."""
         conn.nonce = secrets.token_bytes(32)
         return conn.nonce
+
+
+def _other_process(sock: socket.socket) -> bool:
+    """Whether the Unix-socket peer is another process than this one."""
+    try:
+        return peer_pid(sock) != os.getpid()
+    except OSError:
+        return False
 
 
 def shutdown(sock: socket.socket) -> None:
