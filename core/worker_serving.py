@@ -86,7 +86,7 @@ class ConnectionServing:
         self._conns: set[Conn] = set()
         self._conns_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
-        self._pollers = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) // 2))
+        self._pollers = threading.BoundedSemaphore(max(1, len(os.sched_getaffinity(0)) // 2))
         """Connection threads that may poll for their next request at once (`_poll`)."""
         self._last_conn: Conn | None = None  # whose request came last
         self._switched_at = 0.0  # perf_counter() when a request last came on another connection than the one before

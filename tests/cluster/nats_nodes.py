@@ -84,10 +84,13 @@ class Relay:
                         self._sel.register(upstream, selectors.EVENT_READ, conn)
                         self.carried += 1
                     continue
-                data = sock.recv(1 << 16)
-                if data:
-                    key.data.sendall(data)
-                else:  # one side closed: close both
+                try:
+                    data = sock.recv(1 << 16)
+                    if data:
+                        key.data.sendall(data)
+                except OSError:  # reset by one side
+                    data = b""
+                if not data:  # one side closed: close both
                     for s in (sock, key.data):
                         self._sel.unregister(s)
                         s.close()
