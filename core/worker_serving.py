@@ -353,7 +353,8 @@ class ConnectionServing:
         same-node client in another process (`Conn.may_poll`), in a burst, that had the worker to itself
         for `_ALONE_S`: a polling thread keeps the GIL (and a core) from the worker's other threads, so
         its poll would delay another connection's requests (or those of a client in the worker's own
-        process) by up to `poll_us` each; and at most half the cores poll."""
+        process) by up to `poll_us` each (now only the first after such a spell alone); and at most half
+        the cores poll."""
         if (not conn.may_poll or not conn.in_burst or time.perf_counter() - self._switched_at < _ALONE_S
                 or not self._pollers.acquire(blocking=False)):
             return -1
