@@ -49,8 +49,8 @@ class ThreeNodes:
 
 
 class Relay:
-    """Passes TCP connections from 127.0.0.1:`port` on to `target` until `cut()`: from then on no byte
-    goes either way, nothing is closed, and new connections are accepted and left unanswered."""
+    """Passes TCP connections to `url` (a free port on 127.0.0.1) on to `target` until `cut()`: from then
+    on no byte goes either way, nothing is closed, and new connections are accepted and left unanswered."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
@@ -72,8 +72,8 @@ class Relay:
         while not self._stop.is_set():
             for key, _ in self._sel.select(0.05):
                 sock: socket.socket = key.fileobj  # type: ignore[assignment]
-                if self._cut.is_set() and sock is not self._listener:
-                    continue
+                if sock.fileno() < 0 or (self._cut.is_set() and sock is not self._listener):
+                    continue  # (closed with its pair's other end in this round)
                 if sock is self._listener:
                     conn, _ = sock.accept()
                     self._held.append(conn)
