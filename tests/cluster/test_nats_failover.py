@@ -27,14 +27,13 @@ def test_a_worker_cut_off_from_its_nats_node_is_heard_through_another_within_the
         assert watcher.wait_for(lambda m: "w-cut" in m, 10)
         (carrying,) = [r for r in relays if r.carried]
         time.sleep(HEARTBEAT_S * 1.5)  # the cut comes at any phase of the beat
-        cut_at = time.monotonic()
+        cut_at, cut_wall = time.monotonic(), time.time()
         carrying.cut()
-        heard: list[float] = []
+        heard = False  # a heartbeat stamped after the cut: it came through another node
         while time.monotonic() < cut_at + TTL_S + HEARTBEAT_S:
             members = watcher.members()
             assert "w-cut" in members, f"the worker was dropped {time.monotonic() - cut_at:.1f} s after the cut"
-            if members["w-cut"].ts > time.time() - HEARTBEAT_S and time.monotonic() > cut_at + 1:
-                heard.append(time.monotonic() - cut_at)
+            heard = heard or members["w-cut"].ts > cut_wall
             time.sleep(0.1)
         assert heard, "no heartbeat came through another node after the cut"
         assert sum(r.carried for r in relays if r is not carrying) == 1, "it failed over to another node"
