@@ -174,7 +174,7 @@ class Membership:
                     raise
                 except Exception as e:  # NATS restarting or failing over: keep trying; recreate the bucket if lost
                     if not failing:
-                        log.warning("heartbeat failed (trying again every %.1f s): %r", BEAT_RETRY_S, e)
+                        log.warning("heartbeat failed (trying again every %.2f s): %r", BEAT_RETRY_S, e)
                         failing = True
                     if not isinstance(e, asyncio.TimeoutError):  # an answer saying the bucket is gone
                         await self._reopen_bucket()
