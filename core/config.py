@@ -196,7 +196,7 @@ class WorkerConfig:
     """After answering a same-node client's request of a burst (it came within this many microseconds
     of the answer before), the connection's thread polls for the next one this long before it sleeps
     (`KVPOOL_POLL_US`; 0: never): waking a sleeping thread costs more than copying a 16 KiB block (same-
-    node gets of 64 x 16 KiB: 0.39 -> 0.52 of memcpy on 2 cores). Only while that client has the worker
+    node gets of 64 x 16 KiB: 0.39 -> 0.5 of memcpy on 2 cores). Only while that client has the worker
     to itself (a poll holds the GIL from other connections' threads), and at most half the cores at once."""
     max_connections: int = 1024
     """Connections served at once (a thread each); further ones are closed at once, with a warning."""
