@@ -229,7 +229,7 @@ class ClusterBackend:
             if superseded:
                 again = [keys[i] for i in superseded]
                 self._put_as_of(live, [ranked[i] for i in superseded], again, [buffers[i] for i in superseded],
-                                pin_s, self._restamp(live, keys, superseded, versions))
+                                pin_s, self._restamp(live, again, superseded, versions))
         finally:  # (a put that failed may have reached an owner: the older copies go too)
             self._supersede(live, ranked, keys, versions)
 
@@ -252,12 +252,11 @@ class ClusterBackend:
             raise PoolUnavailable(f"{stored.count(0)} of {len(keys)} blocks reached no live worker")
         return sorted(superseded)
 
-    def _restamp(self, live: dict[str, WorkerInfo], keys: Sequence[bytes], idx: list[int],
+    def _restamp(self, live: dict[str, WorkerInfo], again: Sequence[bytes], idx: list[int],
                  versions: list[int]) -> list[int]:
-        """Fresh versions for the keys `idx` indexes, above the newest any of their live owners knows of
-        each: written into `versions` (what the workers next in line are told) and returned."""
-        again = [keys[i] for i in idx]
-
+        """Fresh versions for the keys `again` (the batch's at `idx`), above the newest any of their live
+        owners knows of each: written into `versions` at `idx` (what the workers next in line are told)
+        and returned."""
         def ask(t: Transport, sub: list[int]) -> tuple[list[bool], list[int]]:
             return t.batch_versions([again[j] for j in sub])  # merged into this process's clock
 
@@ -383,7 +382,7 @@ class ClusterBackend:
             removed, superseded = self._remove_as_of(live, ranked, keys, versions)
             if superseded:
                 again = [keys[i] for i in superseded]
-                stamps = self._restamp(live, keys, superseded, versions)
+                stamps = self._restamp(live, again, superseded, versions)
                 for i, done in zip(superseded, self._remove_as_of(live, [ranked[i] for i in superseded], again,
                                                                   stamps)[0]):
                     removed[i] = removed[i] or done
