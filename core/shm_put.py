@@ -21,8 +21,8 @@ import numpy as np
 
 from . import protocol as P
 from .arena_pages import ArenaPages
-from .blocks import checksum
 from .errors import ProtocolError
+from .fastcopy import copy_hash
 
 __all__ = ["PART_BYTES", "MIN_PART_BYTES", "PARTS_PER_ALLOC", "alloc_chunks", "part_slices", "PartedPut",
            "recv_column", "copy_in"]
@@ -72,13 +72,11 @@ def recv_column(sock: socket.socket, op: int, n: int) -> np.ndarray:
 
 
 def copy_in(arena: memoryview, offsets: np.ndarray, views: Sequence[memoryview]) -> np.ndarray:
-    """Copy each view into its slot of the arena; the checksum of each, hashed as it landed (while it is
-    in cache), for its COMMIT."""
+    """Copy each view into its slot of the arena; the checksum of the bytes each slot got
+    (`fastcopy.copy_hash`), for its COMMIT."""
     csums = np.empty(len(views), dtype="<u8")
     for i, (off, v) in enumerate(zip(offsets.tolist(), views)):
-        slot = arena[off:off + v.nbytes]
-        slot[:] = v
-        csums[i] = checksum(slot)
+        csums[i] = copy_hash(arena[off:off + v.nbytes], v)
     return csums
 
 

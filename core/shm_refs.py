@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from .blocks import checksum
+from .fastcopy import copy_hash
 from .records import WorkerInfo
 
 __all__ = ["Place", "Recorder", "ArenaLookup", "recording", "committed", "copy_placed"]
@@ -106,11 +106,9 @@ def copy_placed(lookup: ArenaLookup, places: Sequence[Place | None], views: Sequ
             end = place.offset + place.size
             if arena is not None and place.offset >= 0 and end <= arena.nbytes:
                 try:
-                    view[:] = arena[place.offset:end]
+                    ok = copy_hash(view, arena[place.offset:end]) == want  # of the bytes the view got
                 except ValueError:  # the mapping was released under us (its transport closed): not read
                     arenas[where] = None
-                else:
-                    ok = checksum(view) == want
                 newest = max(newest, place.version) if ok else newest
         out.append(ok)
     return out, newest

@@ -30,6 +30,7 @@ from .blocks import checksum
 from .buffers import Destination, destination_views, finish_all, readable
 from .connection import Connection, put_outcome, raise_item, send_pin
 from .errors import BufferSizeError, PoolUnavailable, ProtocolError
+from .fastcopy import copy
 from .pool_backend import leases_by_copy
 from .shm_put import PartedPut
 from .shm_refs import committed
@@ -379,7 +380,7 @@ def _copy_out(arena: memoryview, keys: Sequence[bytes], offsets: list[int], size
         if size > view.nbytes:
             raise BufferSizeError(f"block {key[:24]!r} is {size} bytes; the destination holds {view.nbytes}",
                                   key=key, size=size, limit=view.nbytes)
-        view[:size] = arena[off:off + size]
+        copy(view[:size], arena[off:off + size])
         out.append(size)
     return out
 

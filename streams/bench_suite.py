@@ -19,8 +19,9 @@ request, every one comparing the bytes it received with the source after its clo
 - `nats_inline`: the same bytes inline through JetStream in 512 KiB messages.
 Latencies (the decode side already waiting, clocks of one machine): `first_layer`, from the prefill
 calling `publish_kv` for layer 0 (1 MiB) to that layer verified in the decode side's buffer;
-`tiny_layer`, from `publish_kv` returning for a 64-byte layer (its block in the pool, its announcement
-handed to NATS) to that layer in the decode side's hands (the notification and one small pool read);
+`tiny_layer`, the same for a 64-byte layer (the per-layer cost with no bytes to speak of: a small put,
+the announcement and the decode side's read of it; timed from the call, as `first_layer`: from its
+return it came out negative when the decode side had the layer before the producer's thread ran again);
 `notify`, from the prefill calling `end_request` (a request of no layers: one sealed announcement) to
 that announcement handed out by the decode side's live subscription (`live.Feed`, as `iter_layers`
 takes it); `js_notify`, a JSON notification through `Producer.publish` (which waits for JetStream's
@@ -154,7 +155,6 @@ def _prefill_main(url: str) -> None:
                     times.append(_now())
                     block = layers[0] if what == "first" else layers[0, :_TINY]
                     p.publish_kv(rest[0], 0, [f"bench/{stream}/{rest[0]}/L0"], [block])
-                    times.append(_now())
                     p.end_request(rest[0], 1)
                 else:
                     for ch in layers.reshape(-1, _INLINE_CHUNK):
@@ -216,11 +216,11 @@ def _latencies(url: str, pool: PoolClient, prefill: _Prefill, layers: np.ndarray
                 got = []
                 for _ in rx.iter_layers(rid, timeout=30, into=lambda layer, nbytes: out[:nbytes]):
                     got.append(_now())
-                called, returned = prefill.done()
+                (called,) = prefill.done()
                 if len(got) != 1 or not np.array_equal(out[:want.size], want):
                     raise BenchError(f"latency request {rid}: {len(got)} layers, or bytes differ")
                 if r >= 5:  # the first few warm up
-                    samples[f"{what}_layer"].append(got[0] - (called if what == "first" else returned))
+                    samples[f"{what}_layer"].append(got[0] - called)
                 out.fill(0)
                 pool.batch_remove([f"bench/{what}/{rid}/L0"])
             rid = f"note{r}"

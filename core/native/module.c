@@ -1,0 +1,98 @@
+/* kvpool.core._native: block copies that hash what they write, for the same-node hot paths.
+ *
+ * copy_hash(dst, src) -> int   dst[:] = src; the XXH3-64 of the bytes written (xxhash.xxh3_64_intdigest)
+ * copy(dst, src)               dst[:] = src
+ * hash(src) -> int             the XXH3-64 of src
+ * simd() -> str                the kernels in use: "avx2" or "base"
+ *
+ * dst: a writable, src: a readable C-contiguous buffer of the same length. See kernel.h for how a copy
+ * is made. The GIL is held throughout, as it is for a memoryview slice assignment. Python falls back to
+ * the same results without this module (kvpool.core.fastcopy). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+
+uint64_t kv_copy_hash_base(char *dst, const char *src, size_t n);
+void kv_copy_base(char *dst, const char *src, size_t n);
+uint64_t kv_hash_base(const char *src, size_t n);
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__clang__)
+#define KV_AVX2_BUILT 1
+uint64_t kv_copy_hash_avx2(char *dst, const char *src, size_t n);
+void kv_copy_avx2(char *dst, const char *src, size_t n);
+uint64_t kv_hash_avx2(const char *src, size_t n);
+#endif
+
+static uint64_t (*copy_hash_fn)(char *, const char *, size_t) = kv_copy_hash_base;
+static void (*copy_fn)(char *, const char *, size_t) = kv_copy_base;
+static uint64_t (*hash_fn)(const char *, size_t) = kv_hash_base;
+static const char *simd_name = "base";
+
+static int pair(PyObject *args, const char *fmt, Py_buffer *dst, Py_buffer *src) {
+    if (!PyArg_ParseTuple(args, fmt, dst, src))
+        return -1;
+    if (dst->len != src->len) {
+        PyErr_Format(PyExc_ValueError, "destination of %zd bytes for a source of %zd", dst->len, src->len);
+        PyBuffer_Release(dst);
+        PyBuffer_Release(src);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_copy_hash(PyObject *self, PyObject *args) {
+    Py_buffer dst, src;
+    if (pair(args, "w*y*:copy_hash", &dst, &src) < 0)
+        return NULL;
+    uint64_t h = copy_hash_fn((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+static PyObject *py_copy(PyObject *self, PyObject *args) {
+    Py_buffer dst, src;
+    if (pair(args, "w*y*:copy", &dst, &src) < 0)
+        return NULL;
+    copy_fn((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_hash(PyObject *self, PyObject *args) {
+    Py_buffer src;
+    if (!PyArg_ParseTuple(args, "y*:hash", &src))
+        return NULL;
+    uint64_t h = hash_fn((const char *)src.buf, (size_t)src.len);
+    PyBuffer_Release(&src);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+static PyObject *py_simd(PyObject *self, PyObject *unused) {
+    return PyUnicode_FromString(simd_name);
+}
+
+static PyMethodDef methods[] = {
+    {"copy_hash", py_copy_hash, METH_VARARGS, "copy_hash(dst, src) -> int: dst[:] = src; the XXH3-64 of the bytes written"},
+    {"copy", py_copy, METH_VARARGS, "copy(dst, src): dst[:] = src"},
+    {"hash", py_hash, METH_VARARGS, "hash(src) -> int: the XXH3-64 of src"},
+    {"simd", py_simd, METH_NOARGS, "simd() -> str: the kernels in use (avx2 or base)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvpool.core._native", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__native(void) {
+#ifdef KV_AVX2_BUILT
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) {
+        copy_hash_fn = kv_copy_hash_avx2;
+        copy_fn = kv_copy_avx2;
+        hash_fn = kv_hash_avx2;
+        simd_name = "avx2";
+    }
+#endif
+    return PyModule_Create(&module);
+}

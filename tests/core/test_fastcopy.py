@@ -1,0 +1,72 @@
+"""The copy kernels (kvpool.core.fastcopy): the C extension and the Python fallback give the same bytes
+and the same checksum as a slice assignment and xxhash, at every size and alignment the hot paths see."""
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvpool.core import fastcopy
+
+IMPLS = {"python": (fastcopy._copy_hash, fastcopy._copy)}
+if fastcopy._native is not None:
+    IMPLS["native"] = (fastcopy._native.copy_hash, fastcopy._native.copy)
+
+SIZES = [0, 1, 15, 64, 4095, 32767, 32768, 32769, 65536 + 13, 3 * 16384, 1 << 20, (1 << 20) + 7]
+
+
+def test_the_extension_is_built_here() -> None:
+    """CI installs with a C compiler: the same-node paths run the native kernels there."""
+    assert fastcopy._native is not None and fastcopy.copy_hash is fastcopy._native.copy_hash
+    assert fastcopy.SIMD in ("avx2", "base")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("skew", [0, 3, 16])
+def test_copy_hash_writes_the_source_and_returns_its_xxh3(impl: str, size: int, skew: int) -> None:
+    copy_hash, copy = IMPLS[impl]
+    src = os.urandom(size)
+    with mmap.mmap(-1, size + 64) as arena:  # a shared mapping, as the arena is; a destination off alignment
+        dst = memoryview(arena)[skew:skew + size]
+        try:
+            assert copy_hash(dst, src) == xxhash.xxh3_64_intdigest(src)
+            assert bytes(dst) == src
+            assert arena[:skew] == b"\0" * skew and arena[skew + size:] == b"\0" * (64 - skew)  # nothing outside
+            arena[:] = b"\0" * len(arena)
+            copy(dst, memoryview(src))
+            assert bytes(dst) == src
+        finally:
+            dst.release()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_numpy_buffers_either_way(impl: str) -> None:
+    copy_hash, copy = IMPLS[impl]
+    src = np.arange(300_000, dtype=np.uint16)
+    out = np.zeros_like(src)
+    assert copy_hash(out, src) == xxhash.xxh3_64_intdigest(src.tobytes())
+    assert np.array_equal(out, src)
+    out.fill(0)
+    copy(memoryview(out).cast("B"), memoryview(src).cast("B"))
+    assert np.array_equal(out, src)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bad_buffers_raise_and_write_nothing(impl: str) -> None:
+    copy_hash, copy = IMPLS[impl]
+    dst = bytearray(100)
+    with pytest.raises(ValueError, match="100 bytes"):
+        copy_hash(dst, b"x" * 99)
+    with pytest.raises(ValueError, match="100 bytes"):
+        copy(dst, b"x" * 101)
+    assert dst == bytearray(100)
+    with pytest.raises(TypeError):
+        copy_hash(b"\0" * 4, b"abcd")  # a read-only destination
+    released = memoryview(bytearray(4))
+    released.release()
+    with pytest.raises(ValueError):  # a mapping released under the caller (copy_placed relies on it)
+        copy_hash(bytearray(4), released)
