@@ -44,6 +44,8 @@ class WorkerMetrics:
         self.polled_requests = Counter("kvpool_polled_requests", "Requests taken by a connection's thread while "
                                        "it polled for them after answering the one before (`poll_us`), not "
                                        "woken from sleep", registry=self.registry)
+        self.empty_polls = Counter("kvpool_empty_polls", "Polls for a connection's next request that found "
+                                   "none within `poll_us` (that much CPU spent for nothing)", registry=self.registry)
         self.corrupt_blocks = Counter("kvpool_corrupt_blocks", "Blocks put (over TCP, or committed by a "
                                       "same-node writer) whose bytes failed their checksum (not stored)",
                                       registry=self.registry)

