@@ -5,13 +5,14 @@ the bytes written (`blocks.checksum`); `copy(dst, src)` only copies. Both take a
 (memoryviews of the arena, numpy arrays, bytes).
 
 Where the C extension `kvpool.core._native` was built (`pip install -e .` builds it when a C compiler is
-present; `SIMD` says which kernels it runs, "none" without it), a block of 32 KiB or more is copied in
+present; `SIMD` says which kernels it runs, "none" without it), a block of 8 KiB or more is copied in
 16 KiB chunks through a buffer that stays in L1: each chunk is read once from the source, hashed there
 and written with non-temporal stores, so the checksum is of exactly the bytes written (even if the
 source changes meanwhile: a slot of a shared arena that another process reuses), and a copy of
 megabytes neither reads its destination first nor pushes the caller's working set out of the caches.
-On this project's 2-vCPU test machine a 1 MiB copy and hash from memory takes ~125 us that way against
-~170-190 us as a copy then a hash (see docs/BENCHMARKS.md). Without the extension the results are the
+On this project's 2-vCPU test machine (docs/BENCHMARKS.md, run AD) a 1 MiB copy and hash from memory
+took 150-175 us this way against 170-205 as a copy then a hash, and a copy alone 118-123 against
+memcpy's 145-160. Without the extension the results are the
 same, copied and hashed by Python (a slice assignment, then xxhash).
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ IMPLS = {"python": (fastcopy._copy_hash, fastcopy._copy)}
 if fastcopy._native is not None:
     IMPLS["native"] = (fastcopy._native.copy_hash, fastcopy._native.copy)
 
-SIZES = [0, 1, 15, 64, 4095, 32767, 32768, 32769, 65536 + 13, 3 * 16384, 1 << 20, (1 << 20) + 7]
+SIZES = [0, 1, 15, 64, 4095, 8191, 8192, 8193, 16384 + 1, 65536 + 13, 3 * 16384, 1 << 20, (1 << 20) + 7]
 
 
 def test_the_extension_is_built_here() -> None:

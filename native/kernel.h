@@ -1,13 +1,14 @@
 /* The copy kernels, compiled once per instruction set: kernel_base.c (what the compiler targets by
- * default) and, on x86-64 with GCC or Clang, kernel_avx2.c (the same code under target("avx2"), where
+ * default) and, on x86-64 with GCC, kernel_avx2.c (the same code under target("avx2"), where
  * xxHash's XXH3 takes its AVX2 path). The includer defines KV_FN(name), the suffix of its functions.
  *
  * A block is copied in chunks through a bounce buffer that stays in L1: each chunk is read once from
  * the source, hashed there and written to the destination with non-temporal stores. The checksum is
  * therefore of exactly the bytes written, even if the source changes meanwhile (a slot of a shared
  * arena that another process reuses), and a copy of megabytes neither reads the destination first nor
- * evicts the caller's working set from the caches. Copies under NT_MIN bytes are plain memcpy: their
- * destination is usually read again soon. */
+ * evicts the caller's working set from the caches. Copies under KV_NT_MIN bytes are plain memcpy (and a
+ * hash): the stores and the fence are not worth it there. KV_NT_MIN is 8 KiB: same-node gets of 16 KiB
+ * blocks went 0.49 -> 0.53 of memcpy with it at 8 KiB rather than 32 (docs/BENCHMARKS.md, run AD). */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -22,7 +23,7 @@
 #endif
 
 #define KV_CHUNK 16384
-#define KV_NT_MIN 32768
+#define KV_NT_MIN 8192
 
 #ifdef KV_HAVE_STREAM
 /* dst[0:n] = src[0:n], streaming the 16-byte-aligned middle of dst past the caches. */
