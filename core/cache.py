@@ -17,12 +17,12 @@ from contextlib import contextmanager
 from itertools import repeat
 from typing import Any, cast
 
-from .blocks import checksum
 from .buffers import Destination, readable
 from .cache_events import CacheListener
 from .config import CacheConfig, load
 from .demoter import Demoter
 from .errors import BlockTooLarge, BufferSizeError, InvalidArgument
+from .fastcopy import copy, copy_hash
 from .keys import Key, key_bytes, keys_bytes
 from .replica_state import ReplicaState
 from .stats import CacheStats
@@ -108,19 +108,20 @@ class TieredCache:
         device = self._stack.device
         stamps = versions if versions is not None else CLOCK.batch(len(raw_keys))
         for k, v, src, version in zip(raw_keys, views, buffers, stamps):
-            block = self._write(k, v, checksum(v), expires, pin_s, version)
+            block = self._write(k, v, expires, pin_s, version)
             if block is not None and device is not None and device.holds_tensor(src):
                 self._moves.copy_to_device(k, src, block)
         self._stack.counters.puts += len(raw_keys)
 
-    def _write(self, key: bytes, data: memoryview, csum: int, expires: float, pin_s: float,
+    def _write(self, key: bytes, data: memoryview, expires: float, pin_s: float,
                version: int) -> DramBlock | None:
-        """Copy `data` into a fresh slot and commit it under `key` (replacing any old block); None if
-        the cache holds a newer version of `key` (nothing stored)."""
+        """Copy `data` into a fresh slot and commit it under `key` (replacing any old block), with the
+        checksum of the bytes the slot got; None if the cache holds a newer version of `key` (nothing
+        stored)."""
         n = data.nbytes
         offset = self._reserve(n)
-        try:
-            self._dram.arena.buf[offset:offset + n] = data  # outside the lock: the slot is ours alone
+        try:  # outside the lock: the slot is ours alone
+            csum = copy_hash(self._dram.arena.buf[offset:offset + n], data)
         except BaseException:
             self.abort(offset)
             raise
@@ -232,7 +233,7 @@ class TieredCache:
                                       key=k, size=b.size, limit=dest.nbytes)
             if not self._moves.verified(b):
                 return -1
-            dest.view[:b.size] = self._dram.arena.view(b.offset, b.size)
+            copy(dest.view[:b.size], self._dram.arena.view(b.offset, b.size))
         finally:
             self.release(b)
         dest.finish(b.size)
