@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import threading
@@ -34,9 +35,18 @@ _NO_PEERS_YET = 10005  # JetStream's "no suitable peers for placement": fewer no
 
 
 def rank(key: bytes, worker_ids: Sequence[str]) -> list[str]:
-    """Workers ordered by rendezvous score for `key` (highest first): owners are a prefix of it."""
-    return sorted(worker_ids, key=lambda w: xxhash.xxh3_64_intdigest(key, seed=xxhash.xxh32_intdigest(w.encode())),
-                  reverse=True)
+    """Workers ordered by rendezvous score for `key` (highest first): owners are a prefix of it. (One
+    worker ranks first for every key: a node's own worker alone, the usual same-node case, costs no
+    hashing; placement runs for every key of every batch.)"""
+    if len(worker_ids) == 1:
+        return list(worker_ids)
+    return sorted(worker_ids, key=lambda w: xxhash.xxh3_64_intdigest(key, seed=_seed(w)), reverse=True)
+
+
+@functools.lru_cache(maxsize=4096)
+def _seed(worker_id: str) -> int:
+    """The rendezvous hash seed of a worker."""
+    return xxhash.xxh32_intdigest(worker_id.encode())
 
 
 class Membership:
