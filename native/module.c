@@ -12,6 +12,7 @@
 #include <Python.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 uint64_t kv_copy_hash_base(char *dst, const char *src, size_t n);
 void kv_copy_base(char *dst, const char *src, size_t n);
@@ -29,6 +30,9 @@ static void (*copy_fn)(char *, const char *, size_t) = kv_copy_base;
 static uint64_t (*hash_fn)(const char *, size_t) = kv_hash_base;
 static const char *simd_name = "base";
 
+/* Parses (dst, src); -1 with an exception set (and nothing held) if they are not a writable and a
+ * readable buffer of the same length, 1 if they overlap (the kernels read a chunk before writing it,
+ * but in ascending order only: memmove's job), else 0. */
 static int pair(PyObject *args, const char *fmt, Py_buffer *dst, Py_buffer *src) {
     if (!PyArg_ParseTuple(args, fmt, dst, src))
         return -1;
@@ -38,14 +42,22 @@ static int pair(PyObject *args, const char *fmt, Py_buffer *dst, Py_buffer *src)
         PyBuffer_Release(src);
         return -1;
     }
-    return 0;
+    uintptr_t d = (uintptr_t)dst->buf, s = (uintptr_t)src->buf, n = (uintptr_t)src->len;
+    return n && d < s + n && s < d + n;
 }
 
 static PyObject *py_copy_hash(PyObject *self, PyObject *args) {
     Py_buffer dst, src;
-    if (pair(args, "w*y*:copy_hash", &dst, &src) < 0)
+    int overlap = pair(args, "w*y*:copy_hash", &dst, &src);
+    if (overlap < 0)
         return NULL;
-    uint64_t h = copy_hash_fn((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
+    uint64_t h;
+    if (overlap) {
+        memmove(dst.buf, src.buf, (size_t)src.len);
+        h = hash_fn((const char *)dst.buf, (size_t)src.len);
+    } else {
+        h = copy_hash_fn((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
+    }
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     return PyLong_FromUnsignedLongLong(h);
@@ -53,9 +65,13 @@ static PyObject *py_copy_hash(PyObject *self, PyObject *args) {
 
 static PyObject *py_copy(PyObject *self, PyObject *args) {
     Py_buffer dst, src;
-    if (pair(args, "w*y*:copy", &dst, &src) < 0)
+    int overlap = pair(args, "w*y*:copy", &dst, &src);
+    if (overlap < 0)
         return NULL;
-    copy_fn((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
+    if (overlap)
+        memmove(dst.buf, src.buf, (size_t)src.len);
+    else
+        copy_fn((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     Py_RETURN_NONE;

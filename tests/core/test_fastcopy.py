@@ -70,3 +70,19 @@ def test_bad_buffers_raise_and_write_nothing(impl: str) -> None:
     released.release()
     with pytest.raises(ValueError):  # a mapping released under the caller (copy_placed relies on it)
         copy_hash(bytearray(4), released)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shift", [-4096, -1, 1, 100_000])
+def test_overlapping_buffers_copy_as_memmove(impl: str, shift: int) -> None:
+    copy_hash, copy = IMPLS[impl]
+    size = 200_000
+    for fn in (copy_hash, copy):
+        buf = bytearray(os.urandom(size + abs(shift)))
+        src_at, dst_at = (0, shift) if shift > 0 else (-shift, 0)
+        want = bytes(buf[src_at:src_at + size])
+        view = memoryview(buf)
+        got = fn(view[dst_at:dst_at + size], view[src_at:src_at + size])
+        assert bytes(buf[dst_at:dst_at + size]) == want
+        if fn is copy_hash:
+            assert got == xxhash.xxh3_64_intdigest(want)
