@@ -1,4 +1,4 @@
-"""The C extension built from native (see kvpool.core.fastcopy)."""
+"""The C extension built from native/ (see kvpool.core.fastcopy)."""
 from typing import Any
 
 def copy_hash(dst: Any, src: Any, /) -> int: ...
