@@ -2,7 +2,6 @@
  *
  * copy_hash(dst, src) -> int   dst[:] = src; the XXH3-64 of the bytes written (xxhash.xxh3_64_intdigest)
  * copy(dst, src)               dst[:] = src
- * hash(src) -> int             the XXH3-64 of src
  * simd() -> str                the kernels in use: "avx2" or "base"
  *
  * dst: a writable, src: a readable C-contiguous buffer of the same length. See kernel.h for how a copy
@@ -77,15 +76,6 @@ static PyObject *py_copy(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_hash(PyObject *self, PyObject *args) {
-    Py_buffer src;
-    if (!PyArg_ParseTuple(args, "y*:hash", &src))
-        return NULL;
-    uint64_t h = hash_fn((const char *)src.buf, (size_t)src.len);
-    PyBuffer_Release(&src);
-    return PyLong_FromUnsignedLongLong(h);
-}
-
 static PyObject *py_simd(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString(simd_name);
 }
@@ -93,7 +83,6 @@ static PyObject *py_simd(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"copy_hash", py_copy_hash, METH_VARARGS, "copy_hash(dst, src) -> int: dst[:] = src; the XXH3-64 of the bytes written"},
     {"copy", py_copy, METH_VARARGS, "copy(dst, src): dst[:] = src"},
-    {"hash", py_hash, METH_VARARGS, "hash(src) -> int: the XXH3-64 of src"},
     {"simd", py_simd, METH_NOARGS, "simd() -> str: the kernels in use (avx2 or base)"},
     {NULL, NULL, 0, NULL},
 };
