@@ -77,7 +77,8 @@ class StreamConfig:
             name=check_token(name, "stream name"), subjects=[subject(name, ">")],
             retention=api.RetentionPolicy(self.retention), discard=api.DiscardPolicy(self.discard),
             max_age=self.max_age_s or None, max_bytes=self.max_bytes or -1, max_msgs=self.max_msgs or -1,
-            storage=api.StorageType.MEMORY if self.memory else api.StorageType.FILE, num_replicas=self.replicas)
+            storage=api.StorageType.MEMORY if self.memory else api.StorageType.FILE, num_replicas=self.replicas,
+            allow_direct=True)  # a receiver reads a request's stored messages in one batch (`live.Feed`)
 
 
 def create_stream(nats_url: str, name: str, config: StreamConfig | None = None) -> dict[str, Any]:

@@ -5,7 +5,8 @@ stream, which stores it, and in the same step to every plain (core NATS) subscri
 `Feed` takes that live copy on a `Wire` (read in the caller's thread): no JetStream consumer sits on the
 hot path (no store-then-deliver step, no pull round trip, no consumer state on the server). Core NATS
 delivery is at most once (a reconnect loses what was in flight), so the stream is the record: `stored()`
-reads what the stream holds on the subject, from where the last read stopped, and the receiver calls it
+reads what the stream holds on the subject, from where the last read stopped (in one batched direct get
+where the stream allows it, else a message per request), and the receiver calls it
 at start (messages published before it subscribed), on a gap in the request's chain, when nothing has
 arrived for a while, and before giving up. A message may so arrive twice; the receiver counts it once.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from typing import Any
 
@@ -24,6 +26,10 @@ from .wire import Msg, Wire
 
 _RECOVER_BATCH = 4096
 """Stored messages one `stored()` reads at most (the rest on the next call)."""
+_DIRECT_GET = "$JS.API.DIRECT.GET"
+_DIRECT_HEADERS = frozenset({"Nats-Stream", "Nats-Subject", "Nats-Sequence", "Nats-Time-Stamp", "Nats-Num-Pending",
+                             "Nats-Last-Sequence", "Nats-UpTo-Sequence"})
+"""What a direct get adds to a stored message's own headers."""
 _NO_MESSAGE = 10037
 """JetStream's error code for "no message found" (a missing stream is another 404: 10059)."""
 
@@ -64,6 +70,7 @@ class Feed:
         self._link, self._wire, self.stream, self.subject = link, wire, stream, subj
         self._next_seq = 1
         self._read_back: list[Raw] = []  # read from the stream, not yet returned (a bounded read cut short)
+        self._direct: bool | None = None  # whether the stream answers batched direct gets (None: not asked yet)
         self._reconnects = wire.reconnects
         self._arrived: list[Raw] = []
         self._sid = wire.subscribe(subj)  # in place at the server: every later publish reaches it live
@@ -106,6 +113,10 @@ class Feed:
         return out
 
     async def _read_stored(self) -> None:
+        if self._direct is not False:
+            self._direct = await self._read_batch()
+            if self._direct:
+                return
         while len(self._read_back) < _RECOVER_BATCH:
             m = await _get(self._link, self.stream, seq=self._next_seq, subject=self.subject, next=True)
             if m is None or m.seq is None:
@@ -114,6 +125,38 @@ class Feed:
             self._next_seq = int(m.seq) + 1
             self._read_back.append(Raw(str(m.subject or self.subject), dict(m.headers or {}),
                                        bytes(m.data or b""), int(m.seq)))
+
+    async def _read_batch(self) -> bool:
+        """`_read_stored` in one request: JetStream's batched direct get (nats-server 2.11 and later, a
+        stream with `allow_direct`) answers with the subject's messages from `_next_seq` on, then an
+        end-of-batch status. False where the stream or server cannot (no responder, an error status):
+        the caller reads them one request each. A late receiver (its producer done before it came)
+        takes a request's 32 layers this way instead of in 32 round trips."""
+        nc = self._link.nc
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        try:
+            want = _RECOVER_BATCH - len(self._read_back)
+            body = json.dumps({"seq": self._next_seq, "next_by_subj": self.subject, "batch": want}).encode()
+            await nc.publish(f"{_DIRECT_GET}.{self.stream}", body, reply=inbox)
+            while True:
+                m = await sub.next_msg(timeout=self._link.timeout_s)
+                headers = dict(m.headers or {})
+                status = headers.get("Status")
+                if status is not None:  # 204: the batch's end; 404: nothing (more) stored; else: not served
+                    return status in ("204", "404")
+                seq = int(headers["Nats-Sequence"])
+                # no await between these two: a read cut short keeps every message it took
+                self._next_seq = seq + 1
+                self._read_back.append(Raw(headers.get("Nats-Subject", self.subject),
+                                           {k: v for k, v in headers.items() if k not in _DIRECT_HEADERS},
+                                           bytes(m.data or b""), seq))
+                if "Nats-Num-Pending" not in headers:  # a server that answers one message, not a batch
+                    return False
+        except (KeyError, ValueError):  # not a direct get's answer: the one-by-one read decides
+            return False
+        finally:
+            await sub.unsubscribe()
 
     def close(self) -> None:
         self._wire.unsubscribe(self._sid)

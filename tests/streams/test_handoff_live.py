@@ -147,14 +147,49 @@ def test_a_late_receiver_takes_the_stored_messages_then_the_live_ones_each_once(
     assert rx.counts["rejected"] == 0 and rx.counts["recovered"] >= 1   # layer 0 was stored before we came
 
 
-def test_a_request_published_whole_before_the_receiver_came_is_read_back(nats, make_stream, pool):
+def _counting_gets(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the one-message reads of a stream (`live._get`): a batched read-back makes none."""
+    calls: list[int] = []
+    real = live._get
+
+    async def counted(*a: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return await real(*a, **kw)
+    monkeypatch.setattr(live, "_get", counted)
+    return calls
+
+
+def test_a_request_published_whole_before_the_receiver_came_is_read_back(nats, make_stream, pool, monkeypatch):
     s = make_stream()
     _handoff(nats.url, s, pool, "early").join(20)  # layers and end stored; nothing will come live
+    gets = _counting_gets(monkeypatch)
     t = time.monotonic()
     with HandoffReceiver(s, nats.url, pool) as rx:
         got = _receive(rx, "early")
     assert got == list(range(LAYERS)) and rx.counts["recovered"] == LAYERS + 1
     assert time.monotonic() - t < 2  # read back after a first look for live ones, not after a timeout
+    assert gets == []  # in one batched request (a direct get), not one request per message
+
+
+def test_a_stream_without_direct_gets_is_read_back_a_message_at_a_time(nats, make_stream, pool, monkeypatch):
+    """A stream made before streams allowed direct gets (or by other tools) answers the batched read
+    with no responder: the receiver reads it one message per request, as it did before."""
+    from nats.js import api
+
+    from kvpool.streams._link import Link
+
+    link = Link(nats.url, role="admin")
+    try:
+        link.call(link.js.add_stream(api.StreamConfig(name="plain", subjects=["kvpool.stream.plain.>"],
+                                                      storage=api.StorageType.MEMORY)), "add a stream")
+    finally:
+        link.close()
+    _handoff(nats.url, "plain", pool, "early").join(20)
+    gets = _counting_gets(monkeypatch)
+    with HandoffReceiver("plain", nats.url, pool) as rx:
+        got = _receive(rx, "early")
+    assert got == list(range(LAYERS)) and rx.counts["recovered"] == LAYERS + 1
+    assert len(gets) >= LAYERS + 1
 
 
 def test_a_forged_live_end_is_dropped_with_a_secret(nats, make_stream, pool, monkeypatch):
@@ -347,6 +382,7 @@ def test_a_read_back_cut_short_keeps_what_it_took(nats, make_stream, pool, monke
     link, wire = Link(nats.url), Wire(nats.url)
     try:
         feed = live.Feed(link, wire, s, f"kvpool.stream.{s}.req.slow")
+        feed._direct = False  # the read a message at a time (a batched one takes them in one answer)
         monkeypatch.setattr(live, "_get", slow_get)
         with pytest.raises(StreamTimeout):
             feed.stored(0.05)  # cut short before the first message: nothing taken, an error
