@@ -113,11 +113,13 @@ class Feed:
         return out
 
     async def _read_stored(self) -> None:
-        if self._direct is not False:
-            self._direct = await self._read_batch()
-            if self._direct:
+        while self._direct is not False and len(self._read_back) < _RECOVER_BATCH:
+            before = len(self._read_back)
+            pending = await self._read_batch()
+            self._direct = pending is not None
+            if pending == 0 or (pending is not None and len(self._read_back) == before):
                 return
-        while len(self._read_back) < _RECOVER_BATCH:
+        while len(self._read_back) < _RECOVER_BATCH:  # a message per request
             m = await _get(self._link, self.stream, seq=self._next_seq, subject=self.subject, next=True)
             if m is None or m.seq is None:
                 return
@@ -126,15 +128,17 @@ class Feed:
             self._read_back.append(Raw(str(m.subject or self.subject), dict(m.headers or {}),
                                        bytes(m.data or b""), int(m.seq)))
 
-    async def _read_batch(self) -> bool:
-        """`_read_stored` in one request: JetStream's batched direct get (nats-server 2.11 and later, a
-        stream with `allow_direct`) answers with the subject's messages from `_next_seq` on, then an
-        end-of-batch status. False where the stream or server cannot (no responder, an error status):
-        the caller reads them one request each. A late receiver (its producer done before it came)
-        takes a request's 32 layers this way instead of in 32 round trips."""
+    async def _read_batch(self) -> int | None:
+        """Read on from `_next_seq` in one request: JetStream's batched direct get (a stream with
+        `allow_direct`, a server that batches) answers with the subject's messages, then an end-of-batch
+        status. Returns how many more the stream holds on the subject after those (0: all read), or
+        None where the stream or server does not answer so (no responder, another status, one message
+        alone): the caller reads on a message per request. A receiver that comes after its producer
+        finished takes a request's 32 layers this way in one round trip instead of 32."""
         nc = self._link.nc
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
+        pending = 0
         try:
             want = _RECOVER_BATCH - len(self._read_back)
             body = json.dumps({"seq": self._next_seq, "next_by_subj": self.subject, "batch": want}).encode()
@@ -144,7 +148,7 @@ class Feed:
                 headers = dict(m.headers or {})
                 status = headers.get("Status")
                 if status is not None:  # 204: the batch's end; 404: nothing (more) stored; else: not served
-                    return status in ("204", "404")
+                    return pending if status == "204" else 0 if status == "404" else None
                 seq = int(headers["Nats-Sequence"])
                 # no await between these two: a read cut short keeps every message it took
                 self._next_seq = seq + 1
@@ -152,9 +156,10 @@ class Feed:
                                            {k: v for k, v in headers.items() if k not in _DIRECT_HEADERS},
                                            bytes(m.data or b""), seq))
                 if "Nats-Num-Pending" not in headers:  # a server that answers one message, not a batch
-                    return False
-        except (KeyError, ValueError):  # not a direct get's answer: the one-by-one read decides
-            return False
+                    return None
+                pending = int(headers["Nats-Num-Pending"])
+        except (KeyError, ValueError):  # not a direct get's answer: the read a message per request decides
+            return None
         finally:
             await sub.unsubscribe()
 
