@@ -32,14 +32,13 @@ except ImportError:  # no C compiler when it was installed: the same results, in
     _native = None
 
 
-def _copy_hash(dst: Any, src: Any) -> int:
-    view = memoryview(dst).cast("B")
-    view[:] = memoryview(src).cast("B")  # (sizes that differ: ValueError, as from the extension)
-    return checksum(view)
-
-
 def _copy(dst: Any, src: Any) -> None:
-    memoryview(dst).cast("B")[:] = memoryview(src).cast("B")
+    memoryview(dst).cast("B")[:] = memoryview(src).cast("B")  # (sizes that differ: ValueError, as from the extension)
+
+
+def _copy_hash(dst: Any, src: Any) -> int:
+    _copy(dst, src)
+    return checksum(memoryview(dst).cast("B"))
 
 
 copy_hash: Callable[[Any, Any], int]
