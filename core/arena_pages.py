@@ -5,10 +5,18 @@ put into fresh slots ran at half the speed of one into slots touched before). Be
 into or out of a region, the client asks the kernel to map the whole region in one call
 (MADV_POPULATE_WRITE / MADV_POPULATE_READ, Linux 5.14 and later): the faults are paid once per
 region, in bulk. Where the kernel refuses, pages are faulted one by one at first touch, as before.
+
+A client's transport also readies the rest of the mapping from a thread of its own (`background=True`,
+where the C extension lets the call go without the GIL): a put that lands in a region this process never
+touched otherwise pays for its page tables inside the put (here 64 MiB of 1 MiB puts into fresh regions
+ran at 0.47 of memcpy, the same into readied ones at 0.73). It costs that process the page tables of the
+whole arena (2 MiB per GiB) and ~0.12 ms of a core per MiB, once, beside its work.
 """
 from __future__ import annotations
 
 import mmap
+import threading
+from types import ModuleType
 
 import numpy as np
 
@@ -20,18 +28,30 @@ of faults, and a region of 16 MiB ~1.9 ms, too long a wait for the one small blo
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
+_native: ModuleType | None
+try:
+    from . import _native
+except ImportError:  # without the extension madvise holds the GIL: nothing is readied in the background
+    _native = None
+
 
 class ArenaPages:
     """The regions of one mapping (`DramArena.attach`'s view) this process has readied."""
 
-    def __init__(self, view: memoryview, writable: bool) -> None:
+    def __init__(self, view: memoryview, writable: bool, background: bool = False) -> None:
         mapping = view.obj
+        self._view = view
         self._mapping = mapping if isinstance(mapping, mmap.mmap) else None
         self._size = view.nbytes
         self._advice = _POPULATE_WRITE if writable else _POPULATE_READ
         self._ready = np.zeros(-(-self._size // REGION_BYTES), dtype=bool)
         """Whether each region has been readied (by the kernel's leave, or it refused: see `_refused`)."""
         self._refused = self._mapping is None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if background and _native is not None and not self._refused:
+            self._thread = threading.Thread(target=self._ready_all, name="kvpool-arena-pages", daemon=True)
+            self._thread.start()
 
     def ready(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
         """Map the regions that the blocks at `offsets` (of `sizes` bytes; offsets < 0 are skipped)
@@ -51,12 +71,31 @@ class ArenaPages:
                 if not done[region] and not self._refused:
                     self._populate(region)
 
+    def close(self) -> None:
+        """Stop readying in the background (returns once the thread is gone: at most one region's call
+        away). The owner calls it before it unmaps the view."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _ready_all(self) -> None:
+        """The background thread's work: every region not yet readied, in order, until `close`."""
+        for region in range(self._ready.size):
+            if self._stop.is_set() or self._refused:
+                return
+            if not self._ready[region]:
+                self._populate(region)
+
     def _populate(self, region: int) -> None:
         start = region * REGION_BYTES
+        stop = min(start + REGION_BYTES, self._size)
         assert self._mapping is not None  # (else refused)
         try:
-            self._mapping.madvise(self._advice, start, min(REGION_BYTES, self._size - start))
+            if _native is not None:
+                _native.advise(self._view[start:stop], self._advice)  # (the GIL let go meanwhile)
+            else:
+                self._mapping.madvise(self._advice, start, stop - start)
         except (OSError, ValueError):
-            self._refused = True  # an older kernel: pages fault in at first touch
+            self._refused = True  # an older kernel (or a view released under a thread): faults at first touch
             return
         self._ready[region] = True

@@ -198,7 +198,7 @@ class ShmTransport(Connection):
         arena, pages = (self._arena_rw, self._pages_rw) if writable else (self._arena, self._pages)
         if arena is None or pages is None:
             arena = DramArena.attach(self.info.arena, self.info.arena_size, writable)
-            pages = ArenaPages(arena, writable=writable)
+            pages = ArenaPages(arena, writable=writable, background=True)
             if writable:
                 self._arena_rw, self._pages_rw = arena, pages
             else:
@@ -349,8 +349,12 @@ class ShmTransport(Connection):
         caller's leased view goes with the view."""
         super().close()
         mappings = (self._arena, self._arena_rw)
+        readiers = (self._pages, self._pages_rw)
         self._arena = self._arena_rw = None
         self._pages = self._pages_rw = None
+        for pages in readiers:
+            if pages is not None:
+                pages.close()  # no thread of ours touches a mapping from here on
         if not self._lock.acquire(blocking=False):
             return
         try:

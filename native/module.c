@@ -3,15 +3,18 @@
  * copy_hash(dst, src) -> int   dst[:] = src; the XXH3-64 of the bytes written (xxhash.xxh3_64_intdigest)
  * copy(dst, src)               dst[:] = src
  * simd() -> str                the kernels in use: "avx2" or "base"
+ * advise(buf, advice)          madvise(2) of a mapping's page-aligned slice, without the GIL (OSError)
  *
  * dst: a writable, src: a readable C-contiguous buffer of the same length. See kernel.h for how a copy
  * is made. The GIL is held throughout, as it is for a memoryview slice assignment. Python falls back to
  * the same results without this module (kvpool.core.fastcopy). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
 
 uint64_t kv_copy_hash_base(char *dst, const char *src, size_t n);
 void kv_copy_base(char *dst, const char *src, size_t n);
@@ -76,6 +79,27 @@ static PyObject *py_copy(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The GIL is let go during the call: populating a region's page tables (MADV_POPULATE_*) takes a
+ * fraction of a millisecond per MiB, and a client readies its whole mapping from a thread of its own
+ * (kvpool.core.arena_pages). The buffer stays exported throughout, so the mapping cannot be closed. */
+static PyObject *py_advise(PyObject *self, PyObject *args) {
+    Py_buffer buf;
+    int advice, rc, err = 0;
+    if (!PyArg_ParseTuple(args, "y*i:advise", &buf, &advice))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = madvise(buf.buf, (size_t)buf.len, advice);
+    if (rc)
+        err = errno;
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    if (rc) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_simd(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString(simd_name);
 }
@@ -83,6 +107,7 @@ static PyObject *py_simd(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"copy_hash", py_copy_hash, METH_VARARGS, "copy_hash(dst, src) -> int: dst[:] = src; the XXH3-64 of the bytes written"},
     {"copy", py_copy, METH_VARARGS, "copy(dst, src): dst[:] = src"},
+    {"advise", py_advise, METH_VARARGS, "advise(buf, advice): madvise(2) of buf (page-aligned), without the GIL"},
     {"simd", py_simd, METH_NOARGS, "simd() -> str: the kernels in use (avx2 or base)"},
     {NULL, NULL, 0, NULL},
 };

@@ -1,14 +1,21 @@
 """A client readies its mapping of a worker's arena a region at a time: one call maps the region's pages,
-so the copies that follow take no page faults (each 4 KiB page would fault at its first touch)."""
+so the copies that follow take no page faults (each 4 KiB page would fault at its first touch); a
+client's transport readies the rest from a thread of its own, which its close ends."""
 from __future__ import annotations
 
 import resource
+import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvpool.core.arena_pages import REGION_BYTES, ArenaPages
+from kvpool.core.client import PoolClient
+from kvpool.core.config import CacheConfig, WorkerConfig
+from kvpool.core.server import Worker
 from kvpool.core.tiers.dram import DramArena
 
 
@@ -60,3 +67,65 @@ def test_a_view_that_is_not_a_mapping_is_left_alone() -> None:
     pages = ArenaPages(memoryview(bytearray(4096)), writable=True)
     pages.ready(np.array([0], dtype="<i8"), np.array([4096], dtype="<i8"))  # nothing to ready, no error
     assert not pages._ready.any()
+
+
+def test_a_background_reader_readies_every_region_and_the_copies_take_no_faults(arena: DramArena) -> None:
+    view = DramArena.attach(arena.name, arena.length, writable=True)
+    try:
+        pages = ArenaPages(view, writable=True, background=True)
+        assert pages._thread is not None  # (the extension lets madvise go without the GIL: built here)
+        pages._thread.join(timeout=30)
+        assert not pages._thread.is_alive()
+        assert pages._ready.all()
+        assert _faults_writing(view, 0, arena.length) < 64  # 48 MiB: 12288 pages, none faulted
+        pages.close()
+    finally:
+        _unmap(view)
+
+
+def test_close_stops_the_background_reader_before_the_mapping_goes(arena: DramArena,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    view = DramArena.attach(arena.name, arena.length, writable=False)
+    started = threading.Event()
+    release = threading.Event()
+    populate = ArenaPages._populate
+
+    def slow(self: ArenaPages, region: int) -> None:
+        started.set()
+        release.wait(5)
+        populate(self, region)
+    monkeypatch.setattr(ArenaPages, "_populate", slow)
+    try:
+        pages = ArenaPages(view, writable=False, background=True)
+        assert started.wait(5)
+        closing = threading.Thread(target=pages.close)
+        closing.start()
+        closing.join(0.2)
+        assert closing.is_alive()  # close waits for the region under way ...
+        release.set()
+        closing.join(5)
+        assert pages._thread is not None and not pages._thread.is_alive()
+        assert pages._ready.sum() == 1  # ... and no region after it is readied
+    finally:
+        _unmap(view)  # (would raise BufferError were the thread still in a call on the mapping)
+
+
+def test_a_clients_close_ends_its_background_readers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    populate = ArenaPages._populate
+
+    def slow(self: ArenaPages, region: int) -> None:
+        time.sleep(0.05)  # 32 regions: the readers are still at work when the client closes
+        populate(self, region)
+    monkeypatch.setattr(ArenaPages, "_populate", slow)
+    cache = CacheConfig(dram_bytes=32 << 20, dram_slab_size=1 << 20, prefault=False)
+    worker = Worker(WorkerConfig(port=0, unix_path=str(tmp_path / "w.sock")), cache).start()
+    try:
+        client = PoolClient(mode="local", worker=worker.unix_path)
+        client.put("k", b"v" * 4096)  # maps the arena read-write ...
+        assert client.get("k") == b"v" * 4096  # ... and read-only
+        readers = [t for t in threading.enumerate() if t.name == "kvpool-arena-pages"]
+        assert len(readers) == 2
+        client.close()
+        assert not any(t.is_alive() for t in readers)
+    finally:
+        worker.stop()
