@@ -228,9 +228,12 @@ class ChangeLog:
         at = self._last_ms = max(int(time.time() * 1000), self._last_ms)
         entries = self._entries
         entries.extend(zip(keys, versions, repeat(kind), repeat(at)))
-        while len(entries) > self.max_entries:
-            gone = entries.popleft()
-            self._first_seq += 1
+        excess = len(entries) - self.max_entries
+        if excess > 0:
+            for _ in range(excess - 1):
+                entries.popleft()
+            gone = entries.popleft()  # the newest of those dropped: times only grow
+            self._first_seq += excess
             self.covered_since_ms = max(self.covered_since_ms, gone[3] + 1)
 
     def since(self, since_ms: int, from_seq: int = 0, limit: int = 1 << 15) -> tuple[list[Change], int]:

@@ -3,6 +3,8 @@
  * copy_hash(dst, src) -> int   dst[:] = src; the XXH3-64 of the bytes written (xxhash.xxh3_64_intdigest)
  * copy(dst, src)               dst[:] = src
  * simd() -> str                the kernels in use: "avx2" or "base"
+ * hash_at(out, buf, offsets, sizes)   out[i] = the XXH3-64 of buf[offsets[i]:offsets[i] + sizes[i]], without
+ *                              the GIL (out: uint64s; offsets, sizes: int64s; ValueError out of bounds)
  * advise(buf, advice)          madvise(2) of a mapping's page-aligned slice, without the GIL (OSError)
  *
  * dst: a writable, src: a readable C-contiguous buffer of the same length. See kernel.h for how a copy
@@ -79,6 +81,44 @@ static PyObject *py_copy(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_hash_at(PyObject *self, PyObject *args) {
+    Py_buffer out, buf, offs, sizes;
+    if (!PyArg_ParseTuple(args, "w*y*y*y*:hash_at", &out, &buf, &offs, &sizes))
+        return NULL;
+    Py_ssize_t n = offs.len / 8;
+    const char *err = NULL;
+    if (offs.len % 8 || sizes.len != offs.len || out.len != offs.len)
+        err = "hash_at wants uint64 out, int64 offsets and int64 sizes of one length";
+    const int64_t *o = (const int64_t *)offs.buf, *z = (const int64_t *)sizes.buf;
+    for (Py_ssize_t i = 0; !err && i < n; i++) /* (memcpy: a buffer's int64s need not be aligned) */ {
+        int64_t a, b;
+        memcpy(&a, o + i, 8);
+        memcpy(&b, z + i, 8);
+        if (a < 0 || b < 0 || a > buf.len || b > buf.len - a)
+            err = "a slot outside the buffer";
+    }
+    if (!err) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t a, b;
+            memcpy(&a, o + i, 8);
+            memcpy(&b, z + i, 8);
+            uint64_t h = hash_fn((const char *)buf.buf + a, (size_t)b);
+            memcpy((char *)out.buf + 8 * i, &h, 8);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&buf);
+    PyBuffer_Release(&offs);
+    PyBuffer_Release(&sizes);
+    if (err) {
+        PyErr_SetString(PyExc_ValueError, err);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 /* The GIL is let go during the call: populating a region's page tables (MADV_POPULATE_*) takes a
  * fraction of a millisecond per MiB, and a client readies its whole mapping from a thread of its own
  * (kvpool.core.arena_pages). The buffer stays exported throughout, so the mapping cannot be closed. */
@@ -107,6 +147,7 @@ static PyObject *py_simd(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"copy_hash", py_copy_hash, METH_VARARGS, "copy_hash(dst, src) -> int: dst[:] = src; the XXH3-64 of the bytes written"},
     {"copy", py_copy, METH_VARARGS, "copy(dst, src): dst[:] = src"},
+    {"hash_at", py_hash_at, METH_VARARGS, "hash_at(out, buf, offsets, sizes): out[i] = XXH3-64 of buf[offsets[i]:][:sizes[i]]"},
     {"advise", py_advise, METH_VARARGS, "advise(buf, advice): madvise(2) of buf (page-aligned), without the GIL"},
     {"simd", py_simd, METH_NOARGS, "simd() -> str: the kernels in use (avx2 or base)"},
     {NULL, NULL, 0, NULL},

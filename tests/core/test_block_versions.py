@@ -98,6 +98,11 @@ def test_the_change_log_pages_and_says_how_far_back_it_reaches() -> None:
     log.record([b"d", b"e"], [4, 5], False)  # five entries in a log of four: the first goes
     assert len(log) == 4 and log.covered_since_ms > 1000
     assert [c.key for c in log.since(0)[0]] == [b"b", b"c", b"d", b"e"]
+    b_ms, d_ms = log.since(0)[0][0].at_ms, log.since(0)[0][2].at_ms
+    assert b_ms < d_ms  # (b came before the sleep)
+    log.record([b"f", b"g", b"h"], [6, 7, 8], False)  # three go at once (b, c, d); sequence numbers hold
+    assert [c.key for c in log.since(0)[0]] == [b"e", b"f", b"g", b"h"] and log.covered_since_ms == d_ms + 1
+    assert [c.key for c in log.since(0, from_seq=6)[0]] == [b"g", b"h"]  # a0 b1 c2 d3 e4 f5 g6 h7
 
 
 def test_the_ssd_header_carries_the_version() -> None:

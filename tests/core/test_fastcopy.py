@@ -86,3 +86,19 @@ def test_overlapping_buffers_copy_as_memmove(impl: str, shift: int) -> None:
         assert bytes(buf[dst_at:dst_at + size]) == want
         if fn is copy_hash:
             assert got == xxhash.xxh3_64_intdigest(want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_hash_at_hashes_each_slot_and_refuses_one_outside(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if impl == "python":
+        monkeypatch.setattr(fastcopy, "_native", None)
+    buf = np.frombuffer(os.urandom((1 << 20) + 100), dtype=np.uint8)
+    offsets = np.array([0, 7, 65536, 1 << 20, (1 << 20) + 100], dtype="<i8")
+    sizes = np.array([16384, 0, 300_001, 100, 0], dtype="<i8")  # the last two end at the buffer's end
+    got = fastcopy.hash_at(buf, offsets, sizes)
+    assert got.dtype == np.dtype("<u8")
+    assert got.tolist() == [xxhash.xxh3_64_intdigest(buf[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
+    for off, size in [(-1, 10), (0, -1), ((1 << 20) + 1, 100), (1 << 62, 1 << 62)]:
+        with pytest.raises(ValueError, match="outside"):
+            fastcopy.hash_at(buf, np.array([0, off], "<i8"), np.array([8, size], "<i8"))
+    assert fastcopy.hash_at(buf, np.array([], "<i8"), np.array([], "<i8")).size == 0
