@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from .blocks import checksum
+from .errors import InvalidArgument
 
 __all__ = ["copy_hash", "copy", "hash_at", "SIMD"]
 
@@ -48,17 +49,20 @@ def _copy_hash(dst: Any, src: Any) -> int:
 
 def hash_at(buf: Any, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """The XXH3-64 (`blocks.checksum`) of `buf[offsets[i]:offsets[i] + sizes[i]]` for each i, as uint64s;
-    ValueError for a slot outside `buf`."""
+    InvalidArgument for a slot outside `buf`."""
     offsets = np.ascontiguousarray(offsets, dtype="<i8")
     sizes = np.ascontiguousarray(sizes, dtype="<i8")
     out = np.empty(len(offsets), dtype="<u8")
     if _native is not None:
-        _native.hash_at(out, buf, offsets, sizes)
+        try:
+            _native.hash_at(out, buf, offsets, sizes)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from e
         return out
     view = memoryview(buf).cast("B")
     for i, (off, n) in enumerate(zip(offsets.tolist(), sizes.tolist())):
         if off < 0 or n < 0 or off + n > view.nbytes:
-            raise ValueError("a slot outside the buffer")
+            raise InvalidArgument("a slot outside the buffer")
         out[i] = checksum(view[off:off + n])
     return out
 

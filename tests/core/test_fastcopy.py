@@ -10,6 +10,7 @@ import pytest
 import xxhash
 
 from kvpool.core import fastcopy
+from kvpool.core.errors import InvalidArgument
 
 IMPLS = {"python": (fastcopy._copy_hash, fastcopy._copy)}
 if fastcopy._native is not None:
@@ -99,6 +100,6 @@ def test_hash_at_hashes_each_slot_and_refuses_one_outside(impl: str, monkeypatch
     assert got.dtype == np.dtype("<u8")
     assert got.tolist() == [xxhash.xxh3_64_intdigest(buf[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
     for off, size in [(-1, 10), (0, -1), ((1 << 20) + 1, 100), (1 << 62, 1 << 62)]:
-        with pytest.raises(ValueError, match="outside"):
+        with pytest.raises(InvalidArgument, match="outside"):
             fastcopy.hash_at(buf, np.array([0, off], "<i8"), np.array([8, size], "<i8"))
     assert fastcopy.hash_at(buf, np.array([], "<i8"), np.array([], "<i8")).size == 0
