@@ -10,7 +10,9 @@ A client's transport also readies the rest of the mapping from a thread of its o
 where the C extension lets the call go without the GIL): a put that lands in a region this process never
 touched otherwise pays for its page tables inside the put (here 64 MiB of 1 MiB puts into fresh regions
 ran at 0.47 of memcpy, the same into readied ones at 0.73). It costs that process the page tables of the
-whole arena (2 MiB per GiB) and ~0.12 ms of a core per MiB, once, beside its work.
+whole arena (2 MiB per GiB) and ~0.12 ms of a core per MiB, once, beside its work. Only regions whose
+memory exists are readied that way (the worker prefaults its arena by default): readying the others
+would allocate them.
 """
 from __future__ import annotations
 
@@ -79,11 +81,21 @@ class ArenaPages:
             self._thread.join()
 
     def _ready_all(self) -> None:
-        """The background thread's work: every region not yet readied, in order, until `close`."""
+        """The background thread's work: every region not yet readied whose memory the worker has, in
+        order, until `close`. (Readying a region of a worker that does not prefault its arena would
+        allocate it: such a region is left to the first block that lands in it.)"""
+        assert _native is not None  # (else no thread)
         for region in range(self._ready.size):
             if self._stop.is_set() or self._refused:
                 return
-            if not self._ready[region]:
+            if self._ready[region]:
+                continue
+            start = region * REGION_BYTES
+            try:
+                resident = _native.resident(self._view[start:min(start + REGION_BYTES, self._size)])
+            except (OSError, ValueError):
+                return  # (a view released under the thread: see `_populate`)
+            if resident:
                 self._populate(region)
 
     def _populate(self, region: int) -> None:

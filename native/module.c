@@ -6,6 +6,7 @@
  * hash_at(out, buf, offsets, sizes)   out[i] = the XXH3-64 of buf[offsets[i]:offsets[i] + sizes[i]], without
  *                              the GIL (out: uint64s; offsets, sizes: int64s; ValueError out of bounds)
  * advise(buf, advice)          madvise(2) of a mapping's page-aligned slice, without the GIL (OSError)
+ * resident(buf) -> bool        whether every page of a mapping's page-aligned slice has its memory (mincore(2))
  *
  * dst: a writable, src: a readable C-contiguous buffer of the same length. See kernel.h for how a copy
  * is made. The GIL is held throughout, as it is for a memoryview slice assignment. Python falls back to
@@ -17,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 uint64_t kv_copy_hash_base(char *dst, const char *src, size_t n);
 void kv_copy_base(char *dst, const char *src, size_t n);
@@ -140,6 +142,37 @@ static PyObject *py_advise(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Whether the memory behind every page of `buf` exists (for a shared-memory mapping: the object's pages
+ * are allocated, whether or not this process has mapped them yet). Readying a region whose memory does
+ * not exist would allocate it: a worker that does not prefault its arena keeps the memory it never used. */
+static PyObject *py_resident(PyObject *self, PyObject *args) {
+    Py_buffer buf;
+    if (!PyArg_ParseTuple(args, "y*:resident", &buf))
+        return NULL;
+    long page = sysconf(_SC_PAGESIZE);
+    size_t pages = ((size_t)buf.len + (size_t)page - 1) / (size_t)page;
+    unsigned char *vec = PyMem_RawMalloc(pages ? pages : 1);
+    if (vec == NULL) {
+        PyBuffer_Release(&buf);
+        return PyErr_NoMemory();
+    }
+    int rc, err = 0, all = 1;
+    Py_BEGIN_ALLOW_THREADS
+    rc = mincore(buf.buf, (size_t)buf.len, (void *)vec);
+    if (rc)
+        err = errno;
+    for (size_t i = 0; !rc && i < pages && all; i++)
+        all = vec[i] & 1;
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(vec);
+    PyBuffer_Release(&buf);
+    if (rc) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyBool_FromLong(all);
+}
+
 static PyObject *py_simd(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString(simd_name);
 }
@@ -149,6 +182,7 @@ static PyMethodDef methods[] = {
     {"copy", py_copy, METH_VARARGS, "copy(dst, src): dst[:] = src"},
     {"hash_at", py_hash_at, METH_VARARGS, "hash_at(out, buf, offsets, sizes): out[i] = XXH3-64 of buf[offsets[i]:][:sizes[i]]"},
     {"advise", py_advise, METH_VARARGS, "advise(buf, advice): madvise(2) of buf (page-aligned), without the GIL"},
+    {"resident", py_resident, METH_VARARGS, "resident(buf) -> bool: whether every page of buf (page-aligned) has its memory"},
     {"simd", py_simd, METH_NOARGS, "simd() -> str: the kernels in use (avx2 or base)"},
     {NULL, NULL, 0, NULL},
 };

@@ -3,6 +3,7 @@ so the copies that follow take no page faults (each 4 KiB page would fault at it
 client's transport readies the rest from a thread of its own, which its close ends."""
 from __future__ import annotations
 
+import os
 import resource
 import threading
 import time
@@ -117,7 +118,7 @@ def test_a_clients_close_ends_its_background_readers(tmp_path: Path, monkeypatch
         time.sleep(0.05)  # 32 regions: the readers are still at work when the client closes
         populate(self, region)
     monkeypatch.setattr(ArenaPages, "_populate", slow)
-    cache = CacheConfig(dram_bytes=32 << 20, dram_slab_size=1 << 20, prefault=False)
+    cache = CacheConfig(dram_bytes=32 << 20, dram_slab_size=1 << 20, prefault=True)
     worker = Worker(WorkerConfig(port=0, unix_path=str(tmp_path / "w.sock")), cache).start()
     try:
         client = PoolClient(mode="local", worker=worker.unix_path)
@@ -129,3 +130,24 @@ def test_a_clients_close_ends_its_background_readers(tmp_path: Path, monkeypatch
         assert not any(t.is_alive() for t in readers)
     finally:
         worker.stop()
+
+
+def test_the_background_reader_allocates_nothing_of_an_arena_not_prefaulted() -> None:
+    """A worker that does not prefault its arena keeps the memory it never used: the background reader
+    readies only regions whose memory exists."""
+    sparse = DramArena(48 * REGION_BYTES, slab_size=16 * REGION_BYTES, prefault=False)
+    try:
+        sparse.buf[5 * REGION_BYTES:7 * REGION_BYTES] = 1  # the worker wrote two regions
+        allocated = os.stat(f"/dev/shm/{sparse.name}").st_blocks * 512
+        view = DramArena.attach(sparse.name, sparse.length, writable=True)
+        try:
+            pages = ArenaPages(view, writable=True, background=True)
+            assert pages._thread is not None
+            pages._thread.join(timeout=30)
+            assert os.stat(f"/dev/shm/{sparse.name}").st_blocks * 512 == allocated
+            assert np.flatnonzero(pages._ready).tolist() == [5, 6]
+            pages.close()
+        finally:
+            _unmap(view)
+    finally:
+        sparse.close()
