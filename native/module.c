@@ -9,8 +9,10 @@
  * resident(buf) -> bool        whether every page of a mapping's page-aligned slice has its memory (mincore(2))
  *
  * dst: a writable, src: a readable C-contiguous buffer of the same length. See kernel.h for how a copy
- * is made. The GIL is held throughout, as it is for a memoryview slice assignment. Python falls back to
- * the same results without this module (kvpool.core.fastcopy). */
+ * is made. copy and copy_hash hold the GIL throughout, as a memoryview slice assignment does (a copy
+ * returns to its caller at once, not after another thread's switch interval); the others let it go
+ * while they work, each holding its buffers exported. Python falls back to the same results without
+ * this module (kvpool.core.fastcopy; kvpool.core.arena_pages readies nothing in the background). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
