@@ -249,7 +249,8 @@ class ClusterBackend:
             for i in idx:
                 stored[i] += 1
         if not all(stored):
-            raise PoolUnavailable(f"{stored.count(0)} of {len(keys)} blocks reached no live worker")
+            raise PoolUnavailable(f"{stored.count(0)} of {len(keys)} blocks were stored by no live worker that "
+                                  "answered (one that did not answer in time may still store them)")
         return sorted(superseded)
 
     def _restamp(self, live: dict[str, WorkerInfo], again: Sequence[bytes], idx: list[int],
@@ -410,7 +411,8 @@ class ClusterBackend:
                 if o == SUPERSEDED:
                     superseded.add(i)
         if not all(reached):
-            raise PoolUnavailable(f"{reached.count(False)} of {len(keys)} removes reached no live worker")
+            raise PoolUnavailable(f"{reached.count(False)} of {len(keys)} removes were answered by no live owner "
+                                  "(one that did not answer in time may still remove them)")
         return removed, sorted(superseded)
 
     def batch_lease(self, keys: Sequence[bytes]) -> AbstractContextManager[list[memoryview | None]]:
