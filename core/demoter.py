@@ -65,7 +65,6 @@ class Demoter:
                     moves.end_write(victims)
                     for b in victims:
                         if b.live and b.leases == 0 and dram.blocks.get(b.key) is b and not b.pinned:
-                            stack.drop_dram(b.key, "evict")
-                            stack.counters.evictions += 1
+                            moves.evicted(b)
         with stack.lock:
             self._delete_stale()

@@ -34,7 +34,8 @@ class CacheCounters:
     ssd_evictions: int = 0
     device_evictions: int = 0
     dropped: int = 0
-    """Blocks lost to a full SSD tier on demotion."""
+    """Blocks evicted from DRAM with no SSD copy though there is an SSD tier (it was full, or the block
+    failed its checksum): lost to the cache."""
     checksum_failures: int = 0
     relocations: int = 0
     """Pinned blocks copied to another slab of their class so that a whole slab could be freed."""

@@ -95,8 +95,16 @@ class TierMoves:
         self.demote([b for b in batch if not b.on_ssd])
         for b in victims:
             if b.live and stack.dram.blocks.get(b.key) is b:
-                stack.drop_dram(b.key, "evict")
-                stack.counters.evictions += 1
+                self.evicted(b)
+
+    def evicted(self, b: DramBlock) -> None:
+        """Drop `b` from DRAM as evicted, counted; a block that leaves with no SSD copy (the SSD tier was
+        full, or the block failed its checksum) is lost to the cache: counted as dropped. Lock held."""
+        stack = self._stack
+        stack.drop_dram(b.key, "evict")
+        stack.counters.evictions += 1
+        if stack.ssd is not None and not b.on_ssd:
+            stack.counters.dropped += 1
 
     def begin_write(self, blocks: list[DramBlock]) -> None:
         """Hold `blocks` leased for a `demote` outside the lock. Lock held."""
@@ -140,8 +148,7 @@ class TierMoves:
         except CapacityError:
             with stack.lock:
                 ssd.unsupersede(superseded)  # the old copies are still there
-                stack.counters.dropped += len(blocks)  # SSD full: the blocks leave the cache cleanly
-            return 0
+            return 0  # SSD full: evicted, the blocks leave the cache cleanly (counted as they go: `evicted`)
         finally:
             del items
         with stack.lock:

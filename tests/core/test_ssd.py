@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -332,3 +333,31 @@ def test_a_promotion_that_races_an_overwrite_never_brings_the_old_bytes_back(
     assert got and got[0] in (old, new, None)  # the concurrent read may see either
     assert cache.get("K") == new
     assert cache.check() == []
+
+
+def test_dropped_counts_the_blocks_a_full_ssd_tier_lost_and_no_others(make_cache: Callable[..., TieredCache],
+                                                                      ssd_dir: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A demotion the SSD tier refuses loses only the blocks that are then evicted: a flush's blocks stay
+    in DRAM, and a batch's blocks that are not evicted (only its victims are) stay too."""
+    cache = make_cache(dram_bytes=4 * MiB, dram_slab_size=1 * MiB, ssd_path=ssd_dir, ssd_sync=False)
+    assert cache.ssd is not None
+
+    def full(items: object) -> None:
+        raise CapacityError("the SSD tier is full")
+    monkeypatch.setattr(cache.ssd.store, "batch_put", full)
+    cache.batch_put(["a", "b"], [payload("a", KiB), payload("b", KiB)])
+    assert cache.flush() == 0
+    assert cache.stats().dropped == 0 and cache.get("a") == payload("a", KiB)  # refused, still in DRAM
+    keys = ["a", "b", *(f"f{i}" for i in range(40))]
+    for k in keys[2:]:
+        cache.put(k, payload(k, 200 * KiB))
+    before = None
+    for _ in range(100):  # until the demoter has settled
+        s = cache.stats()
+        if before is not None and (s.evictions, s.dropped) == (before.evictions, before.dropped):
+            break
+        before = s
+        time.sleep(0.05)
+    lost = [k for k, there in zip(keys, cache.batch_exists(keys)) if not there]
+    assert lost and s.dropped == s.evictions == len(lost)
