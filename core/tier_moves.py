@@ -126,8 +126,8 @@ class TierMoves:
 
     def demote(self, blocks: list[DramBlock]) -> int:
         """Write blocks, leased or with the lock held, to SSD in one transaction and index them (they
-        stay in DRAM); how many were written. A full SSD tier drops them from the cache's care cleanly
-        (counted)."""
+        stay in DRAM); how many were written. A full SSD tier writes none: those later evicted leave the
+        cache cleanly (counted as dropped then: `evicted`)."""
         stack = self._stack
         ssd = stack.ssd
         if ssd is None or not blocks:
@@ -148,7 +148,7 @@ class TierMoves:
         except CapacityError:
             with stack.lock:
                 ssd.unsupersede(superseded)  # the old copies are still there
-            return 0  # SSD full: evicted, the blocks leave the cache cleanly (counted as they go: `evicted`)
+            return 0
         finally:
             del items
         with stack.lock:
