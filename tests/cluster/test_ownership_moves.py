@@ -17,6 +17,8 @@ from kvpool.core.cluster import rank
 from kvpool.core.procs import WorkerProcess
 from kvpool.core.versions import CLOCK_SKEW_MS, COUNTER_BITS
 
+from sigstop import freeze
+
 N = 48
 SIZE = 4096
 
@@ -107,7 +109,7 @@ def test_a_put_does_not_wait_on_a_paused_worker_that_owns_none_of_its_keys(
     key = next(k for k in (f"paused/{i}" for i in range(1000)) if rank(k.encode(), ids)[1] == "w-2")
     with PoolClient(mode="cluster", nats_url=nats.url, timeout_s=2) as pool:
         assert pool.wait_for_members(lambda m: len(m) == 3, 15)
-        os.kill(workers[2].proc.pid, signal.SIGSTOP)
+        freeze(workers[2].proc.pid)
         try:
             t0 = time.monotonic()
             pool.batch_put([key], [block(key, 1)])

@@ -10,6 +10,7 @@ from kvpool.core.client import PoolClient
 from kvpool.core.cluster import rank
 
 from faulthelp import block, wait_members, worker_id
+from sigstop import freeze
 
 TIMEOUT_S = 2.0
 SLACK_S = 0.2 * TIMEOUT_S + 0.5  # the 20% the issue allows, plus thread hand-off on a busy 2-core box
@@ -26,7 +27,7 @@ def test_hung_owners_cost_one_deadline_not_one_each(nats, spawn) -> None:
         alive = ids[0]
         assert {owner[k] for k in keys} == set(ids), "the keys must span every worker"
         for w in workers[1:]:
-            os.kill(w.proc.pid, signal.SIGSTOP)
+            freeze(w.proc.pid)
         try:
             for call in ("get", "exists", "stats"):
                 t0 = time.monotonic()
@@ -53,7 +54,7 @@ def test_a_hung_primary_leaves_its_replica_time_within_the_same_deadline(nats, s
         wait_members(c, 2)
         keys = [k for k in (f"p{i}" for i in range(80)) if rank(k.encode(), ids)[0] == ids[1]][:20]
         c.batch_put(keys, [block(k, 4096) for k in keys])
-        os.kill(workers[1].proc.pid, signal.SIGSTOP)  # every key's primary
+        freeze(workers[1].proc.pid)  # every key's primary
         try:
             t0 = time.monotonic()
             sizes = c.batch_get_into(keys, [bytearray(4096) for _ in keys])

@@ -20,6 +20,7 @@ from kvpool.core.fanout import SUSPECT_S
 from kvpool.core.procs import WorkerProcess
 
 from faulthelp import Load, block, poll, read_all, wait_members, worker_id
+from sigstop import freeze
 
 SIZE = 64 << 10
 TIMEOUT_S = 2.0
@@ -107,7 +108,7 @@ def _change_while_away(c: PoolClient, truth: Truth, mine: list[str]) -> tuple[li
 def _change_while_paused(c: PoolClient, truth: Truth, mine: list[str], victim: WorkerProcess,
                          away_s: float = 0.0) -> tuple[list[str], list[str]]:
     """`_change_while_away` with the victim SIGSTOPped, kept stopped `away_s` seconds more, then resumed."""
-    os.kill(victim.proc.pid, signal.SIGSTOP)
+    freeze(victim.proc.pid)
     try:
         changed = _change_while_away(c, truth, mine)
         time.sleep(away_s)
@@ -220,7 +221,7 @@ def test_no_stale_reads_under_load_across_a_pause(nats, spawn):
         wait_members(c, 3)
         with Load(c, "l", batch=16, size=16 << 10, rewrite=0.5, bound_s=3 * TIMEOUT_S + 2) as load:
             load.wait_ops(20)
-            os.kill(workers[1].proc.pid, signal.SIGSTOP)
+            freeze(workers[1].proc.pid)
             try:
                 load.wait_ops(10)
             finally:
@@ -247,11 +248,11 @@ def test_back_while_its_peers_heartbeats_lapse_it_asks_them_anyway(nats, spawn):
         keys = [f"h{i}" for i in range(240)]
         truth.put(c, keys, 0)
         mine = [k for k in keys if rank(k.encode(), ids)[0] == ids[0]]
-        os.kill(victim.proc.pid, signal.SIGSTOP)
+        freeze(victim.proc.pid)
         try:
             wait_members(c, 1)  # the client dropped the victim: its keys go to the peer
             _change_while_away(c, truth, mine)
-            os.kill(peer.proc.pid, signal.SIGSTOP)
+            freeze(peer.proc.pid)
             time.sleep(float(FAST_TTL["KVPOOL_MEMBER_TTL_S"]) + 1)  # the peer's entry lapses too
         finally:
             os.kill(victim.proc.pid, signal.SIGCONT)
@@ -280,7 +281,7 @@ def test_a_late_replica_never_writes_into_the_callers_buffer_after_the_call(nats
         wait_members(c, 3)
         c.batch_put([key, other], [block(key, SIZE), block(other, SIZE)])
         buf = bytearray(SIZE)
-        os.kill(victim.proc.pid, signal.SIGSTOP)
+        freeze(victim.proc.pid)
         try:
             assert c.batch_get_into([key], [buf]) == [SIZE] and bytes(buf) == block(key, SIZE)
             assert c.batch_get_into([other], [buf]) == [SIZE] and bytes(buf) == block(other, SIZE)
@@ -301,7 +302,7 @@ def test_a_read_around_a_worker_that_never_finishes_connecting_keeps_its_deadlin
     with _client(nats) as c:
         wait_members(c, 3)
         c.batch_put([key], [block(key, SIZE)])
-    os.kill(victim.proc.pid, signal.SIGSTOP)
+    freeze(victim.proc.pid)
     try:
         with _client(nats) as c:
             wait_members(c, 3)
@@ -338,7 +339,7 @@ def test_closing_a_client_mid_repair_returns_at_once_and_leaves_no_thread(nats, 
 
 def _suspect(c: PoolClient, victim: WorkerProcess, key: str) -> None:
     """Pause `victim` and let a read of `key` (which it owns) time out on it: the client skips it now."""
-    os.kill(victim.proc.pid, signal.SIGSTOP)
+    freeze(victim.proc.pid)
     c.batch_get_into([key], [bytearray(SIZE)])
 
 

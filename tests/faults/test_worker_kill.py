@@ -17,6 +17,7 @@ from kvpool.core.client import PoolClient
 from kvpool.core.cluster import rank
 
 from faulthelp import Load, block, bounded, read_all, wait_members, worker_id
+from sigstop import freeze
 
 TIMEOUT_S = 2.0
 BOUND_S = 2 * TIMEOUT_S + 2  # a batch may wait out one dead worker, then its replica
@@ -102,7 +103,7 @@ def test_a_frozen_worker_costs_a_bounded_wait_not_a_hang(nats, spawn):
         wait_members(c, 3)
         keys = [f"f{i}" for i in range(48)]
         c.batch_put(keys, [block(k, 64 << 10) for k in keys])
-        os.kill(workers[2].proc.pid, signal.SIGSTOP)
+        freeze(workers[2].proc.pid)
         try:
             with bounded(BOUND_S, "a read with a frozen owner"):
                 _, misses = read_all(c, dict.fromkeys(keys, 64 << 10))
@@ -112,7 +113,7 @@ def test_a_frozen_worker_costs_a_bounded_wait_not_a_hang(nats, spawn):
         finally:
             os.kill(workers[2].proc.pid, signal.SIGCONT)
     # in local mode the same freeze is a typed timeout
-    os.kill(workers[1].proc.pid, signal.SIGSTOP)
+    freeze(workers[1].proc.pid)
     try:
         with PoolClient(mode="local", worker=workers[1].address, timeout_s=1.0) as one, \
                 bounded(3.0, "a local-mode call to a frozen worker"), pytest.raises(PoolUnavailable):
