@@ -1,6 +1,7 @@
-"""SIGSTOP that waits for the stop: `os.kill` returns before a thread running on another core has taken
-the signal, and a worker thread busy-polling its socket can still answer a request sent just after it
-(a "paused" owner that served the read meant to time out on it, then applied a remove queued behind)."""
+"""SIGSTOP that waits for the stop: `os.kill` returns before every thread of the process has taken the
+signal (one running on another core takes it later), and a worker could still answer a request sent
+just after it (seen: a "paused" owner served the read meant to time out on it, so the client did not
+skip it, and applied on SIGCONT the remove the test expected never to reach it)."""
 from __future__ import annotations
 
 import os
