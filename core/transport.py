@@ -30,7 +30,7 @@ from .blocks import checksum
 from .buffers import Destination, destination_views, finish_all, readable
 from .connection import Connection, put_outcome, raise_item, send_pin
 from .errors import BufferSizeError, PoolUnavailable, ProtocolError
-from .fastcopy import copy
+from .fastcopy import copy_from
 from .pool_backend import leases_by_copy
 from .shm_put import PartedPut
 from .shm_refs import committed
@@ -327,7 +327,7 @@ class ShmTransport(Connection):
                     versions += vers.tolist()
                     if too_small is None:
                         try:
-                            out += _copy_out(arena, keys[p], offsets.tolist(), sizes.tolist(), views[p])
+                            out += _copy_out(arena, keys[p], offsets, sizes, views[p])
                         except BufferSizeError as e:  # the caller's error: the rest is read, the connection kept
                             too_small = e
             except BaseException:
@@ -372,21 +372,17 @@ class ShmTransport(Connection):
             self._lock.release()
 
 
-def _copy_out(arena: memoryview, keys: Sequence[bytes], offsets: list[int], sizes: list[int],
+def _copy_out(arena: memoryview, keys: Sequence[bytes], offsets: np.ndarray, sizes: np.ndarray,
               views: list[memoryview]) -> list[int]:
     """Copy each leased block (offset < 0: a miss) from the arena into its view; the sizes copied, -1
     for each miss. A view too small for its block raises BufferSizeError."""
-    out: list[int] = []
-    for key, off, size, view in zip(keys, offsets, sizes, views):
-        if off < 0:
-            out.append(-1)
-            continue
-        if size > view.nbytes:
-            raise BufferSizeError(f"block {key[:24]!r} is {size} bytes; the destination holds {view.nbytes}",
-                                  key=key, size=size, limit=view.nbytes)
-        copy(view[:size], arena[off:off + size])
-        out.append(size)
-    return out
+    short = copy_from(views, arena, offsets, sizes)
+    if short >= 0:
+        key, size, room = keys[short], int(sizes[short]), views[short].nbytes
+        raise BufferSizeError(f"block {key[:24]!r} is {size} bytes; the destination holds {room}",
+                              key=key, size=size, limit=room)
+    copied: list[int] = np.where(offsets < 0, -1, sizes).tolist()
+    return copied
 
 
 def _stamps(versions: Sequence[int] | None, n: int) -> np.ndarray:

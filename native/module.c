@@ -7,9 +7,12 @@
  *                              the GIL (out: uint64s; offsets, sizes: int64s; ValueError out of bounds)
  * advise(buf, advice)          madvise(2) of a mapping's page-aligned slice, without the GIL (OSError)
  * resident(buf) -> bool        whether every page of a mapping's page-aligned slice has its memory (mincore(2))
+ * copy_from(dsts, src, offsets, sizes) -> int   dsts[i][:sizes[i]] = src[offsets[i]:offsets[i] + sizes[i]] in
+ *                              order, for each i whose offset is >= 0 (a miss: skipped); -1, or the index of
+ *                              the first destination shorter than its size (it and those after it untouched)
  *
  * dst: a writable, src: a readable C-contiguous buffer of the same length. See kernel.h for how a copy
- * is made. copy and copy_hash hold the GIL throughout, as a memoryview slice assignment does (a copy
+ * is made. copy, copy_hash and copy_from hold the GIL throughout, as a memoryview slice assignment does (a copy
  * returns to its caller at once, not after another thread's switch interval); the others let it go
  * while they work, each holding its buffers exported. Python falls back to the same results without
  * this module (kvpool.core.fastcopy; kvpool.core.arena_pages readies nothing in the background). */
@@ -123,6 +126,58 @@ static PyObject *py_hash_at(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* A same-node reader's batch out of the arena in one call: per block, no Python slices and calls. */
+static PyObject *py_copy_from(PyObject *self, PyObject *args) {
+    PyObject *dsts, *seq;
+    Py_buffer src, offs, sizes;
+    if (!PyArg_ParseTuple(args, "Oy*y*y*:copy_from", &dsts, &src, &offs, &sizes))
+        return NULL;
+    Py_ssize_t n = offs.len / 8, first_short = -1;
+    const char *err = NULL;
+    const int64_t *o = (const int64_t *)offs.buf, *z = (const int64_t *)sizes.buf;
+    seq = PySequence_Fast(dsts, "copy_from wants a sequence of destination buffers");
+    if (seq == NULL)
+        goto done;
+    if (offs.len % 8 || sizes.len != offs.len || PySequence_Fast_GET_SIZE(seq) != n)
+        err = "copy_from wants as many destinations as int64 offsets and int64 sizes";
+    for (Py_ssize_t i = 0; !err && i < n; i++) {
+        int64_t a, b;
+        memcpy(&a, o + i, 8);
+        memcpy(&b, z + i, 8);
+        if (a < 0)
+            continue;
+        if (b < 0 || a > src.len || b > src.len - a) {
+            err = "a slot outside the source";
+            break;
+        }
+        Py_buffer d;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &d, PyBUF_WRITABLE) < 0)
+            break;
+        if (d.len < b) {
+            PyBuffer_Release(&d);
+            first_short = i;
+            break;
+        }
+        const char *from = (const char *)src.buf + a;
+        uintptr_t dp = (uintptr_t)d.buf, sp = (uintptr_t)from;
+        if (b && dp < sp + (uintptr_t)b && sp < dp + (uintptr_t)b)
+            memmove(d.buf, from, (size_t)b);
+        else
+            copy_fn((char *)d.buf, from, (size_t)b);
+        PyBuffer_Release(&d);
+    }
+    Py_DECREF(seq);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&offs);
+    PyBuffer_Release(&sizes);
+    if (err)
+        PyErr_SetString(PyExc_ValueError, err);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyLong_FromSsize_t(first_short);
+}
+
 /* The GIL is let go during the call: populating a region's page tables (MADV_POPULATE_*) takes a
  * fraction of a millisecond per MiB, and a client readies its whole mapping from a thread of its own
  * (kvpool.core.arena_pages). The buffer stays exported throughout, so the mapping cannot be closed. */
@@ -183,6 +238,7 @@ static PyMethodDef methods[] = {
     {"copy_hash", py_copy_hash, METH_VARARGS, "copy_hash(dst, src) -> int: dst[:] = src; the XXH3-64 of the bytes written"},
     {"copy", py_copy, METH_VARARGS, "copy(dst, src): dst[:] = src"},
     {"hash_at", py_hash_at, METH_VARARGS, "hash_at(out, buf, offsets, sizes): out[i] = XXH3-64 of buf[offsets[i]:][:sizes[i]]"},
+    {"copy_from", py_copy_from, METH_VARARGS, "copy_from(dsts, src, offsets, sizes) -> int: each dsts[i][:sizes[i]] = src[offsets[i]:][:sizes[i]] (offset < 0: skipped); -1, or the first too short"},
     {"advise", py_advise, METH_VARARGS, "advise(buf, advice): madvise(2) of buf (page-aligned), without the GIL"},
     {"resident", py_resident, METH_VARARGS, "resident(buf) -> bool: whether every page of buf (page-aligned) has its memory"},
     {"simd", py_simd, METH_NOARGS, "simd() -> str: the kernels in use (avx2 or base)"},

@@ -103,3 +103,33 @@ def test_hash_at_hashes_each_slot_and_refuses_one_outside(impl: str, monkeypatch
         with pytest.raises(InvalidArgument, match="outside"):
             fastcopy.hash_at(buf, np.array([0, off], "<i8"), np.array([8, size], "<i8"))
     assert fastcopy.hash_at(buf, np.array([], "<i8"), np.array([], "<i8")).size == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_copy_from_copies_each_slot_skips_misses_and_stops_at_a_short_buffer(
+        impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if impl == "python":
+        monkeypatch.setattr(fastcopy, "_native", None)
+    src = np.frombuffer(os.urandom((1 << 20) + 100), dtype=np.uint8)
+    offsets = np.array([0, -1, 65536, 7, (1 << 20) + 100], dtype="<i8")  # a miss; the last, empty, at the end
+    sizes = np.array([16384, 5, 300_001, 8193, 0], dtype="<i8")
+    dsts = [bytearray(16384), bytearray(b"keep"), np.zeros(300_001 + 9, np.uint8), memoryview(bytearray(8193)),
+            bytearray(0)]
+    assert fastcopy.copy_from(dsts, src, offsets, sizes) == -1
+    assert bytes(dsts[0]) == src[:16384].tobytes() and dsts[1] == b"keep"
+    assert dsts[2][:300_001].tobytes() == src[65536:65536 + 300_001].tobytes() and not dsts[2][300_001:].any()
+    assert bytes(dsts[3]) == src[7:7 + 8193].tobytes()
+    # the first destination too short for its block is named; it and those after it are left as they were
+    fresh = [bytearray(16384), bytearray(100), bytearray(8193)]
+    at = np.array([0, 16384, 7], "<i8")
+    assert fastcopy.copy_from(fresh, src, at, np.array([16384, 101, 8193], "<i8")) == 1
+    assert bytes(fresh[0]) == src[:16384].tobytes() and not any(fresh[1]) and not any(fresh[2])
+    for off, size in [(0, -1), ((1 << 20) + 1, 100), (1 << 62, 1 << 62)]:
+        with pytest.raises(InvalidArgument, match="outside"):
+            fastcopy.copy_from([bytearray(8), bytearray(1 << 20)], src, np.array([0, off], "<i8"),
+                               np.array([8, size], "<i8"))
+    with pytest.raises(InvalidArgument, match="as many"):
+        fastcopy.copy_from([bytearray(8)], src, np.array([0, 8], "<i8"), np.array([8, 8], "<i8"))
+    with pytest.raises((TypeError, BufferError)):  # a destination that cannot be written
+        fastcopy.copy_from([b"readonly"], src, np.array([0], "<i8"), np.array([8], "<i8"))
+    assert fastcopy.copy_from([], src, np.array([], "<i8"), np.array([], "<i8")) == -1
