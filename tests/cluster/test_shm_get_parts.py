@@ -101,3 +101,33 @@ def test_leases_whose_connection_closed_end_with_an_error_and_release_nothing_of
         assert none is None
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("past", [1, 1 << 40])
+def test_a_lease_reply_naming_a_slot_outside_the_arena_drops_the_connection(
+        worker: Worker, monkeypatch: pytest.MonkeyPatch, past: int) -> None:
+    """The offsets come from the worker: one outside the arena (a worker that lost its mind, or not ours)
+    is its failure (PoolUnavailable, the connection dropped), not the caller's bad argument, and nothing
+    is copied from beyond the mapping."""
+    keys = [f"k{i}".encode() for i in range(40)]
+    t = ShmTransport(worker.unix_path)
+    try:
+        t.batch_put(keys, [np.full(4096, i, dtype=np.uint8) for i in range(40)])
+        real = t._lease_reply
+
+        def beyond(sock, n, pages):  # type: ignore[no-untyped-def]
+            ids, offsets, sizes, versions = real(sock, n, pages)
+            return ids, offsets + t.info.arena_size - 4096 + past, sizes, versions
+
+        monkeypatch.setattr(t, "_lease_reply", beyond)
+        generation = t.generation
+        out = [np.zeros(4096, dtype=np.uint8) for _ in keys]
+        with pytest.raises(PoolUnavailable, match="outside the arena"):
+            t.batch_get_into(keys, out)
+        assert t.generation != generation or t._sock is None  # dropped
+        assert all(not o.any() for o in out)
+        monkeypatch.undo()
+        assert t.batch_get_into(keys, out) == [4096] * 40  # a new connection serves as before
+        assert all((o == i).all() for i, o in enumerate(out))
+    finally:
+        t.close()
