@@ -22,6 +22,8 @@ from types import ModuleType
 
 import numpy as np
 
+from .errors import ProtocolError
+
 __all__ = ["REGION_BYTES", "ArenaPages"]
 
 REGION_BYTES = 1 << 20
@@ -57,10 +59,16 @@ class ArenaPages:
 
     def ready(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
         """Map the regions that the blocks at `offsets` (of `sizes` bytes; offsets < 0 are skipped)
-        touch, where this process has not yet. Once they are, a check costs a few array operations."""
-        if self._refused or not offsets.size:
+        touch, where this process has not yet. Once they are, a check costs a few array operations.
+        Every slot a worker names passes here before a byte moves: ProtocolError if one does not lie
+        within the mapping."""
+        if not offsets.size:
             return
         low, high = int(offsets.min()), int((offsets + sizes).max())
+        if high > self._size or (int(sizes.min()) < 0 and bool(((sizes < 0) & (offsets >= 0)).any())):
+            raise ProtocolError(f"the worker named a slot outside its arena of {self._size} bytes")
+        if self._refused:
+            return
         if low >= 0 and self._ready[low // REGION_BYTES:(high - 1) // REGION_BYTES + 1].all():
             return  # the usual batch, once warm: every region between its first and last block is ready
         firsts = np.maximum(offsets, 0) // REGION_BYTES  # (a miss asks for region 0: harmless)

@@ -10,9 +10,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from kvpool.core import protocol as P
 from kvpool.core import shm_put, transport
 from kvpool.core.blocks import checksum
-from kvpool.core.errors import CapacityError, CorruptBlock
+from kvpool.core.errors import CapacityError, CorruptBlock, PoolUnavailable
 from kvpool.core.fastcopy import copy_hash
 from kvpool.core.server import Worker
 from kvpool.core.transport import ShmTransport, TcpTransport
@@ -146,3 +147,27 @@ def test_a_tcp_put_of_many_frames_fails_only_the_refused_block(worker: Worker,
     finally:
         t.close()
 
+
+
+def test_an_alloc_reply_naming_a_slot_outside_the_arena_fails_the_put_typed(worker: Worker,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slots come from the worker: one past the end of the arena is its failure (PoolUnavailable, the
+    connection dropped), and nothing is copied outside the mapping."""
+    t = ShmTransport(worker.unix_path)
+    try:
+        real = shm_put.recv_column
+
+        def beyond(sock, op, n):  # type: ignore[no-untyped-def]
+            got = real(sock, op, n)
+            return got + t.info.arena_size if op == P.Op.ALLOC else got
+
+        monkeypatch.setattr(shm_put, "recv_column", beyond)
+        with pytest.raises(PoolUnavailable, match="outside its arena"):
+            t.batch_put([b"k0", b"k1"], [np.full(4096, 1, np.uint8)] * 2)
+        monkeypatch.undo()
+        t.batch_put([b"k0"], [np.full(4096, 2, np.uint8)])  # a new connection puts as before
+        out = np.zeros(4096, np.uint8)
+        assert t.batch_get_into([b"k0", b"k1"], [out, np.zeros(4096, np.uint8)]) == [4096, -1]
+        assert (out == 2).all()
+    finally:
+        t.close()

@@ -16,6 +16,7 @@ import pytest
 from kvpool.core.arena_pages import REGION_BYTES, ArenaPages
 from kvpool.core.client import PoolClient
 from kvpool.core.config import CacheConfig, WorkerConfig
+from kvpool.core.errors import ProtocolError
 from kvpool.core.server import Worker
 from kvpool.core.tiers.dram import DramArena
 
@@ -151,3 +152,19 @@ def test_the_background_reader_allocates_nothing_of_an_arena_not_prefaulted() ->
             _unmap(view)
     finally:
         sparse.close()
+
+
+def test_a_slot_outside_the_mapping_is_the_workers_protocol_error(arena: DramArena) -> None:
+    """Every slot a worker names (ALLOC and LEASE replies) passes `ready` before a byte moves: one that
+    ends past the mapping, or has a negative size, is refused; misses (offset and size < 0) are not."""
+    view = DramArena.attach(arena.name, arena.length, writable=True)
+    pages = ArenaPages(view, writable=True)
+    try:
+        size = view.nbytes
+        pages.ready(np.array([0, -2, size - 4096], "<i8"), np.array([4096, -2, 4096], "<i8"))  # a miss between
+        for offsets, sizes in [([size - 4096], [4097]), ([size], [1]), ([1 << 62], [1 << 20]), ([0, 4096], [8, -1])]:
+            with pytest.raises(ProtocolError, match="outside its arena"):
+                pages.ready(np.array(offsets, "<i8"), np.array(sizes, "<i8"))
+    finally:
+        pages.close()
+        _unmap(view)
