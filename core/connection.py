@@ -339,7 +339,9 @@ class Connection:
     def prefix_match(self, keys: Sequence[bytes]) -> int:
         total = 0
         for f in P.frames(len(keys)):
-            n = int(P.unpack_json(self.call(P.Op.PREFIX, P.pack_batch(list(keys[f]))).meta)["n"])
+            n = P.unpack_json(self.call(P.Op.PREFIX, P.pack_batch(list(keys[f]))).meta).get("n")
+            if type(n) is not int or not 0 <= n <= f.stop - f.start:
+                raise PoolUnavailable(f"worker {self.address} answered a prefix of {f.stop - f.start} keys with {n!r}")
             total += n
             if n < f.stop - f.start:
                 break
@@ -418,6 +420,9 @@ def raise_item(status: int, key: bytes, size: int, max_block: int) -> None:
     if status == P.ITEM_CORRUPT:
         raise CorruptBlock(f"block {key[:24]!r} arrived corrupt at the worker (checksum mismatch); nothing "
                            "was stored under it", key=key, size=size)
+    if status != P.ITEM_OK:  # no status a worker sends: whether the block was stored is not known
+        raise ProtocolError(f"the worker answered the put of block {key[:24]!r} with status {status}, which "
+                            "no worker sends")
 
 
 def send_pin(sock: socket.socket, keys: Sequence[bytes], pin_s: float) -> None:

@@ -18,6 +18,7 @@ import functools
 import logging
 import mmap
 import socket
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from typing import Any
@@ -66,17 +67,16 @@ class TcpTransport(Connection):
         stamps = _stamps(versions, len(keys))
         status: list[int] = []
         with self._session() as sock:
-            sent = 0
+            unanswered: deque[int] = deque()  # blocks of each frame sent and not answered yet
             for f in P.frames(len(keys), lens, min(_FRAME_BYTES, max(_MIN_FRAME_BYTES, sum(lens) // 4))):
                 if pin_s > 0:
                     send_pin(sock, keys[f], pin_s)
                 self._send_put(sock, keys[f], views[f], stamps[f])
-                sent += 1
-                if sent > _FRAMES_IN_FLIGHT:
-                    status += self._put_reply(sock)
-                    sent -= 1
-            for _ in range(sent):
-                status += self._put_reply(sock)
+                unanswered.append(f.stop - f.start)
+                if len(unanswered) > _FRAMES_IN_FLIGHT:
+                    status += self._put_reply(sock, unanswered.popleft())
+            while unanswered:
+                status += self._put_reply(sock, unanswered.popleft())
         return put_outcome(status, keys, lens, self.info.max_block)
 
     @staticmethod
@@ -86,8 +86,12 @@ class TcpTransport(Connection):
         P.send_frame(sock, P.Op.PUT, P.pack_batch(list(keys), sizes, csums, versions), data=list(views))
 
     @staticmethod
-    def _put_reply(sock: Any) -> list[int]:
-        status: list[int] = np.frombuffer(P.recv_reply(sock, P.Op.PUT).meta, dtype="<i1").tolist()
+    def _put_reply(sock: Any, n: int) -> list[int]:
+        """The statuses of a PUT frame of `n` blocks."""
+        meta = P.recv_reply(sock, P.Op.PUT).meta
+        if len(meta) != n:
+            raise ProtocolError(f"PUT reply of {len(meta)} statuses for {n} blocks")
+        status: list[int] = np.frombuffer(meta, dtype="<i1").tolist()
         return status
 
     def batch_get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[int]:

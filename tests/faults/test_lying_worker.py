@@ -1,0 +1,188 @@
+"""Bad answers from a worker: a TCP worker that holds the pool token (so the client trusts it and sends it
+data) answers each request with what hypothesis draws: a frame of another op or an error status, metadata
+of a wrong length or random bytes, data its header does not announce or announces and never sends, bytes
+that are no frame, a closed connection, or silence. Every client call returns or raises a KVPoolError
+within a bounded time; none hangs, crashes, or raises anything else."""
+from __future__ import annotations
+
+import json
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpool.core import protocol as P
+from kvpool.core.auth import NONCE_BYTES, proof
+from kvpool.core.errors import KVPoolError
+from kvpool.core.transport import TcpTransport
+
+TOKEN = "s3cret"
+TIMEOUT_S = 0.3
+EXAMPLES = 200
+BOUND_S = 4 * TIMEOUT_S + 1.0
+"""A call makes a few exchanges at most (the handshake's two, then its own), each bounded by TIMEOUT_S."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What the worker does with one request: `how` is "frame" (op, status, meta, then `data`, under a
+    header that announces `claim` data bytes, or exactly those sent if None), "raw" (`data` alone, no
+    header), "close" or "silence"."""
+
+    how: str
+    op: int | None = None  # None: the request's own op
+    status: int = 0
+    meta: bytes = b""
+    data: bytes = b""
+    claim: int | None = None
+
+
+class LyingWorker:
+    """A TCP listener that completes the pool's handshake (it proves it holds the token) and then answers
+    each request of a connection with the next of `replies` (once they run out: it closes)."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self.replies: list[Reply] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close alone does not, on Linux)
+        self._listener.close()
+        self._thread.join(5)
+        assert not self._thread.is_alive()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn, list(self.replies)), daemon=True).start()
+
+    def _serve(self, conn: socket.socket, replies: list[Reply]) -> None:
+        conn.settimeout(10)
+        try:
+            with conn:
+                nonce_w = secrets.token_bytes(NONCE_BYTES)
+                P.recv_frame(conn)  # HELLO
+                P.send_frame(conn, P.Op.HELLO, P.pack_json({"auth": True, "nonce": nonce_w.hex()}))
+                auth = P.recv_frame(conn)
+                nonce_c = bytes.fromhex(json.loads(auth.meta)["nonce"])
+                info = {"worker_id": "liar", "tcp": self.address, "max_block": 1 << 20, "auth": True,
+                        "proof": proof(TOKEN, nonce_w, nonce_c, "worker").hex()}
+                P.send_frame(conn, P.Op.AUTH, P.pack_json(info))
+                for reply in replies:
+                    frame = P.recv_frame(conn)
+                    P.drain(conn, frame.data_len)
+                    if reply.how == "close":
+                        return
+                    if reply.how == "silence":
+                        conn.recv(1)  # until the client gives up and closes (or the timeout above)
+                        return
+                    if reply.how == "raw":
+                        conn.sendall(reply.data)
+                        continue
+                    op = frame.op if reply.op is None else reply.op
+                    claim = len(reply.data) if reply.claim is None else reply.claim
+                    conn.sendall(P.header(op, reply.status, frame.req_id, reply.meta, claim) + reply.meta + reply.data)
+        except (OSError, ValueError, KeyError, KVPoolError):
+            pass  # the client hung up on us: what it should do with a liar
+
+
+@pytest.fixture(scope="module")
+def liar() -> Iterator[LyingWorker]:
+    w = LyingWorker()
+    yield w
+    w.close()
+
+
+def _meta(n_max: int = 4) -> st.SearchStrategy[bytes]:
+    """Metadata: random bytes, a column's worth for a few keys, or JSON."""
+    return st.one_of(
+        st.binary(max_size=200),
+        st.builds(lambda n, w, b: b[:n * w].ljust(n * w, b"\xff"), st.integers(0, n_max),
+                  st.sampled_from([1, 8, 9, 16, 17, 24, 32, 40, 48]), st.binary(max_size=400)),
+        st.sampled_from([b"{}", b'{"error": "no"}', b'{"n": -1}', b'{"n": 99}', b"[]", b"null", b"{"]),
+    )
+
+
+REPLY = st.one_of(
+    st.builds(Reply, how=st.just("frame"), op=st.none() | st.integers(0, 255),
+              status=st.sampled_from([0, 0, 0, 1, 2, 3, 4, 255]), meta=_meta(), data=st.binary(max_size=5000),
+              claim=st.none() | st.integers(0, 1 << 20)),
+    st.builds(Reply, how=st.just("raw"), data=st.binary(min_size=1, max_size=64)),
+    st.builds(Reply, how=st.just("close")),
+    st.builds(Reply, how=st.sampled_from(["frame", "frame", "frame", "silence"]), meta=_meta()),
+)
+OPS = ["get", "put", "exists", "remove", "prefix", "stats", "lease"]
+
+
+def _call(t: TcpTransport, op: str, n: int) -> None:
+    keys = [f"k{i}".encode() for i in range(n)]
+    if op == "get":
+        out = t.batch_get_into(keys, [bytearray(4096) for _ in keys])
+        assert all(-1 <= s <= 4096 for s in out)
+    elif op == "put":
+        t.batch_put(keys, [bytes([i]) * 1000 for i in range(n)])
+    elif op == "exists":
+        assert len(t.batch_exists(keys)) == n
+    elif op == "remove":
+        assert len(t.batch_remove(keys)) == n
+    elif op == "prefix":
+        assert 0 <= t.prefix_match(keys) <= n
+    elif op == "stats":
+        t.stats()
+    else:
+        with t.batch_lease(keys) as views:
+            assert len(views) == n
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(op=st.sampled_from(OPS), n=st.integers(1, 3), replies=st.lists(REPLY, min_size=0, max_size=3))
+def test_every_call_returns_or_raises_typed_within_its_deadline(liar: LyingWorker, op: str, n: int,
+                                                                replies: list[Reply]) -> None:
+    liar.replies = replies
+    t = TcpTransport(liar.address, token=TOKEN, timeout_s=TIMEOUT_S)
+    start = time.monotonic()
+    try:
+        _call(t, op, n)
+    except KVPoolError:
+        pass
+    finally:
+        t.close()
+    assert time.monotonic() - start < BOUND_S, f"{op} took {time.monotonic() - start:.1f} s"
+
+
+def test_the_liar_is_trusted_when_it_tells_the_truth(liar: LyingWorker) -> None:
+    """The fixture completes the handshake (else every example above would only test a refusal)."""
+    liar.replies = [Reply("frame", meta=P.pack_json({"n": 2}))]
+    t = TcpTransport(liar.address, token=TOKEN, timeout_s=TIMEOUT_S)
+    try:
+        assert t.prefix_match([b"a", b"b", b"c"]) == 2
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("statuses", [b"", b"\x00", b"\x00\x00\x00", b"\x07\x00", b"\xff\x00"],
+                         ids=["none", "short", "long", "unknown", "a-miss"])
+def test_a_put_answered_wrong_is_not_taken_as_stored(liar: LyingWorker, statuses: bytes) -> None:
+    """A PUT of two blocks answered with too few or too many statuses, or one no worker sends for a put,
+    says nothing of whether the blocks were stored: an error, never a quiet success."""
+    liar.replies = [Reply("frame", meta=statuses)]
+    t = TcpTransport(liar.address, token=TOKEN, timeout_s=TIMEOUT_S)
+    try:
+        with pytest.raises(KVPoolError, match="statuses for 2 blocks|no worker sends"):
+            t.batch_put([b"a", b"b"], [b"x" * 100, b"y" * 100])
+    finally:
+        t.close()
