@@ -1,8 +1,9 @@
-"""Bad answers from a worker: a TCP worker that holds the pool token (so the client trusts it and sends it
-data) answers each request with what hypothesis draws: a frame of another op or an error status, metadata
-of a wrong length or random bytes, data its header does not announce or announces and never sends, bytes
-that are no frame, a closed connection, or silence. Every client call returns or raises a KVPoolError
-within a bounded time; none hangs, crashes, or raises anything else."""
+"""Bad answers from a worker: a TCP worker that holds the pool token (so the client trusts it and sends
+it data), or a same-node one with a real shared-memory arena, answers each request with what hypothesis
+draws: a frame of another op or an error status, metadata of a wrong length or random bytes (slots in and
+out of the arena), data its header does not announce or announces and never sends, bytes that are no
+frame, a closed connection, or silence. Every client call returns or raises a KVPoolError within a
+bounded time; none hangs, crashes, raises anything else, or touches memory outside the arena."""
 from __future__ import annotations
 
 import json
@@ -12,15 +13,20 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool.core import protocol as P
 from kvpool.core.auth import NONCE_BYTES, proof
+from kvpool.core.blocks import checksum
+from kvpool.core.connection import Connection
 from kvpool.core.errors import KVPoolError
-from kvpool.core.transport import TcpTransport
+from kvpool.core.tiers.dram import DramArena
+from kvpool.core.transport import ShmTransport, TcpTransport
 
 TOKEN = "s3cret"
 TIMEOUT_S = 0.3
@@ -45,11 +51,20 @@ class Reply:
 
 class LyingWorker:
     """A TCP listener that completes the pool's handshake (it proves it holds the token) and then answers
-    each request of a connection with the next of `replies` (once they run out: it closes)."""
+    each request of a connection with the next of `replies` (once they run out: it closes). With `arena`
+    (a DramArena), a same-node worker on a Unix socket in `unix_dir` instead, whose HELLO names that arena."""
 
-    def __init__(self) -> None:
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+    def __init__(self, arena: DramArena | None = None, unix_dir: Path | None = None) -> None:
+        self.arena = arena
+        if arena is None:
+            self._listener = socket.create_server(("127.0.0.1", 0))
+            self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        else:
+            assert unix_dir is not None
+            self.address = str(unix_dir / "liar.sock")
+            self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._listener.bind(self.address)
+            self._listener.listen()
         self.replies: list[Reply] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, daemon=True)
@@ -76,15 +91,23 @@ class LyingWorker:
             with conn:
                 nonce_w = secrets.token_bytes(NONCE_BYTES)
                 P.recv_frame(conn)  # HELLO
-                P.send_frame(conn, P.Op.HELLO, P.pack_json({"auth": True, "nonce": nonce_w.hex()}))
-                auth = P.recv_frame(conn)
-                nonce_c = bytes.fromhex(json.loads(auth.meta)["nonce"])
-                info = {"worker_id": "liar", "tcp": self.address, "max_block": 1 << 20, "auth": True,
-                        "proof": proof(TOKEN, nonce_w, nonce_c, "worker").hex()}
-                P.send_frame(conn, P.Op.AUTH, P.pack_json(info))
+                if self.arena is not None:  # same node: the kernel vouches for the peer's user
+                    P.send_frame(conn, P.Op.HELLO, P.pack_json({
+                        "worker_id": "liar", "unix": self.address, "max_block": 1 << 20, "max_reserve": 8 << 20,
+                        "arena": self.arena.name, "arena_size": self.arena.length, "transports": ["shm"]}))
+                else:
+                    P.send_frame(conn, P.Op.HELLO, P.pack_json({"auth": True, "nonce": nonce_w.hex()}))
+                    auth = P.recv_frame(conn)
+                    nonce_c = bytes.fromhex(json.loads(auth.meta)["nonce"])
+                    info = {"worker_id": "liar", "tcp": self.address, "max_block": 1 << 20, "auth": True,
+                            "proof": proof(TOKEN, nonce_w, nonce_c, "worker").hex()}
+                    P.send_frame(conn, P.Op.AUTH, P.pack_json(info))
                 for reply in replies:
                     frame = P.recv_frame(conn)
                     P.drain(conn, frame.data_len)
+                    while frame.op in _NO_REPLY:  # one-way requests (a same-node get's RELEASE, ABORT, PIN)
+                        frame = P.recv_frame(conn)
+                        P.drain(conn, frame.data_len)
                     if reply.how == "close":
                         return
                     if reply.how == "silence":
@@ -100,11 +123,26 @@ class LyingWorker:
             pass  # the client hung up on us: what it should do with a liar
 
 
+_NO_REPLY = frozenset({P.Op.RELEASE, P.Op.ABORT, P.Op.PIN, P.Op.SUPERSEDE})
+
+
 @pytest.fixture(scope="module")
 def liar() -> Iterator[LyingWorker]:
     w = LyingWorker()
     yield w
     w.close()
+
+
+ARENA = 8 << 20
+
+
+@pytest.fixture(scope="module")
+def shm_liar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LyingWorker]:
+    arena = DramArena(ARENA, slab_size=1 << 20)
+    w = LyingWorker(arena, tmp_path_factory.mktemp("liar"))
+    yield w
+    w.close()
+    arena.close()
 
 
 def _meta(n_max: int = 4) -> st.SearchStrategy[bytes]:
@@ -128,7 +166,7 @@ REPLY = st.one_of(
 OPS = ["get", "put", "exists", "remove", "prefix", "stats", "lease"]
 
 
-def _call(t: TcpTransport, op: str, n: int) -> None:
+def _call(t: Connection, op: str, n: int) -> None:
     keys = [f"k{i}".encode() for i in range(n)]
     if op == "get":
         out = t.batch_get_into(keys, [bytearray(4096) for _ in keys])
@@ -184,5 +222,61 @@ def test_a_put_answered_wrong_is_not_taken_as_stored(liar: LyingWorker, statuses
     try:
         with pytest.raises(KVPoolError, match="statuses for 2 blocks|no worker sends"):
             t.batch_put([b"a", b"b"], [b"x" * 100, b"y" * 100])
+    finally:
+        t.close()
+
+
+I64 = st.sampled_from([0, 4096, ARENA - 4096, ARENA - 1, ARENA, 1 << 40, -1, -2, -3, -4, -5, -6, -(1 << 63)]) | \
+    st.integers(-(1 << 63), (1 << 63) - 1)
+
+
+def _columns(n_cols: int) -> st.SearchStrategy[bytes]:
+    """A same-node reply of `n_cols` int64 columns for 1-3 keys: offsets, sizes and the like, in and out
+    of the arena."""
+    return st.integers(1, 3).flatmap(lambda n: st.lists(I64, min_size=n * n_cols, max_size=n * n_cols)).map(
+        lambda xs: b"".join(x.to_bytes(8, "little", signed=True) for x in xs))
+
+
+SHM_REPLY = st.one_of(
+    REPLY,
+    st.builds(Reply, how=st.just("frame"), meta=_columns(1)),  # an ALLOC's offsets
+    st.builds(Reply, how=st.just("frame"), meta=_columns(5)),  # a LEASE's ids, offsets, sizes, sums, versions
+    st.builds(Reply, how=st.just("frame"), meta=st.integers(1, 3).flatmap(  # a COMMIT's statuses
+        lambda n: st.binary(min_size=n, max_size=n))),
+)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(op=st.sampled_from(["get", "put", "lease"]), n=st.integers(1, 3),
+       replies=st.lists(SHM_REPLY, min_size=0, max_size=4))
+def test_a_same_node_call_returns_or_raises_typed_and_touches_only_the_arena(
+        shm_liar: LyingWorker, op: str, n: int, replies: list[Reply]) -> None:
+    """As over TCP; and whatever slots the worker names, the client copies into and out of its arena
+    only (a slot outside it is the worker's ProtocolError, never a write or read past the mapping)."""
+    shm_liar.replies = replies
+    t = ShmTransport(shm_liar.address, timeout_s=TIMEOUT_S)
+    start = time.monotonic()
+    try:
+        _call(t, op, n)
+    except KVPoolError:
+        pass
+    finally:
+        t.close()
+    assert time.monotonic() - start < BOUND_S, f"{op} took {time.monotonic() - start:.1f} s"
+
+
+def test_the_same_node_liar_is_trusted_when_it_tells_the_truth(shm_liar: LyingWorker) -> None:
+    """Its arena is mapped and its slots used (else every example above would stop at the handshake)."""
+    assert shm_liar.arena is not None
+    offset, data = 3 * 4096, bytes(range(256)) * 16
+    lease = [1, offset, len(data), checksum(data), 7]
+    shm_liar.replies = [Reply("frame", meta=np.array([offset], "<i8").tobytes()), Reply("frame", meta=b"\x00"),
+                        Reply("frame", meta=np.array(lease, "<u8").tobytes()), Reply("silence")]
+    t = ShmTransport(shm_liar.address, timeout_s=TIMEOUT_S)
+    try:
+        t.batch_put([b"k"], [data])
+        assert bytes(shm_liar.arena.buf[offset:offset + len(data)]) == data  # the client wrote it there
+        out = bytearray(4096)
+        assert t.batch_get_into([b"k"], [out]) == [len(data)] and bytes(out) == data
     finally:
         t.close()
