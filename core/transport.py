@@ -117,6 +117,8 @@ class TcpTransport(Connection):
             if len(reply.meta) != 24 * n:
                 raise ProtocolError(f"GET reply metadata is {len(reply.meta)} bytes for {n} keys")
             sizes = np.frombuffer(reply.meta, dtype="<i8", count=n).tolist()
+            if sum(s for s in sizes if s > 0) != reply.data_len:  # else the next reply is read out of step
+                raise ProtocolError(f"GET reply of {reply.data_len} data bytes for blocks of {sizes} bytes")
             csums = np.frombuffer(reply.meta, dtype="<u8", count=n, offset=8 * n).tolist()
             versions += np.frombuffer(reply.meta, dtype="<u8", count=n, offset=16 * n).tolist()
             # Each block lands in its destination; one too large for it is read whole, then dropped. They are

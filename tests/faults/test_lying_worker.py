@@ -24,7 +24,7 @@ from kvpool.core import protocol as P
 from kvpool.core.auth import NONCE_BYTES, proof
 from kvpool.core.blocks import checksum
 from kvpool.core.connection import Connection
-from kvpool.core.errors import KVPoolError
+from kvpool.core.errors import KVPoolError, PoolUnavailable
 from kvpool.core.tiers.dram import DramArena
 from kvpool.core.transport import ShmTransport, TcpTransport
 
@@ -155,7 +155,20 @@ def _meta(n_max: int = 4) -> st.SearchStrategy[bytes]:
     )
 
 
+def _get_reply(sizes: list[int], right_sums: bool, extra: int) -> Reply:
+    """A GET reply for these block sizes (< 0: a miss), its checksums right or not, its data `extra` bytes
+    off what the sizes say."""
+    body = [bytes([i]) * max(s, 0) for i, s in enumerate(sizes)]
+    sums = [checksum(b) if right_sums else 0 for b in body]
+    meta = np.array(sizes, "<i8").tobytes() + np.array(sums, "<u8").tobytes() + np.zeros(len(sizes), "<u8").tobytes()
+    data = b"".join(body)
+    return Reply("frame", meta=meta, data=data[:len(data) + extra] if extra < 0 else data + b"\0" * extra)
+
+
+GET_REPLY = st.builds(_get_reply, st.lists(st.sampled_from([-1, 0, 1, 4096, 4097, 1 << 20]), min_size=1, max_size=3),
+                      st.booleans(), st.sampled_from([0, 0, 1, -1, 100]))
 REPLY = st.one_of(
+    GET_REPLY,
     st.builds(Reply, how=st.just("frame"), op=st.none() | st.integers(0, 255),
               status=st.sampled_from([0, 0, 0, 1, 2, 3, 4, 255]), meta=_meta(), data=st.binary(max_size=5000),
               claim=st.none() | st.integers(0, 1 << 20)),
@@ -278,5 +291,19 @@ def test_the_same_node_liar_is_trusted_when_it_tells_the_truth(shm_liar: LyingWo
         assert bytes(shm_liar.arena.buf[offset:offset + len(data)]) == data  # the client wrote it there
         out = bytearray(4096)
         assert t.batch_get_into([b"k"], [out]) == [len(data)] and bytes(out) == data
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("extra", [1, 100])
+def test_a_get_reply_whose_data_disagrees_with_its_sizes_drops_the_connection(liar: LyingWorker, extra: int) -> None:
+    """Data past what the sizes say would be read as the start of the next reply: the frame is refused
+    (PoolUnavailable) and the connection dropped, before anything is read out of step."""
+    liar.replies = [_get_reply([4096], True, extra), _get_reply([4096], True, 0)]
+    t = TcpTransport(liar.address, token=TOKEN, timeout_s=TIMEOUT_S)
+    try:
+        with pytest.raises(PoolUnavailable, match="data bytes for blocks of"):
+            t.batch_get_into([b"k0"], [bytearray(4096)])
+        assert t._sock is None
     finally:
         t.close()
