@@ -12,9 +12,9 @@
  *                              the first destination shorter than its size (it and those after it untouched)
  *
  * dst: a writable, src: a readable C-contiguous buffer of the same length. See kernel.h for how a copy
- * is made. copy, copy_hash and copy_from hold the GIL throughout, as a memoryview slice assignment does (a copy
- * returns to its caller at once, not after another thread's switch interval); the others let it go
- * while they work, each holding its buffers exported. Python falls back to the same results without
+ * is made. copy, copy_hash and copy_from hold the GIL throughout, as a memoryview slice assignment
+ * does (a copy returns to its caller at once, not after another thread's switch interval); the others
+ * let it go while they work, each holding its buffers exported. Python falls back to the same results without
  * this module (kvpool.core.fastcopy; kvpool.core.arena_pages readies nothing in the background). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
