@@ -238,7 +238,7 @@ static PyMethodDef methods[] = {
     {"copy_hash", py_copy_hash, METH_VARARGS, "copy_hash(dst, src) -> int: dst[:] = src; the XXH3-64 of the bytes written"},
     {"copy", py_copy, METH_VARARGS, "copy(dst, src): dst[:] = src"},
     {"hash_at", py_hash_at, METH_VARARGS, "hash_at(out, buf, offsets, sizes): out[i] = XXH3-64 of buf[offsets[i]:][:sizes[i]]"},
-    {"copy_from", py_copy_from, METH_VARARGS, "copy_from(dsts, src, offsets, sizes) -> int: each dsts[i][:sizes[i]] = src[offsets[i]:][:sizes[i]] (offset < 0: skipped); -1, or the first too short"},
+    {"copy_from", py_copy_from, METH_VARARGS, "copy_from(dsts, src, offsets, sizes) -> int: dsts[i][:sizes[i]] = src[offsets[i]:][:sizes[i]]; -1, or the first too short"},
     {"advise", py_advise, METH_VARARGS, "advise(buf, advice): madvise(2) of buf (page-aligned), without the GIL"},
     {"resident", py_resident, METH_VARARGS, "resident(buf) -> bool: whether every page of buf (page-aligned) has its memory"},
     {"simd", py_simd, METH_NOARGS, "simd() -> str: the kernels in use (avx2 or base)"},
