@@ -30,7 +30,7 @@ from .arena_pages import ArenaPages
 from .blocks import checksum
 from .buffers import Destination, destination_views, finish_all, readable
 from .connection import Connection, put_outcome, raise_item, send_pin
-from .errors import BufferSizeError, InvalidArgument, PoolUnavailable, ProtocolError
+from .errors import BufferSizeError, PoolUnavailable, ProtocolError
 from .fastcopy import copy_from
 from .pool_backend import leases_by_copy
 from .shm_put import PartedPut
@@ -381,12 +381,9 @@ class ShmTransport(Connection):
 def _copy_out(arena: memoryview, keys: Sequence[bytes], offsets: np.ndarray, sizes: np.ndarray,
               views: list[memoryview]) -> list[int]:
     """Copy each leased block (offset < 0: a miss) from the arena into its view; the sizes copied, -1
-    for each miss. A view too small for its block raises BufferSizeError; a slot outside the arena (the
-    worker's answer, not the caller's) ProtocolError, which drops the connection."""
-    try:
-        short = copy_from(views, arena, offsets, sizes)
-    except InvalidArgument as e:
-        raise ProtocolError(f"LEASE reply names a slot outside the arena: {e}") from e
+    for each miss (the slots were checked against the arena as the reply came: `ArenaPages.ready`). A
+    view too small for its block raises BufferSizeError."""
+    short = copy_from(views, arena, offsets, sizes)
     if short >= 0:
         key, size, room = keys[short], int(sizes[short]), views[short].nbytes
         raise BufferSizeError(f"block {key[:24]!r} is {size} bytes; the destination holds {room}",

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from kvpool.core import protocol as P
 from kvpool.core.errors import BufferSizeError, PoolUnavailable
 from kvpool.core.server import Worker
 from kvpool.core.transport import ShmTransport
@@ -113,16 +114,20 @@ def test_a_lease_reply_naming_a_slot_outside_the_arena_drops_the_connection(
     t = ShmTransport(worker.unix_path)
     try:
         t.batch_put(keys, [np.full(4096, i, dtype=np.uint8) for i in range(40)])
-        real = t._lease_reply
+        real = P.recv_reply
 
-        def beyond(sock, n, pages):  # type: ignore[no-untyped-def]
-            ids, offsets, sizes, versions = real(sock, n, pages)
-            return ids, offsets + t.info.arena_size - 4096 + past, sizes, versions
+        def beyond(sock, op):  # type: ignore[no-untyped-def]
+            reply = real(sock, op)
+            if op == P.Op.LEASE:  # the offsets column (the second of five) moved past the arena's end
+                n = len(reply.meta) // 40
+                offsets = np.frombuffer(reply.meta, "<i8", n, 8 * n) + t.info.arena_size - 4096 + past
+                reply.meta = reply.meta[:8 * n] + offsets.tobytes() + reply.meta[16 * n:]
+            return reply
 
-        monkeypatch.setattr(t, "_lease_reply", beyond)
+        monkeypatch.setattr(P, "recv_reply", beyond)
         generation = t.generation
         out = [np.zeros(4096, dtype=np.uint8) for _ in keys]
-        with pytest.raises(PoolUnavailable, match="outside the arena"):
+        with pytest.raises(PoolUnavailable, match="outside its arena"):
             t.batch_get_into(keys, out)
         assert t.generation != generation or t._sock is None  # dropped
         assert all(not o.any() for o in out)
