@@ -14,8 +14,8 @@
  * dst: a writable, src: a readable C-contiguous buffer of the same length. See kernel.h for how a copy
  * is made. copy, copy_hash and copy_from hold the GIL throughout, as a memoryview slice assignment
  * does (a copy returns to its caller at once, not after another thread's switch interval); the others
- * let it go while they work, each holding its buffers exported. Python falls back to the same results without
- * this module (kvpool.core.fastcopy; kvpool.core.arena_pages readies nothing in the background). */
+ * let it go while they work, each holding its buffers exported. Python falls back to the same results
+ * without this module (kvpool.core.fastcopy; kvpool.core.arena_pages readies nothing in the background). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
@@ -41,9 +41,28 @@ static void (*copy_fn)(char *, const char *, size_t) = kv_copy_base;
 static uint64_t (*hash_fn)(const char *, size_t) = kv_hash_base;
 static const char *simd_name = "base";
 
+/* Whether n bytes at d and at s overlap (the kernels read a chunk before writing it, but in ascending
+ * order only: an overlapping copy is memmove's job). */
+static int overlaps(const void *d, const void *s, size_t n) {
+    uintptr_t a = (uintptr_t)d, b = (uintptr_t)s;
+    return n && a < b + n && b < a + n;
+}
+
+/* dst[0:n] = src[0:n], whether or not they overlap. */
+static void copy_any(char *dst, const char *src, size_t n) {
+    if (overlaps(dst, src, n))
+        memmove(dst, src, n);
+    else
+        copy_fn(dst, src, n);
+}
+
+/* Whether the slot of b bytes at offset a lies within a buffer of len bytes. */
+static int slot_inside(int64_t a, int64_t b, Py_ssize_t len) {
+    return a >= 0 && b >= 0 && a <= len && b <= len - a;
+}
+
 /* Parses (dst, src); -1 with an exception set (and nothing held) if they are not a writable and a
- * readable buffer of the same length, 1 if they overlap (the kernels read a chunk before writing it,
- * but in ascending order only: memmove's job), else 0. */
+ * readable buffer of the same length, 1 if they overlap, else 0. */
 static int pair(PyObject *args, const char *fmt, Py_buffer *dst, Py_buffer *src) {
     if (!PyArg_ParseTuple(args, fmt, dst, src))
         return -1;
@@ -53,8 +72,7 @@ static int pair(PyObject *args, const char *fmt, Py_buffer *dst, Py_buffer *src)
         PyBuffer_Release(src);
         return -1;
     }
-    uintptr_t d = (uintptr_t)dst->buf, s = (uintptr_t)src->buf, n = (uintptr_t)src->len;
-    return n && d < s + n && s < d + n;
+    return overlaps(dst->buf, src->buf, (size_t)src->len);
 }
 
 static PyObject *py_copy_hash(PyObject *self, PyObject *args) {
@@ -76,13 +94,9 @@ static PyObject *py_copy_hash(PyObject *self, PyObject *args) {
 
 static PyObject *py_copy(PyObject *self, PyObject *args) {
     Py_buffer dst, src;
-    int overlap = pair(args, "w*y*:copy", &dst, &src);
-    if (overlap < 0)
+    if (pair(args, "w*y*:copy", &dst, &src) < 0)
         return NULL;
-    if (overlap)
-        memmove(dst.buf, src.buf, (size_t)src.len);
-    else
-        copy_fn((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
+    copy_any((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     Py_RETURN_NONE;
@@ -101,7 +115,7 @@ static PyObject *py_hash_at(PyObject *self, PyObject *args) {
         int64_t a, b;
         memcpy(&a, o + i, 8);
         memcpy(&b, z + i, 8);
-        if (a < 0 || b < 0 || a > buf.len || b > buf.len - a)
+        if (!slot_inside(a, b, buf.len))
             err = "a slot outside the buffer";
     }
     if (!err) {
@@ -146,7 +160,7 @@ static PyObject *py_copy_from(PyObject *self, PyObject *args) {
         memcpy(&b, z + i, 8);
         if (a < 0)
             continue;
-        if (b < 0 || a > src.len || b > src.len - a) {
+        if (!slot_inside(a, b, src.len)) {
             err = "a slot outside the source";
             break;
         }
@@ -158,12 +172,7 @@ static PyObject *py_copy_from(PyObject *self, PyObject *args) {
             first_short = i;
             break;
         }
-        const char *from = (const char *)src.buf + a;
-        uintptr_t dp = (uintptr_t)d.buf, sp = (uintptr_t)from;
-        if (b && dp < sp + (uintptr_t)b && sp < dp + (uintptr_t)b)
-            memmove(d.buf, from, (size_t)b);
-        else
-            copy_fn((char *)d.buf, from, (size_t)b);
+        copy_any((char *)d.buf, (const char *)src.buf + a, (size_t)b);
         PyBuffer_Release(&d);
     }
     Py_DECREF(seq);
