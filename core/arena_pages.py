@@ -64,15 +64,21 @@ class ArenaPages:
         within the mapping."""
         if not offsets.size:
             return
-        low, high = int(offsets.min()), int((offsets + sizes).max())
-        if high > self._size or (int(sizes.min()) < 0 and bool(((sizes < 0) & (offsets >= 0)).any())):
+        if int(offsets.min()) < 0:  # misses among them (offset < 0): they name no slot
+            kept = offsets >= 0
+            offsets, sizes = offsets[kept], sizes[kept]
+            if not offsets.size:
+                return
+        if int(sizes.min()) < 0 or bool((offsets > self._size - sizes).any()):  # (no sum that could wrap)
             raise ProtocolError(f"the worker named a slot outside its arena of {self._size} bytes")
         if self._refused:
             return
-        if low >= 0 and self._ready[low // REGION_BYTES:(high - 1) // REGION_BYTES + 1].all():
+        low, high = int(offsets.min()), int((offsets + sizes).max())
+        if self._ready[low // REGION_BYTES:(high - 1) // REGION_BYTES + 1].all():
             return  # the usual batch, once warm: every region between its first and last block is ready
-        firsts = np.maximum(offsets, 0) // REGION_BYTES  # (a miss asks for region 0: harmless)
-        lasts = (np.maximum(offsets, 0) + np.maximum(sizes, 1) - 1) // REGION_BYTES
+        last_region = self._ready.size - 1  # (an empty slot at the arena's very end readies the last)
+        firsts = np.minimum(offsets // REGION_BYTES, last_region)
+        lasts = np.minimum((offsets + np.maximum(sizes, 1) - 1) // REGION_BYTES, last_region)
         done = self._ready
         if done[firsts].all() and done[lasts].all():
             return

@@ -162,7 +162,10 @@ def test_a_slot_outside_the_mapping_is_the_workers_protocol_error(arena: DramAre
     try:
         size = view.nbytes
         pages.ready(np.array([0, -2, size - 4096], "<i8"), np.array([4096, -2, 4096], "<i8"))  # a miss between
-        for offsets, sizes in [([size - 4096], [4097]), ([size], [1]), ([1 << 62], [1 << 20]), ([0, 4096], [8, -1])]:
+        pages.ready(np.array([-1, size], "<i8"), np.array([1 << 62, 0], "<i8"))  # a miss of any size; an empty
+        # slot at the arena's very end
+        for offsets, sizes in [([size - 4096], [4097]), ([size], [1]), ([1 << 62], [1 << 20]), ([0, 4096], [8, -1]),
+                               ([1 << 62], [1 << 62]), ([(1 << 63) - 1], [1])]:  # (sums that wrap in int64)
             with pytest.raises(ProtocolError, match="outside its arena"):
                 pages.ready(np.array(offsets, "<i8"), np.array(sizes, "<i8"))
     finally:
