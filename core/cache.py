@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from itertools import repeat
 from typing import Any, cast
 
 from .buffers import Destination, readable
@@ -419,13 +418,7 @@ class TieredCache:
         (default: stamped now); False for each block not stored (its key holds a newer version).
         `checked=False`: the caller has not hashed the blocks' bytes against `csums`; the cache does
         at each block's first read (a lease, a get, a write to SSD), and a block that fails is a miss."""
-        blocks = list(map(DramBlock, keys, offsets, sizes, csums, repeat(0.0)))
-        if versions is not None:
-            for b, v in zip(blocks, versions):
-                b.version = v
-        if not checked:
-            for b in blocks:
-                b.checked = False
+        blocks = DramBlock.batch(keys, offsets, sizes, csums, versions, checked)
         with self._lock:
             stored = self._admit_many(blocks)
             self._stack.counters.puts += len(blocks)

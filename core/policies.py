@@ -38,6 +38,11 @@ class LruOrder:
     def discard(self, key: bytes) -> None:
         self._keys.pop(key, None)
 
+    def discard_many(self, keys: Iterable[bytes]) -> None:
+        pop = self._keys.pop
+        for k in keys:
+            pop(k, None)
+
     def clear(self) -> None:
         self._keys.clear()
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from itertools import repeat
 from operator import attrgetter
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -337,25 +337,29 @@ class RequestHandlers(ConnectionServing):
         keys, (sizes,) = P.unpack_batch(frame.meta, "<i8")
         if not self._in_namespace(conn, frame, keys):  # same-node peers have no tenant today; kept in step
             return
-        offsets = np.full(len(keys), P.ITEM_FULL, dtype="<i8")
         max_block = self.cache.max_block
         budget = self.max_reserve - sum(conn.reserved.values())
         lens = sizes.tolist()
-        want: list[int] | range
-        if lens and min(lens) >= 0 and max(lens) <= max_block and sum(lens) <= budget:
-            want = range(len(lens))  # the usual batch: every block in range and within the budget
-        else:
+        too_large: list[int] = []
+        want: list[int] | None = None  # None: every block (in range, and within the budget: the usual batch)
+        if not (lens and min(lens) >= 0 and max(lens) <= max_block and sum(lens) <= budget):
             want = []
             for i, size in enumerate(lens):
                 if size > max_block or size < 0:
-                    offsets[i] = P.ITEM_TOO_LARGE
+                    too_large.append(i)
                 elif size <= budget:  # else ITEM_FULL: this connection holds its share of the arena uncommitted
                     want.append(i)
                     budget -= size
-        wanted = lens if isinstance(want, range) else [lens[i] for i in want]
+        wanted = lens if want is None else [lens[i] for i in want]
         got = self.cache.reserve_many(wanted)  # one lock for the batch; None: no room for that block
+        if want is None and None not in got:  # a slot for each
+            conn.reserved.update(zip(cast("list[int]", got), lens))
+            self._reply(conn, frame, np.array(got, dtype="<i8").tobytes())
+            return
         conn.reserved.update((off, size) for off, size in zip(got, wanted) if off is not None)
-        offsets[want] = [P.ITEM_FULL if off is None else off for off in got]
+        offsets = np.full(len(keys), P.ITEM_FULL, dtype="<i8")
+        offsets[range(len(lens)) if want is None else want] = [P.ITEM_FULL if off is None else off for off in got]
+        offsets[too_large] = P.ITEM_TOO_LARGE
         self._reply(conn, frame, offsets.tobytes())
 
     def _commit(self, conn: Conn, frame: P.Frame, check: bool = True) -> None:
@@ -392,7 +396,8 @@ class RequestHandlers(ConnectionServing):
             offsets, sizes, csums, versions = offsets[good], sizes[good], csums[good], versions[good]
             offs, lens = offsets.tolist(), sizes.tolist()
         stored = self._commit_blocks(keys, offs, lens, csums.tolist(), versions.tolist(), check)
-        status[np.flatnonzero(~corrupt)[~stored]] = P.ITEM_SUPERSEDED
+        if not stored.all():
+            status[np.flatnonzero(~corrupt)[~stored]] = P.ITEM_SUPERSEDED
         self._bytes_in.inc(sum(lens))
         self._reply(conn, frame, status.tobytes())
 

@@ -216,31 +216,44 @@ class DramArena:
 
     def alloc_many(self, sizes: Sequence[int]) -> list[int | None]:
         """`alloc` of each size in turn, in one call (a batch's slots): an offset, or None for each
-        size that found no slot."""
+        size that found no slot. A batch of one size class (the usual one) takes its slots a slab's
+        free list at a time."""
+        if sizes and min(sizes) > 0 and self.class_of(min(sizes)) == self.class_of(max(sizes)):
+            return self._take(self.class_of(sizes[0]), len(sizes))
         out: list[int | None] = []
-        classes, slabs, partials, free_slabs = self.classes, self._slabs, self._partial, self._free_slabs
         for nbytes in sizes:
-            cls = bisect.bisect_left(classes, nbytes if nbytes > 0 else 1)
-            partial = partials[cls]
+            out += self._take(self.class_of(nbytes), 1)
+        return out
+
+    def _take(self, cls: int, n: int) -> list[int | None]:
+        """`n` slots of class `cls`, the same ones `n` single allocations would give, in their order;
+        None for each that found no room."""
+        out: list[int | None] = []
+        csize, partial = self.classes[cls], self._partial[cls]
+        while n:
             if partial:
                 slab_no = next(iter(partial))
-                slab = slabs[slab_no]
-            elif free_slabs:
-                slab_no = free_slabs.pop()
-                csize = classes[cls]
+                slab = self._slabs[slab_no]
+            elif self._free_slabs:
+                slab_no = self._free_slabs.pop()
                 base = self._base(slab_no)
-                count = self.slab_size // csize
-                slab = _Slab(cls, [base + i * csize for i in range(count - 1, -1, -1)])
-                slabs[slab_no] = slab
+                slab = _Slab(cls, [base + i * csize for i in range(self.slab_size // csize - 1, -1, -1)])
+                self._slabs[slab_no] = slab
                 partial[slab_no] = None
             else:
-                out.append(None)
-                continue
-            out.append(slab.free.pop())
-            slab.used += 1
-            if not slab.free:
+                out += [None] * n
+                break
+            free = slab.free
+            k = min(n, len(free))
+            taken = free[-k:]
+            del free[-k:]
+            taken.reverse()  # a free list is popped from its end
+            out += taken
+            slab.used += k
+            if not free:
                 del partial[slab_no]
-            self.used_bytes += classes[cls]
+            self.used_bytes += k * csize
+            n -= k
         return out
 
     def free(self, offset: int) -> None:

@@ -7,8 +7,9 @@ unlinked while leased keeps its slot until its last lease ends, so a reader's vi
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Protocol
 
 from ..blocks import BlockMeta, checksum
@@ -52,6 +53,15 @@ class DramBlock:
     on_ssd: bool = False  # an identical copy is committed in the SSD tier
     version: int = 0  # kvpool.core.versions; 0: none
     checked: bool = True  # False: committed on its writer's checksum, its bytes not hashed yet (see TierMoves.checked)
+
+    @staticmethod
+    def batch(keys: Iterable[bytes], offsets: Iterable[int], sizes: Iterable[int], checksums: Iterable[int],
+              versions: Iterable[int] | None, checked: bool) -> list[DramBlock]:
+        """A block per key, as committed together (no TTL; version 0 where `versions` is None), built
+        in one pass (the fields in their order)."""
+        return list(map(DramBlock, keys, offsets, sizes, checksums, repeat(0.0), repeat(0), repeat(False),
+                        repeat(True), repeat(False), repeat(0) if versions is None else versions,
+                        repeat(checked)))
 
     @property
     def meta(self) -> BlockMeta:
@@ -124,6 +134,7 @@ class DramTier:
         held = list(map(get, [b.key for b in blocks]))
         stored = [True] * len(blocks)
         if held.count(None) < len(held):  # replacements: the version decides, key by key
+            replaced: list[DramBlock] = []
             for i, (b, old) in enumerate(zip(blocks, held)):
                 if old is None:
                     continue
@@ -131,7 +142,8 @@ class DramTier:
                     self.unreserve(b.offset)
                     stored[i] = False
                 else:
-                    self.drop(old.key)
+                    replaced.append(old)
+            self._unlink(replaced)
             blocks = [b for b, ok in zip(blocks, stored) if ok]
         keys = [b.key for b in blocks]
         self.blocks.update(zip(keys, blocks))
@@ -139,6 +151,20 @@ class DramTier:
         self._reserved -= len(blocks)
         self.timed += sum(1 for b in blocks if b.expires)
         return stored
+
+    def _unlink(self, replaced: list[DramBlock]) -> None:
+        """`drop` of each block, all indexed, whose key is about to get a new block (`insert_many`): the
+        index entries are overwritten then, the rest happens here."""
+        self.order.discard_many([b.key for b in replaced])
+        free = self.arena.free
+        for b in replaced:
+            b.live = False
+            if b.expires:
+                self.timed -= 1
+            if b.leases == 0:
+                free(b.offset)
+            else:
+                self._unlinked.add(b)
 
     def drop(self, key: bytes) -> DramBlock | None:
         """Unlink the block of `key` (None if there is none); its slot is freed now, or when its last

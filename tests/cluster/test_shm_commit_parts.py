@@ -171,3 +171,36 @@ def test_an_alloc_reply_naming_a_slot_outside_the_arena_fails_the_put_typed(work
         assert (out == 2).all()
     finally:
         t.close()
+
+
+def test_an_alloc_answers_each_block(worker: Worker) -> None:
+    """ALLOC's answer, block by block: a slot for each block in range while the connection's share of the
+    arena lasts (`max_reserve`), ITEM_TOO_LARGE for a size out of range, ITEM_FULL past the share; the
+    slots it granted are this connection's to commit, whatever else the batch held."""
+    t = ShmTransport(worker.unix_path)
+    try:
+        share, big = worker.max_reserve, worker.cache.max_block
+        assert share == 3 * big  # the fixture's: 96 MiB in 4 MiB slabs, a connection's share 1/8
+        sizes = np.array([1000, big + 1, -5, big, big, big, 2000], "<i8")
+        keys = [f"a{i}".encode() for i in range(len(sizes))]
+        arena = t.writable_arena
+        with t._session() as sock:
+            got = np.frombuffer(t._roundtrip(sock, P.Op.ALLOC, P.pack_batch(keys, sizes)).meta, "<i8").tolist()
+            # 1000 and two blocks of `big` fit the share; a third does not, but 2000 more bytes still do
+            assert [o >= 0 for o in got] == [True, False, False, True, True, False, True]
+            assert got[1:3] == [P.ITEM_TOO_LARGE, P.ITEM_TOO_LARGE] and got[5] == P.ITEM_FULL
+            assert len({got[0], got[3], got[4], got[6]}) == 4
+            off, data = got[0], bytes(range(250)) * 4
+            arena[off:off + 1000] = data
+            commit = P.pack_batch([keys[0]], np.array([off], "<i8"), np.array([1000], "<i8"),
+                                  np.array([checksum(data)], "<u8"), np.array([1], "<u8"))
+            assert np.frombuffer(t._roundtrip(sock, P.Op.COMMIT, commit).meta, "<i1").tolist() == [P.ITEM_OK]
+            P.send_frame(sock, P.Op.ABORT, np.array(got[3:5] + got[6:], "<i8").tobytes())  # (no reply)
+            # the usual batch, all in range and within the share: a slot each
+            again = np.frombuffer(t._roundtrip(sock, P.Op.ALLOC, P.pack_batch(keys[3:5], sizes[3:5])).meta, "<i8")
+            assert (again >= 0).all() and len(set(again.tolist())) == 2
+        out = bytearray(1000)
+        assert t.batch_get_into([keys[0]], [out]) == [1000] and bytes(out) == data
+    finally:
+        t.close()
+    _wait_for(lambda: worker.cache.stats().dram_bytes == worker.cache.arena.slot_size(off))

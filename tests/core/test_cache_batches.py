@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool.core import TieredCache
 from kvpool.core.blocks import checksum
@@ -36,6 +38,29 @@ def test_alloc_many_hands_out_what_alloc_one_by_one_would() -> None:
         rest = many.alloc_many([1 * MiB] * 8)  # seven slabs are in use: one is left for a whole-slab block
         assert rest[0] is not None and rest[1:] == [None] * 7
         assert many.alloc_many([300])[0] is not None  # a partly used slab of that class still has room
+    finally:
+        one.close()
+        many.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([300, 4 * KiB, 70 * KiB, 300 * KiB]), st.integers(1, 40),
+                          st.integers(0, 30)), min_size=1, max_size=12))
+def test_a_batch_of_one_size_takes_the_slots_single_allocs_would(steps: list[tuple[int, int, int]]) -> None:
+    """A batch of one size class takes its slots a slab's free list at a time: the same slots, in the
+    same order, as one alloc after another, across slabs filling up, new slabs, frees and a full arena."""
+    one, many = (DramArena(4 * MiB, slab_size=1 * MiB, prefault=False) for _ in range(2))
+    held: list[int] = []
+    try:
+        for size, count, frees in steps:
+            got = many.alloc_many([size] * count)
+            assert got == [one.alloc(size) for _ in range(count)]
+            held += [off for off in got if off is not None]
+            for off in held[:frees]:  # the oldest go back, emptying slabs now and then
+                many.free(off)
+                one.free(off)
+            del held[:frees]
+            assert many.used_bytes == one.used_bytes and many.check() == []
     finally:
         one.close()
         many.close()
@@ -124,3 +149,25 @@ def test_a_batch_committed_at_once_counts_each_blocks_size_toward_its_tenant(
     assert usage.used["a"] == 4000
     cache.batch_remove([b"a/x"])
     assert usage.used["a"] == 3000
+
+
+def test_a_batch_that_replaces_blocks_frees_their_slots_or_leaves_them_to_their_leases(
+        make_cache: Callable[..., TieredCache]) -> None:
+    """commit_many over keys that hold blocks: an old block with a TTL stops being counted as one, a
+    leased one keeps its bytes until its lease ends (its slot then goes back), the others' slots go back
+    at once; the index, order and allocator stay consistent throughout."""
+    cache = make_cache(dram_bytes=8 * MiB, dram_slab_size=1 * MiB)
+    keys = [b"ttl", b"leased", b"plain"]
+    cache.put(keys[0], payload(b"old-ttl", 64 * KiB), ttl_s=600)
+    for k in keys[1:]:
+        cache.put(k, payload(b"old-" + k, 64 * KiB))
+    leased = cache.acquire(b"leased")
+    assert leased is not None
+    _write(cache, keys, 64 * KiB)
+    assert cache.check() == []
+    assert [cache.get(k) for k in keys] == [payload(k, 64 * KiB) for k in keys]
+    assert bytes(cache.arena.buf[leased.offset:leased.offset + leased.size]) == payload(b"old-leased", 64 * KiB)
+    assert cache.stats().dram_bytes == 4 * 64 * KiB  # three blocks, and the leased old one
+    cache.release(leased)
+    assert cache.stats().dram_bytes == 3 * 64 * KiB and cache.check() == []
+    assert cache._dram.timed == 0
