@@ -18,7 +18,8 @@ assignment, then xxhash). Overlapping buffers are copied as by memmove either wa
 `hash_at(buf, offsets, sizes)` is the checksum of each slot of a mapping (a worker checking what
 same-node writers committed), in one call that lets go of the GIL while it hashes. `copy_from(dsts,
 src, offsets, sizes)` copies a batch of slots out of a mapping into the caller's buffers (a same-node
-get) in one call: no Python slice or call per block.
+get) in one call: no Python slice or call per block; `copy_into(dst, offsets, srcs)` is its twin for a
+same-node put, each source copied into its slot and hashed as `copy_hash` does.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import numpy as np
 from .blocks import checksum
 from .errors import InvalidArgument
 
-__all__ = ["copy_hash", "copy", "copy_from", "hash_at", "SIMD"]
+__all__ = ["copy_hash", "copy", "copy_from", "copy_into", "hash_at", "SIMD"]
 
 _native: ModuleType | None
 try:
@@ -94,6 +95,29 @@ def copy_from(dsts: Sequence[Any], src: Any, offsets: np.ndarray, sizes: np.ndar
             return i
         out[:n] = view[off:off + n]
     return -1
+
+
+def copy_into(dst: Any, offsets: np.ndarray, srcs: Sequence[Any]) -> np.ndarray:
+    """`dst[offsets[i]:offsets[i] + len(srcs[i])] = srcs[i]` for each i in order (`copy_hash`'s copy);
+    the XXH3-64 of the bytes each slot got, as uint64s. InvalidArgument for a slot outside `dst` (the
+    copies stop there), or as many offsets as sources not."""
+    offsets = np.ascontiguousarray(offsets, dtype="<i8")
+    out = np.empty(len(offsets), dtype="<u8")
+    if _native is not None:
+        try:
+            _native.copy_into(out, dst, offsets, srcs)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from e
+        return out
+    if len(srcs) != len(offsets):
+        raise InvalidArgument("copy_into wants as many sources as int64 offsets and uint64 outputs")
+    view = memoryview(dst).cast("B")
+    for i, (off, src) in enumerate(zip(offsets.tolist(), srcs)):
+        n = memoryview(src).nbytes
+        if off < 0 or off + n > view.nbytes:
+            raise InvalidArgument("a slot outside the destination")
+        out[i] = _copy_hash(view[off:off + n], src)
+    return out
 
 
 copy_hash: Callable[[Any, Any], int]

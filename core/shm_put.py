@@ -22,10 +22,10 @@ import numpy as np
 from . import protocol as P
 from .arena_pages import ArenaPages
 from .errors import ProtocolError
-from .fastcopy import copy_hash
+from .fastcopy import copy_into
 
 __all__ = ["PART_BYTES", "MIN_PART_BYTES", "PARTS_PER_ALLOC", "alloc_chunks", "part_slices", "PartedPut",
-           "recv_column", "copy_in"]
+           "recv_column"]
 
 PART_BYTES = 2 << 20
 """A part is a quarter of its batch, but at most this (well within the shared cache: the worker
@@ -70,15 +70,6 @@ def recv_column(sock: socket.socket, op: int, n: int) -> np.ndarray:
     if len(meta) != n * dtype.itemsize:
         raise ProtocolError(f"{P.Op(op).name} reply of {len(meta)} bytes for {n} blocks")
     return np.frombuffer(meta, dtype=dtype)
-
-
-def copy_in(arena: memoryview, offsets: np.ndarray, views: Sequence[memoryview]) -> np.ndarray:
-    """Copy each view into its slot of the arena; the checksum of the bytes each slot got
-    (`fastcopy.copy_hash`), for its COMMIT."""
-    csums = np.empty(len(views), dtype="<u8")
-    for i, (off, v) in enumerate(zip(offsets.tolist(), views)):
-        csums[i] = copy_hash(arena[off:off + v.nbytes], v)
-    return csums
 
 
 class PartedPut:
@@ -156,5 +147,5 @@ class PartedPut:
     def _copy_and_commit(self, part: slice) -> None:
         """Copy the part's blocks into their slots, hashing each as it lands, and COMMIT them."""
         with self.copying():
-            csums = copy_in(self.arena, self.offsets[part], self.views[part])
+            csums = copy_into(self.arena, self.offsets[part], self.views[part])
         self._send(P.Op.COMMIT, part, csums)

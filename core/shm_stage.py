@@ -38,7 +38,8 @@ from .cluster_backend import ClusterBackend
 from .connection import pin_request, raise_item
 from .errors import KVPoolError, PoolUnavailable
 from .fanout import Departures
-from .shm_put import PART_BYTES, copy_in, part_slices, recv_column
+from .fastcopy import copy_into
+from .shm_put import PART_BYTES, part_slices, recv_column
 from .shm_refs import Place
 from .transport import ShmTransport
 from .versions import CLOCK
@@ -102,7 +103,7 @@ class Stager:
                 csums = np.empty(len(views), dtype="<u8")
                 for part in part_slices(sizes.tolist(), PART_BYTES):  # a close waits for a part at most
                     with t.copying(sock):
-                        csums[part] = copy_in(arena, offsets[part], views[part])
+                        csums[part] = copy_into(arena, offsets[part], views[part])
                 self._held = [pin_request(keys, pin_s)] if pin_s > 0 else []
                 self._held.append((P.Op.COMMIT_UNCHECKED, P.pack_batch(keys, offsets, sizes, csums, versions)))
                 self._held_owed = [(P.Op.COMMIT_UNCHECKED, keys, sizes)]

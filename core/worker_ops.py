@@ -194,6 +194,12 @@ class RequestHandlers(ConnectionServing):
                 if off is not None:
                     self.cache.abort(off)
             raise
+        if None not in slots and sums == csums.tolist():  # the usual batch: a slot each, every block whole
+            stored = self._commit_blocks(keys, cast("list[int]", slots), lens, cast("list[int]", sums),
+                                         versions.tolist())
+            if not stored.all():
+                status[~stored] = P.ITEM_SUPERSEDED
+            return
         held = [(i, off) for i, off in enumerate(slots) if off is not None]
         if not held:
             return
@@ -209,7 +215,8 @@ class RequestHandlers(ConnectionServing):
         # a pin sent before the block pins it; one no newer than what is held is not stored
         stored = self._commit_blocks([keys[i] for i in idx.tolist()], offs.tolist(), np.take(lens, idx).tolist(),
                                      csums[idx].tolist(), versions[idx].tolist())
-        status[idx[~stored]] = P.ITEM_SUPERSEDED
+        if not stored.all():
+            status[idx[~stored]] = P.ITEM_SUPERSEDED
 
     def _commit_blocks(self, keys: list[bytes], offsets: list[int], sizes: list[int], csums: list[int],
                        versions: list[int], checked: bool = True) -> np.ndarray:

@@ -10,9 +10,12 @@
  * copy_from(dsts, src, offsets, sizes) -> int   dsts[i][:sizes[i]] = src[offsets[i]:offsets[i] + sizes[i]] in
  *                              order, for each i whose offset is >= 0 (a miss: skipped); -1, or the index of
  *                              the first destination shorter than its size (it and those after it untouched)
+ * copy_into(out, dst, offsets, srcs)   dst[offsets[i]:offsets[i] + len(srcs[i])] = srcs[i] in order, out[i] the
+ *                              XXH3-64 of the bytes written (out: uint64s; offsets: int64s; ValueError for a
+ *                              slot outside dst, which stops the copies there)
  *
  * dst: a writable, src: a readable C-contiguous buffer of the same length. See kernel.h for how a copy
- * is made. copy, copy_hash and copy_from hold the GIL throughout, as a memoryview slice assignment
+ * is made. copy, copy_hash, copy_from and copy_into hold the GIL throughout, as a memoryview slice assignment
  * does (a copy returns to its caller at once, not after another thread's switch interval); the others
  * let it go while they work, each holding its buffers exported. Python falls back to the same results
  * without this module (kvpool.core.fastcopy; kvpool.core.arena_pages readies nothing in the background). */
@@ -187,6 +190,54 @@ done:
     return PyLong_FromSsize_t(first_short);
 }
 
+/* A same-node writer's part into the arena in one call: per block, no Python slices and calls. */
+static PyObject *py_copy_into(PyObject *self, PyObject *args) {
+    PyObject *srcs, *seq;
+    Py_buffer out, dst, offs;
+    if (!PyArg_ParseTuple(args, "w*w*y*O:copy_into", &out, &dst, &offs, &srcs))
+        return NULL;
+    Py_ssize_t n = offs.len / 8;
+    const char *err = NULL;
+    const int64_t *o = (const int64_t *)offs.buf;
+    seq = PySequence_Fast(srcs, "copy_into wants a sequence of source buffers");
+    if (seq == NULL)
+        goto done;
+    if (offs.len % 8 || out.len != offs.len || PySequence_Fast_GET_SIZE(seq) != n)
+        err = "copy_into wants as many sources as int64 offsets and uint64 outputs";
+    for (Py_ssize_t i = 0; !err && i < n; i++) {
+        int64_t a;
+        memcpy(&a, o + i, 8);
+        Py_buffer s;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &s, PyBUF_C_CONTIGUOUS) < 0)
+            break;
+        if (!slot_inside(a, s.len, dst.len)) {
+            PyBuffer_Release(&s);
+            err = "a slot outside the destination";
+            break;
+        }
+        char *d = (char *)dst.buf + a;
+        uint64_t h;
+        if (overlaps(d, s.buf, (size_t)s.len)) {
+            memmove(d, s.buf, (size_t)s.len);
+            h = hash_fn(d, (size_t)s.len);
+        } else {
+            h = copy_hash_fn(d, (const char *)s.buf, (size_t)s.len);
+        }
+        memcpy((char *)out.buf + 8 * i, &h, 8);
+        PyBuffer_Release(&s);
+    }
+    Py_DECREF(seq);
+done:
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&offs);
+    if (err)
+        PyErr_SetString(PyExc_ValueError, err);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 /* The GIL is let go during the call: populating a region's page tables (MADV_POPULATE_*) takes a
  * fraction of a millisecond per MiB, and a client readies its whole mapping from a thread of its own
  * (kvpool.core.arena_pages). The buffer stays exported throughout, so the mapping cannot be closed. */
@@ -248,6 +299,7 @@ static PyMethodDef methods[] = {
     {"copy", py_copy, METH_VARARGS, "copy(dst, src): dst[:] = src"},
     {"hash_at", py_hash_at, METH_VARARGS, "hash_at(out, buf, offsets, sizes): out[i] = XXH3-64 of buf[offsets[i]:][:sizes[i]]"},
     {"copy_from", py_copy_from, METH_VARARGS, "copy_from(dsts, src, offsets, sizes) -> int: dsts[i][:sizes[i]] = src[offsets[i]:][:sizes[i]]; -1, or the first too short"},
+    {"copy_into", py_copy_into, METH_VARARGS, "copy_into(out, dst, offsets, srcs): dst[offsets[i]:][:len(srcs[i])] = srcs[i]; out[i] its XXH3-64"},
     {"advise", py_advise, METH_VARARGS, "advise(buf, advice): madvise(2) of buf (page-aligned), without the GIL"},
     {"resident", py_resident, METH_VARARGS, "resident(buf) -> bool: whether every page of buf (page-aligned) has its memory"},
     {"simd", py_simd, METH_NOARGS, "simd() -> str: the kernels in use (avx2 or base)"},

@@ -14,7 +14,7 @@ from kvpool.core import protocol as P
 from kvpool.core import shm_put, transport
 from kvpool.core.blocks import checksum
 from kvpool.core.errors import CapacityError, CorruptBlock, PoolUnavailable
-from kvpool.core.fastcopy import copy_hash
+from kvpool.core.fastcopy import copy_into
 from kvpool.core.server import Worker
 from kvpool.core.transport import ShmTransport, TcpTransport
 
@@ -39,13 +39,14 @@ def _lying_about(block: np.ndarray) -> Callable[[memoryview | bytes], int]:
     return lying
 
 
-def _copying_and_lying_about(block: np.ndarray) -> Callable[[memoryview, memoryview], int]:
-    """A `copy_hash` whose checksum is wrong for `block` only (`_lying_about`)."""
+def _copying_and_lying_about(block: np.ndarray) -> Callable[[memoryview, np.ndarray, list[memoryview]], np.ndarray]:
+    """A `copy_into` whose checksum is wrong for `block` only (`_lying_about`)."""
     lying = _lying_about(block)
 
-    def copy_lying(dst: memoryview, src: memoryview) -> int:
-        copy_hash(dst, src)
-        return lying(dst)
+    def copy_lying(dst: memoryview, offsets: np.ndarray, srcs: list[memoryview]) -> np.ndarray:
+        copy_into(dst, offsets, srcs)
+        return np.array([lying(dst[off:off + memoryview(s).nbytes]) for off, s in zip(offsets.tolist(), srcs)],
+                        dtype="<u8")
     return copy_lying
 
 
@@ -74,14 +75,14 @@ def test_a_block_refused_in_one_part_fails_alone(worker: Worker, monkeypatch: py
     monkeypatch.setattr(shm_put, "PART_BYTES", 1 * MiB)
     blocks = _blocks(12, 512 << 10)
     keys = [f"k{i}".encode() for i in range(12)]
-    real_copy_hash = shm_put.copy_hash
-    monkeypatch.setattr(shm_put, "copy_hash", _copying_and_lying_about(blocks[5]))  # the client claims a wrong one
+    real_copy_into = shm_put.copy_into
+    monkeypatch.setattr(shm_put, "copy_into", _copying_and_lying_about(blocks[5]))  # the client claims a wrong one
     t = ShmTransport(worker.unix_path)
     try:
         with pytest.raises(CorruptBlock) as e:
             t.batch_put(keys, blocks)
         assert e.value.key == keys[5]
-        monkeypatch.setattr(shm_put, "copy_hash", real_copy_hash)
+        monkeypatch.setattr(shm_put, "copy_into", real_copy_into)
         assert t.batch_exists(keys) == [i != 5 for i in range(12)]  # the connection is in step
         assert worker.metrics.corrupt_blocks._value.get() == 1
         assert worker.cache.check() == []

@@ -12,11 +12,11 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from kvpool.core import PoolClient, shm_put
+from kvpool.core import PoolClient, shm_stage
 from kvpool.core import protocol as P
 from kvpool.core.blocks import checksum
 from kvpool.core.errors import CapacityError, CorruptBlock
-from kvpool.core.fastcopy import copy_hash
+from kvpool.core.fastcopy import copy_into
 from kvpool.core.server import Worker
 from kvpool.core.shm_stage import LOOKAHEAD, Stager, Stagers
 from kvpool.core.transport import ShmTransport, TcpTransport
@@ -35,6 +35,16 @@ def _stager(worker: Worker) -> Stager:
 
 def _reserved(worker: Worker) -> int:
     return sum(sum(c.reserved.values()) for c in worker._conns)
+
+
+def _lying_about(block: np.ndarray) -> Callable[[memoryview, np.ndarray, list[memoryview]], np.ndarray]:
+    """A `copy_into` whose checksum is wrong for `block` (known by its first 64 bytes) only."""
+    head = block.tobytes()[:64]
+
+    def copy_lying(dst: memoryview, offsets: np.ndarray, srcs: list[memoryview]) -> np.ndarray:
+        lies = np.array([bytes(memoryview(s).cast("B")[:64]) == head for s in srcs], dtype="<u8")
+        return copy_into(dst, offsets, srcs) ^ lies
+    return copy_lying
 
 
 def _wait_for(done: Callable[[], bool]) -> None:
@@ -97,8 +107,7 @@ def test_a_held_put_is_committed_pinned_once_sent_and_not_before(worker: Worker)
 def test_a_staged_block_whose_bytes_disagree_is_a_miss_at_its_first_read(
         worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     bad, good = _blocks(5, 64 << 10), _blocks(6, 64 << 10)
-    head = bad[0].tobytes()[:64]
-    monkeypatch.setattr(shm_put, "copy_hash", lambda d, s: copy_hash(d, s) ^ (bytes(d[:64]) == head))  # lies for `bad`
+    monkeypatch.setattr(shm_stage, "copy_into", _lying_about(bad[0]))
     stager, reader, remote = _stager(worker), ShmTransport(worker.unix_path), TcpTransport(worker.address)
     try:
         stager.put([b"bad"], [memoryview(bad[0])])
@@ -117,7 +126,7 @@ def test_a_staged_block_whose_bytes_disagree_is_a_miss_at_its_first_read(
 
 def test_a_remote_first_read_checks_a_staged_block_too(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     bad = _blocks(5, 64 << 10)
-    monkeypatch.setattr(shm_put, "copy_hash", lambda d, s: copy_hash(d, s) ^ 1)  # lies for every block
+    monkeypatch.setattr(shm_stage, "copy_into", lambda d, o, s: copy_into(d, o, s) ^ 1)  # lies for every block
     stager, remote = _stager(worker), TcpTransport(worker.address)
     try:
         stager.put([b"bad"], [memoryview(bad[0])])
@@ -133,8 +142,7 @@ def test_a_remote_first_read_checks_a_staged_block_too(worker: Worker, monkeypat
 def test_a_refused_commit_raises_from_the_next_put_and_the_stager_goes_on(
         worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     bad, good, later = _blocks(5, 64 << 10), _blocks(6, 64 << 10), _blocks(7, 64 << 10)
-    head = bad[0].tobytes()[:64]
-    monkeypatch.setattr(shm_put, "copy_hash", lambda d, s: copy_hash(d, s) ^ (bytes(d[:64]) == head))  # lies for `bad`
+    monkeypatch.setattr(shm_stage, "copy_into", _lying_about(bad[0]))
     monkeypatch.setitem(worker._handlers, P.Op.COMMIT_UNCHECKED, worker._commit)  # a worker that checks at once
     stager, reader = _stager(worker), ShmTransport(worker.unix_path)
     try:

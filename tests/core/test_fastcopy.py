@@ -133,3 +133,32 @@ def test_copy_from_copies_each_slot_skips_misses_and_stops_at_a_short_buffer(
     with pytest.raises((TypeError, BufferError)):  # a destination that cannot be written
         fastcopy.copy_from([b"readonly"], src, np.array([0], "<i8"), np.array([8], "<i8"))
     assert fastcopy.copy_from([], src, np.array([], "<i8"), np.array([], "<i8")) == -1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_copy_into_copies_each_source_into_its_slot_and_hashes_what_landed(
+        impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if impl == "python":
+        monkeypatch.setattr(fastcopy, "_native", None)
+    dst = np.zeros((1 << 20) + 100, dtype=np.uint8)
+    srcs = [os.urandom(16384), np.frombuffer(os.urandom(300_001), np.uint8), memoryview(os.urandom(8193)), b"",
+            np.frombuffer(os.urandom(64 * 3), np.uint8).reshape(3, 64)]  # an empty one; a 2-d one
+    offsets = np.array([0, 65536, 7 + 16384, (1 << 20) + 100, 400_000], dtype="<i8")  # the empty one at the end
+    got = fastcopy.copy_into(dst, offsets, srcs)
+    assert got.dtype == np.dtype("<u8")
+    flat = [bytes(memoryview(s).cast("B")) for s in srcs]
+    assert got.tolist() == [xxhash.xxh3_64_intdigest(b) for b in flat]
+    for off, b in zip(offsets.tolist(), flat):
+        assert dst[off:off + len(b)].tobytes() == b
+    assert int(dst.sum()) == sum(sum(b) for b in flat)  # nothing written elsewhere
+    # a slot outside the destination stops the copies there: those before it landed, it and the rest not
+    dst[:] = 0
+    for off in (-1, (1 << 20) + 1, 1 << 62):
+        with pytest.raises(InvalidArgument, match="outside"):
+            fastcopy.copy_into(dst, np.array([0, off, 16384], "<i8"), [b"a" * 8, b"b" * 100, b"c" * 8])
+        assert dst[:8].tobytes() == b"a" * 8 and not dst[8:].any()
+    with pytest.raises(InvalidArgument, match="as many"):
+        fastcopy.copy_into(dst, np.array([0, 8], "<i8"), [b"x"])
+    with pytest.raises((TypeError, BufferError)):  # a destination that cannot be written
+        fastcopy.copy_into(b"readonly", np.array([0], "<i8"), [b"x"])
+    assert fastcopy.copy_into(dst, np.array([], "<i8"), []).size == 0
