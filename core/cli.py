@@ -57,6 +57,9 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-id", help="this machine's id for same-node shared memory (default: hostname, boot id "
                                      "and network namespace)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument("--check-puts", choices=["commit", "first_read"],
+                   help="hash a same-node put's blocks before committing them (commit, the default) or at "
+                        "their first read (first_read; or KVPOOL_CHECK_PUTS)")
     p.add_argument("--dram-bytes", help="DRAM arena size, e.g. 4GiB")
     p.add_argument("--ssd-path", help="LMDB directory of the SSD tier (none by default)")
     p.add_argument("--ssd-map-size", help="LMDB map size, e.g. 64GiB")
@@ -75,7 +78,7 @@ def _build_worker(args: argparse.Namespace) -> Any:
     wcfg = load(WorkerConfig, file=args.config, section="worker",
                 **pick(["host", "port", "token", "no_auth", "tls_cert", "tls_key", "tenants_file", "nats_url",
                         "nats_creds", "metrics_port", "worker_id", "advertise_host", "node_id", "events",
-                        "events_zmq"]))
+                        "events_zmq", "check_puts"]))
     ccfg = load(CacheConfig, file=args.config, section="cache", **pick(["dram_bytes", "ssd_path", "ssd_map_size"]))
     return Worker(wcfg, ccfg)
 

@@ -198,6 +198,14 @@ class WorkerConfig:
     (`KVPOOL_POLL_US`; 0: never): waking a sleeping thread costs more than copying a 16 KiB block (same-
     node gets of 64 x 16 KiB: 0.39 -> 0.5 of memcpy on 2 cores). Only while that client has the worker
     to itself (a poll holds the GIL from other connections' threads), and at most half the cores at once."""
+    check_puts: str = "commit"
+    """When the worker hashes the bytes a same-node writer put into its slots (`--check-puts`,
+    `KVPOOL_CHECK_PUTS`): "commit", before it commits them (a mismatch is refused: the writer's
+    CorruptBlock); "first_read", at each block's first read through the worker instead (a lease, a get, a
+    write to SSD; a mismatch is then a miss, counted in `checksum_failures`), as for a handoff's layers.
+    Either way no block is served unhashed. The hash re-reads what the writer copied: on a machine
+    whose memory bandwidth a copy nearly fills, "first_read" makes puts faster and first reads slower
+    (docs/BENCHMARKS.md, run AG), and saves the hash of blocks never read."""
     max_connections: int = 1024
     """Connections served at once (a thread each); further ones are closed at once, with a warning."""
     io_timeout_s: float = 30.0
@@ -250,6 +258,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.poll_us <= 10_000:
             raise ConfigError(f"poll_us={self.poll_us}: from 0 to 10000 microseconds")
+        if self.check_puts not in ("commit", "first_read"):
+            raise ConfigError(f"check_puts={self.check_puts!r}: 'commit' or 'first_read'")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError(f"TLS needs both a certificate and its key (tls_cert={self.tls_cert!r}, "
                               f"tls_key={self.tls_key!r})")

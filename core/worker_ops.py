@@ -55,7 +55,8 @@ class RequestHandlers(ConnectionServing):
             P.Op.EXISTS: self._exists, P.Op.PREFIX: self._prefix, P.Op.REMOVE: self._remove,
             P.Op.SUPERSEDE: self._supersede,
             P.Op.CLEAR: self._clear, P.Op.STATS: self._stats, P.Op.ALLOC: self._alloc,
-            P.Op.COMMIT: self._commit, P.Op.COMMIT_UNCHECKED: self._commit_unchecked, P.Op.ABORT: self._abort,
+            P.Op.COMMIT: self._commit if self.config.check_puts == "commit" else self._commit_unchecked,
+            P.Op.COMMIT_UNCHECKED: self._commit_unchecked, P.Op.ABORT: self._abort,
             P.Op.LEASE: self._lease,
             P.Op.RELEASE: self._release, P.Op.PIN: self._pin, P.Op.CHANGES: self._changes,
         }

@@ -15,9 +15,10 @@ import pytest
 from workerhelp import NOBODY, need_root
 
 from kvpool.core import protocol as P
+from kvpool.core.cli import _build_worker, build_parser
 from kvpool.core.client import PoolClient
 from kvpool.core.config import CacheConfig, WorkerConfig
-from kvpool.core.errors import CorruptBlock, PoolUnavailable
+from kvpool.core.errors import ConfigError, CorruptBlock, PoolUnavailable
 from kvpool.core.server import Worker
 from kvpool.core.tiers.dram import DramArena
 from kvpool.core.transport import ShmTransport
@@ -79,6 +80,48 @@ def test_a_block_changed_between_write_and_commit_is_refused(worker: Worker) -> 
             assert c.get("k") is None
     finally:
         t.close()
+
+
+def test_with_check_puts_first_read_a_wrong_checksum_is_a_miss_at_the_first_read(tmp_path: Path) -> None:
+    """`check_puts="first_read"`: the worker commits a same-node writer's blocks on its checksum and hashes
+    each at its first read; one whose bytes do not match is a miss there (counted, dropped), never served,
+    and the writer's honest blocks read back."""
+    w = Worker(WorkerConfig(port=0, unix_path=str(tmp_path / "w.sock"), check_puts="first_read"),
+               CacheConfig(**SMALL)).start()  # type: ignore[arg-type]
+    t = ShmTransport(w.unix_path)
+    try:
+        data = b"the real bytes" * 100
+        arena = t.writable_arena
+        sizes = np.array([len(data)], "<i8")
+        with t._session() as sock:
+            offsets = np.frombuffer(t._roundtrip(sock, P.Op.ALLOC, P.pack_batch([b"forged"], sizes)).meta, dtype="<i8")
+            off = int(offsets[0])
+            arena[off:off + len(data)] = data
+            commit = P.pack_batch([b"forged"], offsets, sizes, np.array([12345], "<u8"), np.array([1], "<u8"))
+            reply = t._roundtrip(sock, P.Op.COMMIT, commit)
+        assert np.frombuffer(reply.meta, dtype="<i1").tolist() == [P.ITEM_OK]  # committed on its word ...
+        assert w.metrics.corrupt_blocks._value.get() == 0 and w.cache.stats().checksum_failures == 0
+        t.batch_put([b"honest"], [data])
+        out = bytearray(len(data))
+        assert t.batch_get_into([b"forged", b"honest"], [out, bytearray(len(data))]) == [-1, len(data)]
+        assert w.cache.stats().checksum_failures == 1  # ... and hashed at its first read: a miss, dropped
+        assert t.batch_exists([b"forged", b"honest"]) == [False, True] and not any(out)
+        assert w.cache.check() == []
+    finally:
+        t.close()
+        w.stop()
+    with pytest.raises(ConfigError, match="check_puts"):
+        WorkerConfig(check_puts="sometimes")
+
+
+def test_check_puts_comes_from_the_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPOOL_STATE_DIR", str(tmp_path))
+    args = build_parser().parse_args(["worker", "--port", "0", "--dram-bytes", "32MiB", "--check-puts", "first_read"])
+    w = _build_worker(args)
+    try:
+        assert w.config.check_puts == "first_read" and w._handlers[P.Op.COMMIT] == w._commit_unchecked
+    finally:
+        w.stop()
 
 
 def test_readers_map_the_arena_read_only(worker: Worker) -> None:
