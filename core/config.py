@@ -147,7 +147,10 @@ class CacheConfig:
     low_watermark: float = 0.85
     policy: str = "lru"
     verify_dram_reads: bool = False
-    """Re-check the checksum on every DRAM read (DRAM blocks are checked when they leave the node)."""
+    """Re-check the checksum on every DRAM read: the embedded cache's, and every read a worker serves (a
+    same-node lease, a TCP get); a block whose bytes changed since it was checked (bit rot, a stray
+    write) is then a miss, dropped and counted in `checksum_failures`. Off, a block is checked once, at
+    its commit or its first read (`WorkerConfig.check_puts`), and a TCP reader checks what arrives."""
 
     def __post_init__(self) -> None:
         if not 0 < self.low_watermark < self.high_watermark <= 1:

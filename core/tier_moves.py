@@ -11,11 +11,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
-from .blocks import BlockMeta, checksum
+import numpy as np
+
+from .blocks import BlockMeta
 from .buffers import Destination
 from .errors import BufferSizeError, CapacityError
+from .fastcopy import hash_at
 from .tier_stack import TierStack
 from .tiers.dram_tier import DramBlock
 
@@ -254,23 +257,26 @@ class TierMoves:
                 found = [None if b is not None and b.expired(now) else b for b in found]
             touch = dram.order.touch
             hits = 0
+            every = stack.config.verify_dram_reads
             unchecked: list[int] = []
             for i, b in enumerate(found):
                 if b is not None:
                     b.leases += 1  # DramTier.lease, inlined on the hottest path
                     touch(b.key)
                     hits += 1
-                    if not b.checked:
+                    if every or not b.checked:
                         unchecked.append(i)
             dram.leases += hits
             stack.counters.hits_dram += hits
-        for i in unchecked:  # committed on their writer's word: hashed at their first read, before any byte goes out
-            b = found[i]
-            if b is not None and not self.verified(b):
+        if unchecked:  # committed on their writer's word (or every read is checked): hashed before a byte goes out
+            good = self.verified_many([cast(DramBlock, found[i]) for i in unchecked])
+            bad = [i for i, ok in zip(unchecked, good) if not ok]
+            if bad:
                 with stack.lock:
-                    dram.release(b)
-                found[i] = None
-                hits -= 1
+                    for i in bad:
+                        dram.release(cast(DramBlock, found[i]))
+                        found[i] = None
+                hits -= len(bad)
         if hits < len(found):
             found = [b if b is not None else self._acquire_one(k) for k, b in zip(keys, found)]
         return found
@@ -306,17 +312,31 @@ class TierMoves:
         """False if the leased block's bytes fail their checksum, hashed where the block was committed
         unchecked (the first time only) or `verify_dram_reads` is set (every time); the block is then
         dropped: a miss. Lock not held."""
+        return self.verified_many([b])[0]
+
+    def verified_many(self, blocks: Sequence[DramBlock]) -> list[bool]:
+        """`verified` of each leased block, those to hash hashed in one call that lets go of the GIL."""
         stack = self._stack
-        if b.checked and not stack.config.verify_dram_reads:
-            return True
-        if checksum(stack.dram.view(b)) == b.checksum:
-            b.checked = True
-            return True
-        with stack.lock:
-            stack.counters.checksum_failures += 1
-            if stack.dram.blocks.get(b.key) is b:
-                stack.drop_dram(b.key, "corrupt")
-        return False
+        every = stack.config.verify_dram_reads
+        todo = [b for b in blocks if every or not b.checked]
+        if not todo:
+            return [True] * len(blocks)
+        offsets = np.fromiter((b.offset for b in todo), dtype="<i8", count=len(todo))
+        sizes = np.fromiter((b.size for b in todo), dtype="<i8", count=len(todo))
+        bad: set[int] = set()
+        for b, got in zip(todo, hash_at(stack.dram.arena.buf, offsets, sizes).tolist()):
+            if got == b.checksum:
+                b.checked = True
+            else:
+                bad.add(id(b))
+        if bad:
+            with stack.lock:
+                for b in todo:
+                    if id(b) in bad:
+                        stack.counters.checksum_failures += 1
+                        if stack.dram.blocks.get(b.key) is b:
+                            stack.drop_dram(b.key, "corrupt")
+        return [id(b) not in bad for b in blocks]
 
     def copy_to_device(self, k: bytes, t: Any, block: DramBlock) -> None:
         """Keep a device copy of tensor `t`, the bytes of `block`, unless `block` was replaced meantime.

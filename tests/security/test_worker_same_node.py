@@ -177,3 +177,24 @@ def test_a_client_maps_only_its_own_users_0600_arena_of_the_announced_size(kind:
         mapping.close()
     finally:
         os.unlink(f"/dev/shm/{name}")
+
+
+@pytest.mark.parametrize("how", ["same-node", "tcp"])
+def test_verify_dram_reads_checks_every_read_a_worker_serves(tmp_path: Path, how: str) -> None:
+    """`verify_dram_reads=True`: a block whose bytes changed in DRAM after its commit (bit rot, a stray
+    write) is a miss on the worker's same-node and TCP read paths too, counted and dropped, never served."""
+    w = Worker(WorkerConfig(port=0, unix_path=str(tmp_path / "w.sock")),
+               CacheConfig(**SMALL, verify_dram_reads=True)).start()  # type: ignore[arg-type]
+    try:
+        with PoolClient(mode="local", worker=w.unix_path if how == "same-node" else w.address) as c:
+            c.batch_put(["rot", "fine"], [b"r" * 5000, b"f" * 5000])
+            ref = w.cache.acquire("rot")
+            assert ref is not None
+            w.cache.arena.buf[ref.offset + 100] ^= 0xFF  # after the commit-time check
+            w.cache.release(ref)
+            out = [bytearray(5000), bytearray(5000)]
+            assert c.batch_get_into(["rot", "fine"], out) == [-1, 5000] and bytes(out[1]) == b"f" * 5000
+            assert c.batch_exists(["rot", "fine"]) == [False, True]
+        assert w.cache.stats().checksum_failures == 1 and w.cache.check() == []
+    finally:
+        w.stop()
