@@ -50,6 +50,15 @@ def _copy_hash(dst: Any, src: Any) -> int:
     return checksum(memoryview(dst).cast("B"))
 
 
+def _typed(call: Callable[..., Any], *args: Any) -> Any:
+    """A call into the extension, its ValueError (a slot outside a buffer, columns of other lengths) raised
+    as InvalidArgument."""
+    try:
+        return call(*args)
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from e
+
+
 def hash_at(buf: Any, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """The XXH3-64 (`blocks.checksum`) of `buf[offsets[i]:offsets[i] + sizes[i]]` for each i, as uint64s;
     InvalidArgument for a slot outside `buf`."""
@@ -57,10 +66,7 @@ def hash_at(buf: Any, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     sizes = np.ascontiguousarray(sizes, dtype="<i8")
     out = np.empty(len(offsets), dtype="<u8")
     if _native is not None:
-        try:
-            _native.hash_at(out, buf, offsets, sizes)
-        except ValueError as e:
-            raise InvalidArgument(str(e)) from e
+        _typed(_native.hash_at, out, buf, offsets, sizes)
         return out
     view = memoryview(buf).cast("B")
     for i, (off, n) in enumerate(zip(offsets.tolist(), sizes.tolist())):
@@ -78,10 +84,7 @@ def copy_from(dsts: Sequence[Any], src: Any, offsets: np.ndarray, sizes: np.ndar
     offsets = np.ascontiguousarray(offsets, dtype="<i8")
     sizes = np.ascontiguousarray(sizes, dtype="<i8")
     if _native is not None:
-        try:
-            return int(_native.copy_from(dsts, src, offsets, sizes))
-        except ValueError as e:
-            raise InvalidArgument(str(e)) from e
+        return int(_typed(_native.copy_from, dsts, src, offsets, sizes))
     if not len(dsts) == len(offsets) == len(sizes):
         raise InvalidArgument("copy_from wants as many destinations as int64 offsets and int64 sizes")
     view = memoryview(src).cast("B")
@@ -104,10 +107,7 @@ def copy_into(dst: Any, offsets: np.ndarray, srcs: Sequence[Any]) -> np.ndarray:
     offsets = np.ascontiguousarray(offsets, dtype="<i8")
     out = np.empty(len(offsets), dtype="<u8")
     if _native is not None:
-        try:
-            _native.copy_into(out, dst, offsets, srcs)
-        except ValueError as e:
-            raise InvalidArgument(str(e)) from e
+        _typed(_native.copy_into, out, dst, offsets, srcs)
         return out
     if len(srcs) != len(offsets):
         raise InvalidArgument("copy_into wants as many sources as int64 offsets and uint64 outputs")
