@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool.core import BufferSizeError, TieredCache
+from kvpool.core.blocks import checksum
 
 from corehelp import KiB, MiB, payload
 
@@ -74,6 +75,36 @@ class CacheMachine(RuleBasedStateMachine):
         bufs = [torch.frombuffer(bytearray(d), dtype=torch.uint8) if as_tensor and d else d for d in datas]
         self.cache.batch_put([k for k, _, _ in items], bufs)
         self.model.update({k: d for (k, _, _), d in zip(items, datas)})
+
+    @rule(items=st.lists(st.tuples(KEYS, SIZES, SEEDS), min_size=1, max_size=6, unique_by=lambda t: t[0]),
+          leased=st.booleans())
+    def worker_batch(self, items: list[tuple[str, int, int]], leased: bool) -> None:
+        """What a worker does for a same-node writer's batch: reserve_many, copy into the slots,
+        commit_many (whose bulk path replaces the blocks its keys held), here with a reader holding the
+        first key's old block meanwhile, whose bytes must stay as they were until it lets go."""
+        cache = self.cache
+        keys = [k.encode() for k, _, _ in items]
+        datas = [payload(f"{k}/{seed}/w", size) for k, size, seed in items]
+        held = cache.acquire(keys[0]) if leased else None
+        before = bytes(cache.arena.buf[held.offset:held.offset + held.size]) if held is not None else None
+        try:
+            offsets = cache.reserve_many([len(d) for d in datas])
+            if None in offsets:  # no room (the arena is small, and a lease may pin a slab): give the rest back
+                for off in offsets:
+                    if off is not None:
+                        cache.abort(off)
+                return
+            slots = [off for off in offsets if off is not None]
+            for off, d in zip(slots, datas):
+                cache.arena.buf[off:off + len(d)] = np.frombuffer(d, dtype=np.uint8)
+            assert cache.commit_many(keys, slots, [len(d) for d in datas], [checksum(d) for d in datas]) == \
+                [True] * len(keys)
+            self.model.update({k: d for (k, _, _), d in zip(items, datas)})
+            if held is not None:
+                assert bytes(cache.arena.buf[held.offset:held.offset + held.size]) == before
+        finally:
+            if held is not None:
+                cache.release(held)
 
     @rule(key=KEYS)
     def get(self, key: str) -> None:
