@@ -12,7 +12,7 @@ import numpy as np
 
 from .errors import BufferSizeError, InvalidArgument
 
-__all__ = ["readable", "Destination", "destination_views", "finish_all"]
+__all__ = ["readable", "byte_size", "Destination", "destination_views", "finish_all"]
 
 
 _FLAT_TYPES = frozenset({np.ndarray, bytearray, memoryview, bytes})
@@ -47,6 +47,15 @@ def readable(buf: Any) -> memoryview:
     if mv.format != "B" or mv.ndim != 1 or not mv.c_contiguous:
         mv = mv.cast("B") if mv.c_contiguous else memoryview(mv.tobytes())
     return mv
+
+
+def byte_size(buf: Any) -> int:
+    """`readable(buf).nbytes`, without making the view (a device tensor is not copied to the host)."""
+    if type(buf).__module__.startswith("torch"):
+        return int(buf.numel()) * int(buf.element_size())
+    if isinstance(buf, np.ndarray):
+        return int(buf.nbytes)
+    return readable(buf).nbytes
 
 
 class Destination:

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .background import Background
-from .buffers import readable
+from .buffers import byte_size, readable
 from .cluster import Membership, rank
 from .config import default_node_id
+from .connection import DEFAULT_MAX_BLOCK, refuse_too_large
 from .errors import KVPoolError, PoolUnavailable
 from .fanout import FanOut, Transport
 from .nats_creds import redacted_url
@@ -223,6 +224,7 @@ class ClusterBackend:
         if not live:
             raise PoolUnavailable(f"no live workers in the cluster at {redacted_url(self.nats_url)}")
         ranked = self._owners(keys, live, next_in_line=True)
+        self._refuse_too_large(live, ranked, keys, buffers)
         versions = CLOCK.batch(len(keys))
         try:
             superseded = self._put_as_of(live, ranked, keys, buffers, pin_s, versions)
@@ -232,6 +234,15 @@ class ClusterBackend:
                                 pin_s, self._restamp(live, again, superseded, versions))
         finally:  # (a put that failed may have reached an owner: the older copies go too)
             self._supersede(live, ranked, keys, versions)
+
+    def _refuse_too_large(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
+                          buffers: Sequence[Any]) -> None:
+        """BlockTooLarge, before any block is sent, for the first block larger than one of its owners takes
+        (`refuse_too_large`): a batch with one stores none, on no worker."""
+        limit = {w: info.max_block or DEFAULT_MAX_BLOCK for w, info in live.items()}
+        for key, buf, owners in zip(keys, buffers, ranked):
+            cap = min(limit[w] for w in owners[:self.replication])
+            refuse_too_large([key], [byte_size(buf)], cap)
 
     def _put_as_of(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
                    buffers: Sequence[Any], pin_s: float, versions: list[int]) -> list[int]:

@@ -37,7 +37,8 @@ from .records import PoolStats, WorkerInfo, WorkerStats
 from .tls import ca_file, client_context, server_name
 from .versions import CLOCK, Change
 
-__all__ = ["put_outcome", "DEFAULT_MAX_BLOCK", "Connection", "raise_item", "send_pin", "pin_request"]
+__all__ = ["put_outcome", "DEFAULT_MAX_BLOCK", "Connection", "raise_item", "refuse_too_large", "send_pin",
+           "pin_request"]
 
 log = logging.getLogger("kvpool.transport")
 
@@ -423,6 +424,15 @@ def raise_item(status: int, key: bytes, size: int, max_block: int) -> None:
     if status != P.ITEM_OK:  # no status a worker sends: whether the block was stored is not known
         raise ProtocolError(f"the worker answered the put of block {key[:24]!r} with status {status}, which "
                             "no worker sends")
+
+
+def refuse_too_large(keys: Sequence[bytes], lens: Sequence[int], max_block: int) -> None:
+    """BlockTooLarge for the batch's first block over `max_block`. Checked before any block of the batch
+    is sent, so a batch with such a block stores none (as the embedded cache's), where the worker's
+    refusals found on arrival (`raise_item`) fail their own blocks only."""
+    if lens and max(lens) > max_block:
+        i = next(i for i, n in enumerate(lens) if n > max_block)
+        raise_item(P.ITEM_TOO_LARGE, keys[i], lens[i], max_block)
 
 
 def send_pin(sock: socket.socket, keys: Sequence[bytes], pin_s: float) -> None:

@@ -29,7 +29,7 @@ from . import protocol as P
 from .arena_pages import ArenaPages
 from .blocks import checksum
 from .buffers import Destination, destination_views, finish_all, readable
-from .connection import Connection, put_outcome, raise_item, send_pin
+from .connection import Connection, put_outcome, refuse_too_large, send_pin
 from .errors import BufferSizeError, PoolUnavailable, ProtocolError
 from .fastcopy import copy_from
 from .pool_backend import leases_by_copy
@@ -64,6 +64,7 @@ class TcpTransport(Connection):
         block's."""
         views = [readable(b) for b in buffers]
         lens = [v.nbytes for v in views]
+        refuse_too_large(keys, lens, self.max_block)
         stamps = _stamps(versions, len(keys))
         status: list[int] = []
         with self._session() as sock:
@@ -216,10 +217,12 @@ class ShmTransport(Connection):
         """`Connection.put_as_of`: a batch larger than the worker lets one connection reserve at once
         goes in several rounds."""
         views = [readable(b) for b in buffers]
+        lens = [v.nbytes for v in views]
+        refuse_too_large(keys, lens, self.max_block)
         budget = self.hello().max_reserve or P.MAX_DATA
         stamps = _stamps(versions, len(keys))
         superseded: list[int] = []
-        for f in P.frames(len(keys), [v.nbytes for v in views], budget):
+        for f in P.frames(len(keys), lens, budget):
             superseded += [f.start + i for i in self._put_frame(keys[f], views[f], pin_s, stamps[f])]
         return superseded
 
@@ -229,9 +232,6 @@ class ShmTransport(Connection):
         indices of those superseded."""
         lens = [v.nbytes for v in views]
         max_block = self.info.max_block
-        if max_block and lens and max(lens) > max_block:  # before anything is stored
-            i = int(np.argmax(lens))
-            raise_item(P.ITEM_TOO_LARGE, keys[i], lens[i], max_block)
         with self._session() as sock:
             arena, pages = self._mapped(writable=True)
             if pin_s > 0:
@@ -270,7 +270,8 @@ class ShmTransport(Connection):
         with self._session() as sock:  # a malformed reply drops the connection (PoolUnavailable), as any protocol error
             arena, pages = self._mapped(writable=False)
             P.send_frame(sock, P.Op.LEASE, P.pack_batch(list(keys)))
-            ids, offsets, sizes, _ = self._lease_reply(sock, len(keys), pages)
+            ids, offsets, sizes, versions = self._lease_reply(sock, len(keys), pages)
+            _observed(versions.tolist())
             views = [None if off < 0 else arena[off:off + size] for off, size in zip(offsets.tolist(), sizes.tolist())]
             generation = self.generation
         held = ids[offsets >= 0]

@@ -4,9 +4,11 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from kvpool.core.client import PoolClient
 from kvpool.core.cluster import rank
+from kvpool.core.errors import BlockTooLarge
 
 
 def _block(i: int) -> bytes:
@@ -81,3 +83,20 @@ def test_graceful_leave_and_join_update_members(nats, spawn):
         assert b.stop() == 0, b.log_tail()
         _wait_members(c, 1)
         assert a.proc.poll() is None
+
+
+def test_a_batch_with_a_block_over_the_max_stores_none_of_it_on_any_worker(nats, spawn):
+    """Checked before any block is sent, against each block's owners' max block: no worker stores any of
+    the batch (two owners, R=2, 3 MiB slabs: the other blocks would land on both)."""
+    for i in range(2):
+        spawn(nats_url=nats.url, node_id=f"node{i}", env={"KVPOOL_DRAM_SLAB_SIZE": str(3 << 20)})
+    with PoolClient(mode="cluster", nats_url=nats.url, replication=2, node_id="client-node", timeout_s=3) as c:
+        _wait_members(c, 2)
+        keys = [f"t{i}" for i in range(8)]
+        blocks = [_block(i) for i in range(8)]
+        blocks[5] = bytes((3 << 20) + 1)
+        with pytest.raises(BlockTooLarge) as big:
+            c.batch_put(keys, blocks)
+        assert big.value.key == b"t5" and big.value.limit == 3 << 20
+        assert c.batch_exists(keys) == [False] * 8
+        assert sum(s.cache.dram_blocks for s in c.stats().workers.values() if s.cache is not None) == 0

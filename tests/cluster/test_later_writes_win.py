@@ -18,7 +18,7 @@ from kvpool.core.errors import CapacityError
 from kvpool.core.procs import WorkerProcess
 from kvpool.core.shm_refs import recording
 from kvpool.core.transport import ShmTransport, connect
-from kvpool.core.versions import COUNTER_BITS
+from kvpool.core.versions import CLOCK, COUNTER_BITS
 
 Spawn = Callable[..., WorkerProcess]
 
@@ -111,5 +111,29 @@ def test_a_superseded_block_is_not_named_where_it_would_have_lain(spawn: Spawn) 
                 backend.put_as_of([b"held", b"new"], [b"x" * 64, b"n" * 64], 0.0, None)  # stamped once
             held, new = rec.places([b"held", b"new"])
             assert held is None and new is not None
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("read", ["tcp get", "shm get", "shm lease", "shm get_into"])
+def test_every_read_merges_the_version_it_read_into_the_clock(spawn: Spawn, read: str) -> None:
+    """A read merges the version it read into this process's clock (README, Replicas), whichever path
+    it takes: the next put of that key is then stamped above it, with no second round trip."""
+    worker = spawn()  # its own process: its clock is not this one's
+    other = connect(worker.address)
+    try:
+        key = f"read-{read}".encode()
+        ahead = _ahead(1500)
+        other.batch_put([key], [b"x" * 64], versions=[ahead])  # a writer ahead of us; its version not seen here
+        assert CLOCK.now() < ahead
+        with PoolClient(mode="local", worker=worker.address if read.startswith("tcp") else worker.unix_path) as pool:
+            if read.endswith(" get"):
+                assert pool.get(key) == b"x" * 64
+            elif read == "shm lease":
+                with pool.lease(key) as view:
+                    assert view is not None
+            else:
+                assert pool.get_into(key, bytearray(64)) == 64
+        assert CLOCK.now() > ahead
     finally:
         other.close()

@@ -100,6 +100,20 @@ def test_arguments_are_checked_before_any_backend_sees_them(client: PoolClient) 
     assert client.exists("big") is False
 
 
+@pytest.mark.parametrize("frames", [1, 3])
+def test_a_batch_with_a_block_over_the_max_stores_none_of_it(client: PoolClient, frames: int) -> None:
+    """BlockTooLarge is found before any block of the batch is sent, as the embedded cache validates a
+    batch whole: the other blocks, in the same frame or in earlier ones (a batch bigger than a worker
+    takes in one goes in several), are not stored."""
+    keys = [f"b{i}" for i in range(3 * frames)]
+    blocks = [bytes([i]) * (MAX_BLOCK if frames > 1 else 100) for i in range(len(keys))]
+    blocks[-2] = bytes(MAX_BLOCK + 1)
+    with pytest.raises(BlockTooLarge) as big:
+        client.batch_put(keys, blocks)
+    assert big.value.key == keys[-2].encode() and big.value.size == MAX_BLOCK + 1
+    assert client.batch_exists(keys) == [False] * len(keys)
+
+
 def test_stats_and_members_are_typed_in_every_mode(client: PoolClient) -> None:
     client.batch_put(["s0", "s1"], [b"x" * 10, b"y" * 10])
     client.get("s0")

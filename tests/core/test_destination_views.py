@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
-from kvpool.core.buffers import destination_views, finish_all
+from kvpool.core.buffers import byte_size, destination_views, finish_all, readable
 from kvpool.core.errors import BufferSizeError
 
 
@@ -34,3 +35,9 @@ def test_a_read_only_buffer_is_refused() -> None:
         destination_views([frozen])
     with pytest.raises(BufferSizeError):
         destination_views([b"bytes are read-only"])
+
+
+def test_byte_size_is_what_readable_gives_without_making_the_view() -> None:
+    for buf in (b"abc", bytearray(7), memoryview(b"abcdef")[::2], np.zeros((3, 4), np.float32).T,
+                np.arange(10, dtype=np.int64)[::3], torch.zeros(5, 3, dtype=torch.float16).t(), b""):
+        assert byte_size(buf) == readable(buf).nbytes
