@@ -178,7 +178,8 @@ class PoolClient:
 
     def batch_lease(self, keys: Sequence[Key]) -> AbstractContextManager[list[memoryview | None]]:
         """Read-only views of blocks, valid inside the `with` (None per miss). Zero copy where the
-        pool shares memory with this process (embedded, same-node worker); a copy otherwise."""
+        pool shares memory with this process (embedded, a same-node worker, in cluster mode a same-node
+        owner when each block has one copy); a copy otherwise."""
         return self.backend.batch_lease(_keys(keys))
 
     def exists(self, key: Key) -> bool:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +25,9 @@ from .connection import DEFAULT_MAX_BLOCK, refuse_too_large
 from .errors import KVPoolError, PoolUnavailable
 from .fanout import FanOut, Transport
 from .nats_creds import redacted_url
-from .pool_backend import MembersPredicate, leases_by_copy
+from .pool_backend import MembersPredicate
 from .records import PoolStats, WorkerInfo, WorkerStats
+from .transport import ShmTransport
 from .versions import CLOCK, REMOVED, SUPERSEDED
 
 __all__ = ["Groups", "Repair", "Repairs", "ClusterBackend"]
@@ -283,6 +284,10 @@ class ClusterBackend:
         """The newest version of each block among its live owners, or a miss (-1) where the newest thing
         they know of the key is its removal. With one copy, the owner is simply asked; with more,
         `_read_newest`."""
+        return self._get_into(keys, buffers, self._deadline())
+
+    def _get_into(self, keys: Sequence[bytes], buffers: Sequence[Any], deadline: float) -> list[int]:
+        """`batch_get_into` by `deadline` (what is not read by then is a miss)."""
         live = self._live()
         owners = self._owners(keys, live)
         if self.replication <= 1:
@@ -291,14 +296,14 @@ class ClusterBackend:
             def get(t: Transport, idx: list[int]) -> list[int]:
                 return t.batch_get_into([keys[i] for i in idx], [buffers[i] for i in idx])
 
-            for _, idx, sizes in self.fanout.each(live, self._replica_groups(owners), get, self._deadline()):
+            for _, idx, sizes in self.fanout.each(live, self._replica_groups(owners), get, deadline):
                 for i, n in zip(idx, sizes):
                     out[i] = n
             return out
-        return self._read_newest(keys, buffers, live, owners)
+        return self._read_newest(keys, buffers, live, owners, deadline)
 
     def _read_newest(self, keys: Sequence[bytes], buffers: Sequence[Any], live: dict[str, WorkerInfo],
-                     owners: list[list[str]]) -> list[int]:
+                     owners: list[list[str]], deadline: float) -> list[int]:
         """Two rounds under the call's one deadline. First, in parallel, each key's primary reads it into
         the caller's buffer and its other owners say which version they hold (EXISTS): one round trip
         when they agree. Then the keys whose newest version is a block held by another owner are read
@@ -306,7 +311,7 @@ class ClusterBackend:
         every block is a miss. Owners that answered with something older are repaired in the background
         (`Repairs`)."""
         n = len(keys)
-        start = time.monotonic()
+        halfway = min(deadline, time.monotonic() + self.timeout_s / 2)
         out = [-1] * n
         got = [0] * n  # the version of what lies in buffers[i] (where out[i] >= 0)
         heard: list[dict[str, tuple[bool, int]]] = [{} for _ in range(n)]  # owner -> (holds a block, version)
@@ -322,8 +327,7 @@ class ClusterBackend:
         for i, ow in enumerate(owners):
             for rank_, w in enumerate(ow):
                 groups.setdefault(w, []).append(i if rank_ == 0 else ~i)
-        for w, idx, (sizes, versions, flags, known) in self.fanout.each(live, groups, first,
-                                                                        start + self.timeout_s / 2):
+        for w, idx, (sizes, versions, flags, known) in self.fanout.each(live, groups, first, halfway):
             reads = [i for i in idx if i >= 0]
             asks = [~i for i in idx if i < 0]
             for i, size, v in zip(reads, sizes, versions):
@@ -345,7 +349,7 @@ class ClusterBackend:
         def get(t: Transport, idx: list[int]) -> tuple[list[int], list[int]]:
             return t.batch_get_versions_into([keys[i] for i in idx], [buffers[i] for i in idx])
 
-        for _, idx, (sizes, versions) in self.fanout.each(live, fetch, get, start + self.timeout_s):
+        for _, idx, (sizes, versions) in self.fanout.each(live, fetch, get, deadline):
             for i, size, v in zip(idx, sizes, versions):
                 if size >= 0 and v >= newest[i][0]:
                     out[i], got[i] = size, v
@@ -426,9 +430,52 @@ class ClusterBackend:
                                   "(one that did not answer in time may still remove them)")
         return removed, sorted(superseded)
 
-    def batch_lease(self, keys: Sequence[bytes]) -> AbstractContextManager[list[memoryview | None]]:
-        """Copies, whichever worker holds each block."""
-        return leases_by_copy(self, keys)
+    @contextmanager
+    def batch_lease(self, keys: Sequence[bytes]) -> Iterator[list[memoryview | None]]:
+        """Views of the blocks (None per miss) under the call's one deadline. With one copy of each
+        block, each owner's keys are leased from it in parallel: in place where it shares memory with
+        this process (a same-node worker: zero copy, valid inside the `with`), as copies from the others.
+        With replicas, each block is read as `batch_get_into` reads it, the newest version among its
+        owners, into a copy; what is not read by the deadline is a miss."""
+        deadline = self._deadline()
+        with ExitStack() as held:
+            if self.replication <= 1:
+                yield self._lease_from_owners(keys, held, deadline)
+            else:
+                yield self._newest_copies(keys, deadline)
+
+    def _lease_from_owners(self, keys: Sequence[bytes], held: ExitStack, deadline: float) -> list[memoryview | None]:
+        """Each owner's keys leased from it (`Transport.batch_lease`), the leases of those in place ended
+        by `held`. An owner that does not answer in time is abandoned (its connection aborted, which ends
+        its leases): its keys are misses."""
+        live = self._live()
+        out: list[memoryview | None] = [None] * len(keys)
+
+        def lease(t: Transport, idx: list[int]) -> tuple[AbstractContextManager[Any] | None, list[memoryview | None]]:
+            leasing = t.batch_lease([keys[i] for i in idx])
+            views = leasing.__enter__()
+            if isinstance(t, ShmTransport):
+                return leasing, views  # in place: ended when the caller's `with` ends
+            leasing.__exit__(None, None, None)  # copies: nothing held
+            return None, views
+
+        for _, idx, (leasing, views) in self.fanout.each(live, self._replica_groups(self._owners(keys, live)),
+                                                           lease, deadline):
+            if leasing is not None:
+                held.push(leasing.__exit__)
+            for i, v in zip(idx, views):
+                out[i] = v
+        return out
+
+    def _newest_copies(self, keys: Sequence[bytes], deadline: float) -> list[memoryview | None]:
+        """Each block's newest version among its owners (`_get_into`), one key at a time through a
+        scratch buffer of the max block (a block's size is not known before it arrives)."""
+        out: list[memoryview | None] = []
+        scratch = memoryview(bytearray(self.max_block)) if keys else memoryview(b"")
+        for key in keys:
+            n = self._get_into([key], [scratch], deadline)[0] if time.monotonic() < deadline else -1
+            out.append(None if n < 0 else memoryview(scratch[:n].tobytes()))
+        return out
 
     def clear(self, prefix: bytes | None = None) -> None:
         """Clear every live worker; PoolUnavailable naming those that did not answer (they keep their

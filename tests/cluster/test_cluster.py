@@ -100,3 +100,31 @@ def test_a_batch_with_a_block_over_the_max_stores_none_of_it_on_any_worker(nats,
         assert big.value.key == b"t5" and big.value.limit == 3 << 20
         assert c.batch_exists(keys) == [False] * 8
         assert sum(s.cache.dram_blocks for s in c.stats().workers.values() if s.cache is not None) == 0
+
+
+def _address(view) -> int:
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data
+
+
+def test_a_cluster_lease_is_in_place_on_the_same_node_and_a_copy_from_others(nats, spawn):
+    """R=1: a key whose owner is on this node is leased in place (zero copy, in that worker's arena), the
+    others copied; the leases end with the `with`."""
+    spawn(nats_url=nats.url, node_id="here")
+    spawn(nats_url=nats.url, node_id="there")
+    with PoolClient(mode="cluster", nats_url=nats.url, node_id="here", timeout_s=3) as c:
+        _wait_members(c, 2)
+        members = c.members()
+        keys = [f"z{i}" for i in range(16)]
+        c.batch_put(keys, [_block(i) for i in range(16)])
+        owners = [rank(k.encode(), list(members))[0] for k in keys]
+        assert {members[w].node_id for w in owners} == {"here", "there"}
+        with c.batch_lease(keys + ["absent"]) as views:
+            assert [None if v is None else bytes(v) for v in views] == [_block(i) for i in range(16)] + [None]
+            arenas = {w: t.arena for w, t in c.backend.fanout.connected().items() if members[w].node_id == "here"}
+            for view, w in zip(views, owners):
+                inside = [a for a in arenas.values() if _address(a) <= _address(view) < _address(a) + len(a)]
+                assert bool(inside) == (members[w].node_id == "here")
+            held = {w: s.cache.dram_leases for w, s in c.stats().workers.items() if s.cache is not None}
+            assert held == {w: owners.count(w) if members[w].node_id == "here" else 0 for w in members}
+        leases = {w: s.cache.dram_leases for w, s in c.stats().workers.items() if s.cache is not None}
+        assert leases == dict.fromkeys(members, 0)

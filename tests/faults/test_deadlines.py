@@ -29,11 +29,16 @@ def test_hung_owners_cost_one_deadline_not_one_each(nats, spawn) -> None:
         for w in workers[1:]:
             freeze(w.proc.pid)
         try:
-            for call in ("get", "exists", "stats"):
+            for call in ("get", "lease", "exists", "stats"):
                 t0 = time.monotonic()
                 if call == "get":
                     sizes = c.batch_get_into(keys, [bytearray(4096) for _ in keys])
                     assert [k for k, n in zip(keys, sizes) if n > 0] == [k for k in keys if owner[k] == alive]
+                elif call == "lease":
+                    c.backend.fanout._suspect.clear()  # type: ignore[attr-defined]
+                    with c.batch_lease(keys) as views:
+                        hits = [k for k, v in zip(keys, views) if v is not None]
+                    assert hits == [k for k in keys if owner[k] == alive]
                 elif call == "exists":
                     c.backend.fanout._suspect.clear()  # type: ignore[attr-defined]  # ask the hung workers again, as after their 2 s
                     assert c.batch_exists(keys) == [owner[k] == alive for k in keys]
