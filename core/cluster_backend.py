@@ -25,7 +25,7 @@ from .connection import DEFAULT_MAX_BLOCK, refuse_too_large
 from .errors import KVPoolError, PoolUnavailable
 from .fanout import FanOut, Transport
 from .nats_creds import redacted_url
-from .pool_backend import MembersPredicate
+from .pool_backend import MembersPredicate, copies
 from .records import PoolStats, WorkerInfo, WorkerStats
 from .transport import ShmTransport
 from .versions import CLOCK, REMOVED, SUPERSEDED
@@ -468,14 +468,11 @@ class ClusterBackend:
         return out
 
     def _newest_copies(self, keys: Sequence[bytes], deadline: float) -> list[memoryview | None]:
-        """Each block's newest version among its owners (`_get_into`), one key at a time through a
-        scratch buffer of the max block (a block's size is not known before it arrives)."""
-        out: list[memoryview | None] = []
-        scratch = memoryview(bytearray(self.max_block)) if keys else memoryview(b"")
-        for key in keys:
-            n = self._get_into([key], [scratch], deadline)[0] if time.monotonic() < deadline else -1
-            out.append(None if n < 0 else memoryview(scratch[:n].tobytes()))
-        return out
+        """A copy of each block's newest version among its owners (`_get_into`, `copies`); a key not
+        reached by `deadline` is a miss."""
+        def get_into(one: Sequence[bytes], into: Sequence[Any]) -> list[int]:
+            return self._get_into(one, into, deadline) if time.monotonic() < deadline else [-1]
+        return copies(keys, self.max_block, get_into)
 
     def clear(self, prefix: bytes | None = None) -> None:
         """Clear every live worker; PoolUnavailable naming those that did not answer (they keep their

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from .records import PoolStats, WorkerInfo
 
-__all__ = ["MembersPredicate", "PoolBackend", "leases_by_copy"]
+__all__ = ["MembersPredicate", "PoolBackend", "leases_by_copy", "copies"]
 
 MembersPredicate = Callable[[dict[str, WorkerInfo]], bool]
 
@@ -65,12 +65,17 @@ class PoolBackend(Protocol):
 
 @contextmanager
 def leases_by_copy(backend: PoolBackend, keys: Sequence[bytes]) -> Iterator[list[memoryview | None]]:
-    """`batch_lease` for a backend that shares no memory with this process: each block is received
-    into one scratch buffer of `max_block` bytes (its size is not known before it arrives), then
-    copied out at its own size."""
+    """`batch_lease` for a backend that shares no memory with this process (`copies`)."""
+    yield copies(keys, backend.max_block, backend.batch_get_into)
+
+
+def copies(keys: Sequence[bytes], max_block: int,
+           get_into: Callable[[Sequence[bytes], Sequence[Any]], list[int]]) -> list[memoryview | None]:
+    """A copy of each block (None per miss), received by `get_into` one at a time into one scratch buffer
+    of `max_block` bytes (its size is not known before it arrives), then copied out at its own size."""
     out: list[memoryview | None] = []
-    scratch = memoryview(bytearray(backend.max_block)) if keys else memoryview(b"")
+    scratch = memoryview(bytearray(max_block)) if keys else memoryview(b"")
     for key in keys:
-        n = backend.batch_get_into([key], [scratch])[0]
+        n = get_into([key], [scratch])[0]
         out.append(None if n < 0 else memoryview(scratch[:n].tobytes()))
-    yield out
+    return out
