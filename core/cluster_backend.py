@@ -241,9 +241,12 @@ class ClusterBackend:
         """BlockTooLarge, before any block is sent, for the first block larger than one of its owners takes
         (`refuse_too_large`): a batch with one stores none, on no worker."""
         limit = {w: info.max_block or DEFAULT_MAX_BLOCK for w, info in live.items()}
-        for key, buf, owners in zip(keys, buffers, ranked):
-            cap = min(limit[w] for w in owners[:self.replication])
-            refuse_too_large([key], [byte_size(buf)], cap)
+        sizes = [byte_size(b) for b in buffers]
+        if len(set(limit.values())) == 1:  # one max block across the cluster (the usual case): one check
+            refuse_too_large(keys, sizes, next(iter(limit.values())))
+            return
+        for key, size, owners in zip(keys, sizes, ranked):
+            refuse_too_large([key], [size], min(limit[w] for w in owners[:self.replication]))
 
     def _put_as_of(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
                    buffers: Sequence[Any], pin_s: float, versions: list[int]) -> list[int]:

@@ -128,3 +128,26 @@ def test_a_cluster_lease_is_in_place_on_the_same_node_and_a_copy_from_others(nat
             assert held == {w: owners.count(w) if members[w].node_id == "here" else 0 for w in members}
         leases = {w: s.cache.dram_leases for w, s in c.stats().workers.items() if s.cache is not None}
         assert leases == dict.fromkeys(members, 0)
+
+
+def test_with_workers_of_two_max_blocks_each_block_is_held_to_its_owners(nats, spawn):
+    """Workers with 3 and 4 MiB slabs: a 3.5 MiB block is taken where its owner is the larger one, and a
+    batch with one owned by the smaller is refused whole, before anything is sent."""
+    for i, slab in enumerate((3 << 20, 4 << 20)):
+        spawn(nats_url=nats.url, node_id=f"node{i}", env={"KVPOOL_DRAM_SLAB_SIZE": str(slab)})
+    with PoolClient(mode="cluster", nats_url=nats.url, node_id="client-node", timeout_s=3) as c:
+        _wait_members(c, 2)
+        members = c.members()
+        cap = {w: info.max_block for w, info in members.items()}
+        assert sorted(cap.values()) == [3 << 20, 4 << 20]
+        keys = [f"h{i}" for i in range(40)]
+        owner = {k: rank(k.encode(), list(members))[0] for k in keys}
+        big = bytes((3 << 20) + (1 << 19))
+        fits = next(k for k in keys if cap[owner[k]] == 4 << 20)
+        refused = next(k for k in keys if cap[owner[k]] == 3 << 20)
+        c.batch_put([fits, "small"], [big, b"s"])
+        assert c.get(fits) == big
+        with pytest.raises(BlockTooLarge) as e:
+            c.batch_put(["other", refused], [b"o", big])
+        assert e.value.key == refused.encode() and e.value.limit == 3 << 20
+        assert c.batch_exists(["other", refused]) == [False, False]
