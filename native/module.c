@@ -59,13 +59,21 @@ static void copy_any(char *dst, const char *src, size_t n) {
         copy_fn(dst, src, n);
 }
 
+/* dst[0:n] = src[0:n], whether or not they overlap; the XXH3-64 of the bytes written. */
+static uint64_t copy_hash_any(char *dst, const char *src, size_t n) {
+    if (!overlaps(dst, src, n))
+        return copy_hash_fn(dst, src, n);
+    memmove(dst, src, n);
+    return hash_fn(dst, n);
+}
+
 /* Whether the slot of b bytes at offset a lies within a buffer of len bytes. */
 static int slot_inside(int64_t a, int64_t b, Py_ssize_t len) {
     return a >= 0 && b >= 0 && a <= len && b <= len - a;
 }
 
 /* Parses (dst, src); -1 with an exception set (and nothing held) if they are not a writable and a
- * readable buffer of the same length, 1 if they overlap, else 0. */
+ * readable buffer of the same length, else 0. */
 static int pair(PyObject *args, const char *fmt, Py_buffer *dst, Py_buffer *src) {
     if (!PyArg_ParseTuple(args, fmt, dst, src))
         return -1;
@@ -75,21 +83,14 @@ static int pair(PyObject *args, const char *fmt, Py_buffer *dst, Py_buffer *src)
         PyBuffer_Release(src);
         return -1;
     }
-    return overlaps(dst->buf, src->buf, (size_t)src->len);
+    return 0;
 }
 
 static PyObject *py_copy_hash(PyObject *self, PyObject *args) {
     Py_buffer dst, src;
-    int overlap = pair(args, "w*y*:copy_hash", &dst, &src);
-    if (overlap < 0)
+    if (pair(args, "w*y*:copy_hash", &dst, &src) < 0)
         return NULL;
-    uint64_t h;
-    if (overlap) {
-        memmove(dst.buf, src.buf, (size_t)src.len);
-        h = hash_fn((const char *)dst.buf, (size_t)src.len);
-    } else {
-        h = copy_hash_fn((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
-    }
+    uint64_t h = copy_hash_any((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     return PyLong_FromUnsignedLongLong(h);
@@ -215,14 +216,7 @@ static PyObject *py_copy_into(PyObject *self, PyObject *args) {
             err = "a slot outside the destination";
             break;
         }
-        char *d = (char *)dst.buf + a;
-        uint64_t h;
-        if (overlaps(d, s.buf, (size_t)s.len)) {
-            memmove(d, s.buf, (size_t)s.len);
-            h = hash_fn(d, (size_t)s.len);
-        } else {
-            h = copy_hash_fn(d, (const char *)s.buf, (size_t)s.len);
-        }
+        uint64_t h = copy_hash_any((char *)dst.buf + a, (const char *)s.buf, (size_t)s.len);
         memcpy((char *)out.buf + 8 * i, &h, 8);
         PyBuffer_Release(&s);
     }

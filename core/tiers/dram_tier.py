@@ -156,15 +156,8 @@ class DramTier:
         """`drop` of each block, all indexed, whose key is about to get a new block (`insert_many`): the
         index entries are overwritten then, the rest happens here."""
         self.order.discard_many([b.key for b in replaced])
-        free = self.arena.free
         for b in replaced:
-            b.live = False
-            if b.expires:
-                self.timed -= 1
-            if b.leases == 0:
-                free(b.offset)
-            else:
-                self._unlinked.add(b)
+            self._let_go(b)
 
     def drop(self, key: bytes) -> DramBlock | None:
         """Unlink the block of `key` (None if there is none); its slot is freed now, or when its last
@@ -173,6 +166,12 @@ class DramTier:
         if b is None:
             return None
         self.order.discard(key)
+        self._let_go(b)
+        return b
+
+    def _let_go(self, b: DramBlock) -> None:
+        """A block just taken out of the index: no longer live, its slot freed now, or at its last
+        lease's end."""
         b.live = False
         if b.expires:
             self.timed -= 1
@@ -180,7 +179,6 @@ class DramTier:
             self.arena.free(b.offset)
         else:
             self._unlinked.add(b)
-        return b
 
     def lease(self, b: DramBlock) -> None:
         """One more lease of `b`: it is neither evicted nor freed until `release`."""
