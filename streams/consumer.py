@@ -36,6 +36,8 @@ Start = str | int | datetime.datetime
 time (timezone-aware datetime). A group that already exists keeps its position."""
 
 MAX_DELIVER = 5
+LIMITS_S = 0.5
+"""How long a consumer goes on with the pool's max block it last asked for."""
 """Default deliveries of one message to one consumer (or group) before it is dead-lettered."""
 _REASON_CHARS = 300
 
@@ -72,13 +74,18 @@ class Checks:
         self.stream, self.pool, self.max_deliver = stream, pool, max_deliver
         self.limits, self.key = limits or env.Limits(), secret_from(secret)
         self.counts = {"invalid": 0, "forged": 0, "dead": 0}
+        self._current: tuple[float, env.Limits] | None = None  # (when asked, the limits then)
 
     def current_limits(self) -> env.Limits:
-        """The limits, with max_block no larger than the pool's (asked each time: members come and go)."""
+        """The limits, with max_block no larger than the pool's (asked again after `LIMITS_S`: members come
+        and go; asking at every message cost a handoff's receiver ~25 us a layer here)."""
         if self.pool is None:
             return self.limits
-        return env.Limits(min(self.limits.max_block, self.pool.max_block), self.limits.max_keys,
-                          self.limits.max_bytes, self.limits.max_layer)
+        now = time.monotonic()
+        if self._current is None or now - self._current[0] >= LIMITS_S:
+            self._current = now, env.Limits(min(self.limits.max_block, self.pool.max_block), self.limits.max_keys,
+                                            self.limits.max_bytes, self.limits.max_layer)
+        return self._current[1]
 
     def exhausted(self, raw: Any) -> str | None:
         """Why `raw` goes to the dead-letter subject instead of the caller, or None."""

@@ -96,7 +96,8 @@ class Producer:
 
         `tensors`: one buffer (bytes-like, numpy, torch) per key. Returns once the blocks are in the pool's
         memory and the announcement is sent, without waiting for JetStream to acknowledge it (nor, on this
-        node, for the worker to commit them: their commit goes just after the announcement), so that the
+        node, for the worker to commit them: their commit goes after the announcement, with those of the next
+        layers while they come fast: `kvpool.core.shm_stage`), so that the
         next layer's put overlaps this one's publish; `end_request` waits for both. An
         announcement the stream refused (e.g. StreamFull) raises from the next call. A call that raises
         announced nothing: the layer may be published again (e.g. once NATS is back)."""

@@ -1,11 +1,14 @@
 """Staged same-node puts (`kvpool.core.shm_stage`): they land where they say, the next put's slots are
 kept for a put of the same shape and given back otherwise and at close, a held put is committed (pinned)
-once sent and not before, a block whose bytes disagree with its checksum is a miss at its first read
-through the worker (same node or TCP), a commit the worker refuses raises from a later put or settle
-(and the stager goes on), no room is a CapacityError with nothing held, and `Stagers` stages only what a
-same-node worker alone holds."""
+once sent and not before, the commits of fast puts go together (sent by the stager's own thread when its
+producer does not come back, and at once after a pause), a block whose bytes disagree with its checksum
+is a miss at its first read through the worker (same node or TCP), a commit the worker refuses raises
+from a later put or settle (and the stager goes on), no room is a CapacityError with nothing held, and
+`Stagers` stages only what a same-node worker alone holds."""
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -15,7 +18,7 @@ import pytest
 from kvpool.core import PoolClient, shm_stage
 from kvpool.core import protocol as P
 from kvpool.core.blocks import checksum
-from kvpool.core.errors import CapacityError, CorruptBlock
+from kvpool.core.errors import CapacityError, CorruptBlock, PoolUnavailable
 from kvpool.core.fastcopy import copy_into
 from kvpool.core.server import Worker
 from kvpool.core.shm_stage import LOOKAHEAD, Stager, Stagers
@@ -45,6 +48,10 @@ def _lying_about(block: np.ndarray) -> Callable[[memoryview, np.ndarray, list[me
         lies = np.array([bytes(memoryview(s).cast("B")[:64]) == head for s in srcs], dtype="<u8")
         return copy_into(dst, offsets, srcs) ^ lies
     return copy_lying
+
+
+def _requests(worker: Worker, op: str) -> int:
+    return int(worker.metrics.registry.get_sample_value("kvpool_ops_total", {"op": op}) or 0)
 
 
 def _wait_for(done: Callable[[], bool]) -> None:
@@ -190,3 +197,73 @@ def test_stagers_stage_only_a_same_node_workers_blocks_that_fit(worker: Worker) 
         finally:
             stagers.close()
         assert Stagers(embedded).for_keys([b"k"], [MiB]) is None
+
+
+def test_fast_puts_commit_together_and_the_stager_sends_them_if_its_producer_does_not(
+        worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm_stage, "HOLD_S", 0.3)  # (so that the puts below surely come within it)
+    stager, reader = _stager(worker), ShmTransport(worker.unix_path)
+    blocks = [_blocks(10 + i, 64 << 10) for i in range(5)]
+    keys = [[f"fast{i}".encode()] for i in range(5)]
+    try:
+        assert stager.fits([64 << 10])  # room for shm_stage.HOLD_PUTS of them held
+        before = _requests(worker, "commit_unchecked")
+        placed = [stager.put(k, [memoryview(b[0])], pin_s=60) for k, b in zip(keys, blocks)]
+        assert _requests(worker, "commit_unchecked") - before <= 1  # the first, after a pause: at once
+        for ((place,), _), block in zip(placed, blocks):  # each in its place (a reader on this node copies it)
+            assert bytes(reader.arena[place.offset:place.offset + place.size]) == block[0].tobytes()
+        assert not _stored(reader, keys[-1], blocks[-1])  # ... but not committed yet
+        held_at = time.monotonic()
+        _wait_for(lambda: _stored(reader, sum(keys, []), sum(blocks, [])))  # no call of the producer's
+        assert time.monotonic() - held_at >= 0.1  # (held, then sent by the stager's thread)
+        _wait_for(lambda: _requests(worker, "commit_unchecked") - before >= 2)  # (counted after the answer)
+        assert _requests(worker, "commit_unchecked") - before == 2  # the first; the other four together
+        assert worker.cache.stats().pins == 5
+    finally:
+        stager.close()
+    assert not [t for t in threading.enumerate() if t.name == "kvpool-stage-flush"]  # its thread ended
+    _wait_for(lambda: _reserved(worker) == 0)
+    assert worker.cache.check() == []
+    reader.close()
+
+
+def test_a_put_after_a_pause_is_committed_at_once(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm_stage, "HOLD_S", 0.002)
+    stager, reader = _stager(worker), ShmTransport(worker.unix_path)
+    try:
+        assert stager.fits([64 << 10])
+        before = _requests(worker, "commit_unchecked")
+        for i in range(3):
+            time.sleep(0.02)  # a producer slower than HOLD_S
+            stager.put([f"slow{i}".encode()], [memoryview(_blocks(20 + i, 64 << 10)[0])])
+        stager.settle()
+        _wait_for(lambda: _requests(worker, "commit_unchecked") - before >= 3)  # (counted after the answer)
+        assert _requests(worker, "commit_unchecked") - before == 3
+    finally:
+        stager.close()
+        reader.close()
+
+
+def test_commits_held_when_the_connection_breaks_fail_the_next_call(
+        worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm_stage, "HOLD_S", 0.05)
+    stager, reader = _stager(worker), ShmTransport(worker.unix_path)
+    try:
+        assert stager.fits([64 << 10])
+        for i in range(3):
+            stager.put([f"lost{i}".encode()], [memoryview(_blocks(30 + i, 64 << 10)[0])])
+        for conn in list(worker._conns):  # the worker drops the stager's connection (and reader's)
+            socket.socket.shutdown(conn.sock, socket.SHUT_RDWR)
+        time.sleep(0.2)  # the stager's thread tries to send the held commits, and finds it closed
+        with pytest.raises(PoolUnavailable):
+            stager.settle()
+        assert not worker.metrics.registry.get_sample_value("kvpool_protocol_errors_total")  # nothing stale sent
+        later = _blocks(40, 64 << 10)
+        stager.put([b"later"], [memoryview(later[0])])  # and it goes on, on a new connection
+        stager.settle()
+        assert _stored(reader, [b"later"], later)
+    finally:
+        stager.close()
+        reader.close()
+    _wait_for(lambda: _reserved(worker) == 0)
+    assert worker.cache.check() == []
