@@ -5,11 +5,10 @@ Signatures (`sign`/`verify`): with a secret configured (`secret=` or KVPOOL_STRE
 signs every message over its subject, its `Kvpool-*` headers and its body; consumers and handoff
 receivers with the secret drop messages that are unsigned or badly signed. Other headers are not signed.
 
-The chain (`Sealer`/`ChainCheck`), always on: message n of a request reveals a secret (derived from a
-random seed its producer never sends) whose SHA-256 the message before it committed to, so nobody who
-merely reads the stream can publish the next message of a request before its producer does (the stream
-keeps publish order); message 0 carries the request's random nonce. Without a stream secret, message 0
-itself is not authenticated.
+The chain (`Sealer`/`ChainCheck`), always on: message n of a request reveals a random secret whose
+SHA-256 the message before it committed to, so nobody who merely reads the stream can publish the next
+message of a request before its producer does (the stream keeps publish order); message 0 carries the
+request's random nonce. Without a stream secret, message 0 itself is not authenticated.
 """
 from __future__ import annotations
 
@@ -66,30 +65,26 @@ def _h(secret: bytes) -> str:
 
 
 class Sealer:
-    """A producer's chain for one request: `next()` is the seal of its next message. Message n's secret
-    is the SHA-256 of a random seed of the request's (never sent) and n: as unpredictable as fresh
-    random bytes to whoever has not the seed, without a system call per message (here `os.urandom`
-    took ~15 us)."""
+    """A producer's chain for one request: `next()` is the seal of its next message."""
 
     def __init__(self) -> None:
         self.nonce, self.n = secrets.token_hex(16), 0
-        self._seed = secrets.token_bytes(32)
-        self._before = 0
+        self._next = secrets.token_bytes(32)
+        self._revealed = b""
+        self._before = (self._next, self._revealed, self.n)
         self.layers = 0
 
-    def _secret(self, n: int) -> bytes:
-        return hashlib.sha256(self._seed + n.to_bytes(8, "little")).digest()
-
     def next(self, last: bool = False) -> Seal:
-        n = self._before = self.n
-        revealed = self._secret(n - 1).hex() if n else ""
-        seal = Seal(self.nonce, n, revealed, "" if last else _h(self._secret(n)))
+        self._before = (self._next, self._revealed, self.n)
+        now, self._next = self._next, secrets.token_bytes(32)
+        seal = Seal(self.nonce, self.n, self._revealed.hex(), "" if last else _h(now))
+        self._revealed = now
         self.n += 1
         return seal
 
     def take_back(self) -> None:
         """Undo the last `next()`: its message was never sent, and the next one takes its place."""
-        self.n = self._before
+        self._next, self._revealed, self.n = self._before
 
 
 class ChainCheck:
