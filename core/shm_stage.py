@@ -37,6 +37,7 @@ half a second).
 """
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -59,6 +60,8 @@ from .transport import ShmTransport
 from .versions import CLOCK
 
 __all__ = ["Stager", "Stagers", "LOOKAHEAD", "HOLD_PUTS", "HOLD_S"]
+
+log = logging.getLogger("kvpool.client")
 
 LOOKAHEAD = 2
 """Puts whose slots a stager keeps asked for ahead, at least: the worker commits one put while the producer
@@ -135,7 +138,8 @@ class Stager:
                         csums[part] = copy_into(arena, offsets[part], views[part])
                 held = self._held
                 held.add(now, keys, offsets, sizes, csums, versions, pin_s)
-                asked = sum(len(s) // len(keys) for op, _, s in self._owed if op == P.Op.ALLOC)
+                held.generation = t.generation
+                asked = sum(len(s) // max(len(keys), 1) for op, _, s in self._owed if op == P.Op.ALLOC)
                 ahead = len(self._spares) + asked
                 if held.alloc is None and ahead < max(self._batch, LOOKAHEAD):  # the next puts' slots
                     held.alloc = (keys, sizes, max(self._batch, LOOKAHEAD - ahead))
@@ -190,8 +194,8 @@ class Stager:
             if left > 0:  # held since the flusher was armed for earlier ones, sent meanwhile
                 self._flush_by(held.since + HOLD_S)
                 return
-            try:
-                with self.transport.held() as (sock, _, _):
+            try:  # on the connection the slots were reserved on, or none
+                with self.transport.held(held.generation) as (sock, _, _):
                     self._send_held(sock)
             except PoolUnavailable as e:  # (closed): as `_forget`, and the producer's next call raises it
                 self._failed = self._failed or e
@@ -304,6 +308,7 @@ class _Held:
         self.since = 0.0  # when the first was put (time.monotonic)
         self.due = False  # whether they go at the producer's next `send_held` (else by `since + HOLD_S`)
         self.alloc: tuple[list[bytes], np.ndarray, int] | None = None  # (keys, sizes, puts) to ask slots for
+        self.generation = 0  # the connection's (`Connection.generation`) the slots were reserved on
         self._keys: list[bytes] = []
         self._columns: list[tuple[np.ndarray, ...]] = []  # (offsets, sizes, checksums, versions) of each put
         self._pins: list[np.ndarray] = []  # seconds, per key (0: not pinned)
@@ -368,8 +373,8 @@ class _Flusher:
                 self._cond.release()
                 try:
                     self._flush()
-                except Exception:  # (the producer's next call meets whatever went wrong)
-                    pass
+                except Exception:  # a bug: the thread stays for the next held commits
+                    log.exception("sending held commits failed")
                 finally:
                     self._cond.acquire()
 

@@ -179,10 +179,11 @@ class ShmTransport(Connection):
             return self._mapped(writable=True)[0]
 
     @contextmanager
-    def held(self) -> Iterator[tuple[socket.socket, memoryview, ArenaPages]]:
+    def held(self, generation: int | None = None) -> Iterator[tuple[socket.socket, memoryview, ArenaPages]]:
         """The connection, the arena mapped read-write and its pages, held for a run of requests of
-        the caller's own (`kvpool.core.shm_stage.Stager`); failures as any exchange's."""
-        with self._session() as sock:
+        the caller's own (`kvpool.core.shm_stage.Stager`); failures as any exchange's. `generation`:
+        only that connection (`_session`)."""
+        with self._session(generation) as sock:
             yield sock, *self._mapped(writable=True)
 
     @contextmanager
