@@ -69,8 +69,9 @@ copies the next, and the producer never waits for the worker's answer to the put
 ahead, the answer it waited for took the worker's whole turn: 358 -> 281 us per 1 MiB put here)."""
 HOLD_PUTS = 8
 """Most puts whose commits a stager sends in one request (and whose slots it asks for in one ALLOC).
-Same-node handoff of 32 x 1 MiB layers here, best request of ~200 (1, 2, 4, 8, 16 puts):
-17.4, 17.4, 15.3, 14.5, 13.7 ms; the worker's CPU per layer 180, 150, 105, 95, 75 us."""
+A same-node handoff of 32 x 1 MiB layers here, best request of ~200, commits held without a time
+bound, 2, 4, 8 and 16 at a time: 17.4, 15.2, 14.4, 13.7 ms (16.6-17.9 one at a time); the worker's CPU
+per layer 150, 105, 95, 71 us (180-215). docs/BENCHMARKS.md, run AH."""
 HOLD_S = 0.002
 """Longest a held commit waits for the puts after it; a put coming later than this after the one
 before it is committed at once (the first layer of a request, a producer slower than this)."""
