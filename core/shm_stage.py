@@ -38,9 +38,11 @@ half a second).
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -72,6 +74,10 @@ HOLD_PUTS = 8
 A same-node handoff of 32 x 1 MiB layers here, best request of ~200, commits held without a time
 bound, 2, 4, 8 and 16 at a time: 17.4, 15.2, 14.4, 13.7 ms (16.6-17.9 one at a time); the worker's CPU
 per layer 150, 105, 95, 71 us (180-215). docs/BENCHMARKS.md, run AH."""
+BATCH_KEYS = 4096
+"""Most keys whose commits (or slots) one request of a stager's carries, unless one put has more: the
+worker's answers that the stager has not read yet (an ALLOC's: 8 bytes a key) must fit in the socket's
+buffer while the stager sends its next request, or both wait on each other until the timeout."""
 HOLD_S = 0.002
 """Longest a held commit waits for the puts after it; a put coming later than this after the one
 before it is committed at once (the first layer of a request, a producer slower than this)."""
@@ -96,6 +102,9 @@ class Stager:
         self._last_put = 0.0  # (time.monotonic)
         self._lock = threading.Lock()  # the producer's calls against the flusher's
         self._flusher: _Flusher | None = None  # made at the first commit held past its put
+        self._lost: PoolUnavailable | None = None
+        """The flusher's failure to send (the connection gone): raised by the next put or settle, unless
+        the producer's own call met the loss first (`_forget`)."""
 
     def fits(self, sizes: Sequence[int]) -> bool:
         """Whether a put of blocks of `sizes` can go this way: one frame, and with the spare slots
@@ -111,8 +120,10 @@ class Stager:
         fit = bool(sizes) and len(P.frames(len(sizes), sizes, budget)) == 1 and total <= budget \
             and max(sizes) <= info.max_block
         if fit:
-            # held (batch), asked for ahead (up to 2 x batch - 1) and the put under way: within the reserve
-            self._fitted, self._batch = shape, max(1, min(HOLD_PUTS, reserve // (3 * max(total, 1))))
+            # held (batch), asked for ahead (up to 2 x batch - 1) and the put under way: within the reserve;
+            # and a batch's requests within the protocol's limits (`_puts_per_request`)
+            self._fitted, self._batch = shape, max(1, min(HOLD_PUTS, reserve // (3 * max(total, 1)),
+                                                          BATCH_KEYS // len(sizes)))
         return fit
 
     def put(self, keys: list[bytes], views: Sequence[memoryview], pin_s: float = 0.0, *,
@@ -122,6 +133,8 @@ class Stager:
         doc). `hold`: the COMMIT waits for `send_held` (or this stager's next call): a producer announces
         the blocks first, and the worker's commit does not delay the announcement (a reader on this node
         copies them from their places, checked against their checksums, before or after the commit)."""
+        if not keys:
+            return [], []
         sizes = np.array([v.nbytes for v in views], dtype="<i8")
         versions = CLOCK.batch_array(len(keys))
         t = self.transport
@@ -129,8 +142,11 @@ class Stager:
         paused, self._last_put = now - self._last_put > HOLD_S, now
         try:
             with self._lock, t.held() as (sock, arena, pages):
-                if self._held.due or (self._held.puts and now - self._held.since >= HOLD_S):
-                    self._send_held(sock)  # (a put made with `hold`, then no `send_held`; a late flusher)
+                _still_open(sock)
+                limit = min(self._batch, _puts_per_request(keys))
+                if self._held.due or (self._held.puts and (now - self._held.since >= HOLD_S
+                                                           or not self._held.has_room(keys))):
+                    self._send_held(sock)  # (a put made with `hold`, then no `send_held`; a late flusher; full)
                 offsets = self._slots(sock, keys, sizes)
                 pages.ready(offsets, sizes)
                 csums = np.empty(len(views), dtype="<u8")
@@ -142,10 +158,10 @@ class Stager:
                 held.generation = t.generation
                 asked = sum(len(s) // max(len(keys), 1) for op, _, s in self._owed if op == P.Op.ALLOC)
                 ahead = len(self._spares) + asked
-                if held.alloc is None and ahead < max(self._batch, LOOKAHEAD):  # the next puts' slots
-                    held.alloc = (keys, sizes, max(self._batch, LOOKAHEAD - ahead))
+                if held.alloc is None and ahead < max(limit, LOOKAHEAD):  # the next puts' slots
+                    held.alloc = (keys, sizes, max(limit, min(LOOKAHEAD - ahead, _puts_per_request(keys))))
                 # go now unless more puts are coming soon and the next one has slots without these
-                held.due = paused or held.puts >= self._batch or not (self._spares or asked)
+                held.due = paused or held.puts >= limit or not (self._spares or asked)
                 if held.due and not hold:
                     self._send_held(sock)
             if held.puts and not held.due:
@@ -181,7 +197,8 @@ class Stager:
     def _flush_by(self, when: float) -> None:
         """Have the flusher send the held commits at `when` (time.monotonic), unless sent before."""
         if self._flusher is None:
-            self._flusher = _Flusher(self._flush_late)
+            self._flusher = _Flusher(weakref.WeakMethod(self._flush_late))
+            weakref.finalize(self, self._flusher.stop, False)  # a stager dropped unclosed takes it along
         self._flusher.arm(when)
 
     def _flush_late(self) -> None:
@@ -199,7 +216,7 @@ class Stager:
                 with self.transport.held(held.generation) as (sock, _, _):
                     self._send_held(sock)
             except PoolUnavailable as e:  # (closed): as `_forget`, and the producer's next call raises it
-                self._failed = self._failed or e
+                self._lost = e
                 self._owed.clear()
                 self._held = _Held()
                 self._spares.clear()
@@ -244,7 +261,7 @@ class Stager:
                     except KVPoolError as e:  # kept for the caller's next put or settle
                         self._failed = e
             elif (got >= 0).all():
-                puts = len(sizes) // len(keys)  # (an ALLOC asks for `puts` puts' slots)
+                puts = len(sizes) // len(keys)  # (an ALLOC asks for that many puts' slots; a put has keys)
                 shape = tuple(sizes[:len(keys)].tolist())
                 self._spares.extend((shape, offsets) for offsets in np.split(got.copy(), puts))
             elif (held := got[got >= 0]).size:  # no room for all: what was granted goes back
@@ -256,42 +273,47 @@ class Stager:
             self._spares.clear()
 
     def _raise_failed(self) -> None:
-        failed, self._failed = self._failed, None
+        failed, self._failed = self._failed or self._lost, None
+        self._lost = None
         if failed is not None:
             raise failed
 
     def _forget(self) -> None:
-        """The connection is closed: nothing is owed on it and its slots went back with it."""
+        """The connection is closed: nothing is owed on it and its slots went back with it (the caller
+        raises that; a loss the flusher met too is not raised again)."""
         with self._lock:
             self._owed.clear()
             self._held = _Held()
             self._spares.clear()
+            self._lost = None
         self.transport.close()
 
     def settle(self) -> None:
         """Send what is held and wait until the worker answered every put; raise the first failure."""
-        if self._owed or self._held.puts:
-            try:
-                with self._lock, self.transport.held() as (sock, _, _):
-                    self._send_held(sock)
-                    self._answers(sock)
-            except PoolUnavailable:
-                self._forget()
-                raise
-        self._raise_failed()
+        try:
+            with self._lock:  # (the flusher may be moving held commits to `_owed`)
+                if self._owed or self._held.puts:
+                    with self.transport.held() as (sock, _, _):
+                        self._send_held(sock)
+                        self._answers(sock)
+                self._raise_failed()
+        except PoolUnavailable:
+            self._forget()
+            raise
 
     def close(self) -> None:
-        """Send a held put's COMMIT, give the spare slots back and close the connection (puts still
-        unanswered are not waited for)."""
+        """Send the held commits, wait for the worker's answers (within the connection's timeout: a
+        worker that finds the connection closed while it still answers drops the requests after), give
+        the spare slots back and close the connection. Failures are not raised."""
         if self._flusher is not None:
             self._flusher.stop()  # (before the lock: its last turn may be waiting for it)
         try:
             with self._lock:
-                if self._held.puts or (self._spares and not self._owed):
+                if self._held.puts or self._owed or self._spares:
                     with self.transport.held() as (sock, _, _):
                         self._send_held(sock)
-                        if not self._owed:
-                            self._give_back(sock)
+                        self._answers(sock)
+                        self._give_back(sock)
         except PoolUnavailable:
             pass  # gone already: the worker freed them with the connection
         finally:
@@ -301,11 +323,35 @@ class Stager:
             self.transport.close()
 
 
+def _still_open(sock: socket.socket) -> None:
+    """ConnectionError if the worker closed the connection (it then gave this connection's slots to other
+    writers: no put may copy into a spare one). Seen only where no answer is left unread before the close."""
+    poller = select.poll()  # (the socket has a timeout: a receive would wait for a byte first)
+    poller.register(sock, select.POLLIN)
+    if poller.poll(0) and sock.recv(1, socket.MSG_PEEK) == b"":
+        raise ConnectionError("the worker closed the connection")
+
+
+def _meta_bytes(keys: list[bytes]) -> int:
+    """What `keys` add to a COMMIT's metadata (the most of any request a put makes: 34 bytes a key
+    besides the key)."""
+    return sum(map(len, keys)) + 34 * len(keys)
+
+
+def _puts_per_request(keys: list[bytes]) -> int:
+    """Puts of `keys`' shape whose commits (or slots) one request may carry: `BATCH_KEYS`, within the
+    protocol's limit on metadata."""
+    if not keys:
+        return 1
+    return max(1, min(BATCH_KEYS // len(keys), (P.MAX_META - 4) // _meta_bytes(keys)))
+
+
 class _Held:
     """The puts a stager has copied in and not sent the commits of yet, and the ALLOC to send with them."""
 
     def __init__(self) -> None:
         self.puts = 0
+        self._count = self._meta = 0  # keys, and their metadata bytes, of all the puts
         self.since = 0.0  # when the first was put (time.monotonic)
         self.due = False  # whether they go at the producer's next `send_held` (else by `since + HOLD_S`)
         self.alloc: tuple[list[bytes], np.ndarray, int] | None = None  # (keys, sizes, puts) to ask slots for
@@ -319,9 +365,15 @@ class _Held:
         if not self.puts:
             self.since = now
         self.puts += 1
+        self._count += len(keys)
+        self._meta += _meta_bytes(keys)
         self._keys += keys
         self._columns.append((offsets, sizes, csums, versions))
         self._pins.append(np.full(len(keys), pin_s, dtype="<f8"))
+
+    def has_room(self, keys: list[bytes]) -> bool:
+        """Whether the commit of a put of `keys` still fits in one request with these."""
+        return self._count + len(keys) <= BATCH_KEYS and self._meta + _meta_bytes(keys) <= P.MAX_META - 4
 
     def requests(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, list[bytes], np.ndarray]]]:
         """The requests to send, in order (PIN, COMMIT_UNCHECKED, ALLOC), and (op, keys, sizes) of those
@@ -346,9 +398,10 @@ class _Held:
 
 class _Flusher:
     """A stager's thread that sends its held commits when they are due, should its producer not come
-    back before (see the module's doc). Lives until `stop`."""
+    back before (see the module's doc). Lives until `stop`, or until the stager is gone (it holds it
+    weakly: a stager dropped unclosed is collected, and its connection and slots with it)."""
 
-    def __init__(self, flush: Callable[[], None]) -> None:
+    def __init__(self, flush: weakref.WeakMethod[Callable[[], None]]) -> None:
         self._flush = flush
         self._cond = threading.Condition()
         self._when: float | None = None
@@ -373,17 +426,27 @@ class _Flusher:
                 self._when = None
                 self._cond.release()
                 try:
-                    self._flush()
+                    if not self._call():
+                        return  # (the stager is gone; `finally` takes the condition back for the `with`)
                 except Exception:  # a bug: the thread stays for the next held commits
                     log.exception("sending held commits failed")
                 finally:
                     self._cond.acquire()
 
-    def stop(self) -> None:
+    def _call(self) -> bool:
+        """The stager's `_flush_late` (False: the stager is gone), its reference held for the call only."""
+        flush = self._flush()
+        if flush is None:
+            return False
+        flush()
+        return True
+
+    def stop(self, wait: bool = True) -> None:
         with self._cond:
             self._stopped = True
             self._cond.notify()
-        self._thread.join()
+        if wait and self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 class Stagers:
