@@ -36,9 +36,9 @@ Start = str | int | datetime.datetime
 time (timezone-aware datetime). A group that already exists keeps its position."""
 
 MAX_DELIVER = 5
+"""Default deliveries of one message to one consumer (or group) before it is dead-lettered."""
 LIMITS_S = 0.5
 """How long a consumer goes on with the pool's max block it last asked for."""
-"""Default deliveries of one message to one consumer (or group) before it is dead-lettered."""
 _REASON_CHARS = 300
 
 
