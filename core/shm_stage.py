@@ -157,7 +157,7 @@ class Stager:
                 held = self._held
                 held.add(now, keys, offsets, sizes, csums, versions, pin_s)
                 held.generation = t.generation
-                asked = sum(len(s) // max(len(keys), 1) for op, _, s in self._owed if op == P.Op.ALLOC)
+                asked = sum(len(s) // len(keys) for op, _, s in self._owed if op == P.Op.ALLOC)
                 ahead = len(self._spares) + asked
                 if held.alloc is None and ahead < max(limit, LOOKAHEAD):  # the next puts' slots
                     held.alloc = (keys, sizes, max(limit, min(LOOKAHEAD - ahead, _puts_per_request(keys))))
