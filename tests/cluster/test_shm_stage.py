@@ -10,10 +10,18 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable
 
 import numpy as np
 import pytest
+from stagehelp import (
+    lying_about,
+    make_blocks,
+    requests_of,
+    reserved_bytes,
+    stager_for,
+    stored,
+    wait_for,
+)
 
 from kvpool.core import PoolClient, shm_stage
 from kvpool.core import protocol as P
@@ -21,101 +29,77 @@ from kvpool.core.blocks import checksum
 from kvpool.core.errors import CapacityError, CorruptBlock, PoolUnavailable
 from kvpool.core.fastcopy import copy_into
 from kvpool.core.server import Worker
-from kvpool.core.shm_stage import LOOKAHEAD, Stager, Stagers
+from kvpool.core.shm_stage import LOOKAHEAD, Stagers
 from kvpool.core.transport import ShmTransport, TcpTransport
 
 MiB = 1 << 20
 
 
-def _blocks(seed: int, *sizes: int) -> list[np.ndarray]:
-    return [np.random.default_rng([seed, i]).integers(0, 256, n, dtype=np.uint8) for i, n in enumerate(sizes)]
 
 
-def _stager(worker: Worker) -> Stager:
-    t = ShmTransport(worker.unix_path)
-    return Stager(t, t.hello().arena)
 
 
-def _reserved(worker: Worker) -> int:
-    return sum(sum(c.reserved.values()) for c in worker._conns)
 
 
-def _lying_about(block: np.ndarray) -> Callable[[memoryview, np.ndarray, list[memoryview]], np.ndarray]:
-    """A `copy_into` whose checksum is wrong for `block` (known by its first 64 bytes) only."""
-    head = block.tobytes()[:64]
-
-    def copy_lying(dst: memoryview, offsets: np.ndarray, srcs: list[memoryview]) -> np.ndarray:
-        lies = np.array([bytes(memoryview(s).cast("B")[:64]) == head for s in srcs], dtype="<u8")
-        return copy_into(dst, offsets, srcs) ^ lies
-    return copy_lying
 
 
-def _requests(worker: Worker, op: str) -> int:
-    return int(worker.metrics.registry.get_sample_value("kvpool_ops_total", {"op": op}) or 0)
 
 
-def _wait_for(done: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + 5
-    while not done():
-        assert time.monotonic() < deadline, "not within 5 s"
-        time.sleep(0.01)
 
 
-def _stored(reader: ShmTransport | TcpTransport, keys: list[bytes], blocks: list[np.ndarray]) -> bool:
-    out = [np.zeros_like(b) for b in blocks]
-    return reader.batch_get_into(keys, out) == [b.nbytes for b in blocks] and all(map(np.array_equal, out, blocks))
 
 
 def test_staged_puts_land_where_they_say_and_spare_slots_follow_the_shape(worker: Worker) -> None:
-    stager, reader = _stager(worker), ShmTransport(worker.unix_path)
+    stager, reader = stager_for(worker), ShmTransport(worker.unix_path)
     try:
         layers = [(f"L{i}/a".encode(), f"L{i}/b".encode()) for i in range(3)]
-        blocks = [_blocks(0, 256 << 10, 256 << 10), _blocks(1, 256 << 10, 256 << 10), _blocks(2, 1 * MiB, 4096)]
+        blocks = [make_blocks(0, 256 << 10, 256 << 10), make_blocks(1, 256 << 10, 256 << 10),
+                  make_blocks(2, 1 * MiB, 4096)]
         staged = [stager.put(list(keys), [memoryview(b) for b in bl]) for keys, bl in zip(layers, blocks)]
         stager.settle()
         places = [p for p, _ in staged]
         assert [sums for _, sums in staged] == [[checksum(b) for b in bl] for bl in blocks]
         for keys, bl, pl in zip(layers, blocks, places):
-            assert _stored(reader, list(keys), bl)
+            assert stored(reader, list(keys), bl)
             for b, p in zip(bl, pl):  # the place is the committed block's slot, as a same-node reader copies it
                 assert bytes(reader.arena[p.offset:p.offset + p.size]) == b.tobytes()
-        assert _reserved(worker) == LOOKAHEAD * (MiB + 4096)  # spare puts' worth, of the last put's shape
+        assert reserved_bytes(worker) == LOOKAHEAD * (MiB + 4096)  # spare puts' worth, of the last put's shape
     finally:
         stager.close()
-    _wait_for(lambda: _reserved(worker) == 0)  # the spare went back
+    wait_for(lambda: reserved_bytes(worker) == 0)  # the spare went back
     assert worker.cache.check() == []
     reader.close()
 
 
 def test_a_held_put_is_committed_pinned_once_sent_and_not_before(worker: Worker) -> None:
-    stager, reader = _stager(worker), ShmTransport(worker.unix_path)
-    first, second, last = _blocks(3, 64 << 10), _blocks(4, 64 << 10), _blocks(5, 64 << 10)
+    stager, reader = stager_for(worker), ShmTransport(worker.unix_path)
+    first, second, last = make_blocks(3, 64 << 10), make_blocks(4, 64 << 10), make_blocks(5, 64 << 10)
     try:
         (place,), _ = stager.put([b"first"], [memoryview(first[0])], pin_s=60, hold=True)
         assert bytes(reader.arena[place.offset:place.offset + place.size]) == first[0].tobytes()  # in place ...
-        assert not _stored(reader, [b"first"], first)  # ... but not committed: nothing was sent
+        assert not stored(reader, [b"first"], first)  # ... but not committed: nothing was sent
         assert worker.cache.stats().pins == 0
         stager.send_held()  # pin, commit and the next put's slots, in one send
         stager.settle()
-        assert _stored(reader, [b"first"], first) and worker.cache.stats().pins == 1
+        assert stored(reader, [b"first"], first) and worker.cache.stats().pins == 1
         stager.put([b"second"], [memoryview(second[0])], hold=True)
         stager.put([b"last"], [memoryview(last[0])], hold=True)  # sends the one held before it first
         stager.settle()  # sends the last one held
-        assert _stored(reader, [b"second", b"last"], second + last)
+        assert stored(reader, [b"second", b"last"], second + last)
         stager.put([b"closing"], [memoryview(first[0])], hold=True)
     finally:
         stager.close()  # a put still held is sent, not dropped
-    _wait_for(lambda: _stored(reader, [b"closing"], first))
-    _wait_for(lambda: _reserved(worker) == 0)
+    wait_for(lambda: stored(reader, [b"closing"], first))
+    wait_for(lambda: reserved_bytes(worker) == 0)
     assert worker.cache.check() == []
     reader.close()
 
 
 def test_a_staged_block_whose_bytes_disagree_is_a_miss_at_its_first_read(
         worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
-    bad, good = _blocks(5, 64 << 10), _blocks(6, 64 << 10)
-    monkeypatch.setattr(shm_stage, "copy_into", _lying_about(bad[0]))
-    stager, reader, remote = _stager(worker), ShmTransport(worker.unix_path), TcpTransport(worker.address)
+    bad, good = make_blocks(5, 64 << 10), make_blocks(6, 64 << 10)
+    monkeypatch.setattr(shm_stage, "copy_into", lying_about(bad[0]))
+    stager, reader, remote = stager_for(worker), ShmTransport(worker.unix_path), TcpTransport(worker.address)
     try:
         stager.put([b"bad"], [memoryview(bad[0])])
         stager.put([b"good"], [memoryview(good[0])])
@@ -123,7 +107,7 @@ def test_a_staged_block_whose_bytes_disagree_is_a_miss_at_its_first_read(
         out = np.zeros(64 << 10, dtype=np.uint8)
         assert reader.batch_get_into([b"bad"], [out]) == [-1]  # the lease found it corrupt: a miss ...
         assert remote.batch_get_into([b"bad"], [out]) == [-1]  # ... and it was dropped
-        assert _stored(reader, [b"good"], good) and _stored(remote, [b"good"], good)
+        assert stored(reader, [b"good"], good) and stored(remote, [b"good"], good)
         assert worker.cache.stats().checksum_failures == 1
     finally:
         stager.close()
@@ -132,9 +116,9 @@ def test_a_staged_block_whose_bytes_disagree_is_a_miss_at_its_first_read(
 
 
 def test_a_remote_first_read_checks_a_staged_block_too(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
-    bad = _blocks(5, 64 << 10)
+    bad = make_blocks(5, 64 << 10)
     monkeypatch.setattr(shm_stage, "copy_into", lambda d, o, s: copy_into(d, o, s) ^ 1)  # lies for every block
-    stager, remote = _stager(worker), TcpTransport(worker.address)
+    stager, remote = stager_for(worker), TcpTransport(worker.address)
     try:
         stager.put([b"bad"], [memoryview(bad[0])])
         stager.settle()
@@ -148,22 +132,22 @@ def test_a_remote_first_read_checks_a_staged_block_too(worker: Worker, monkeypat
 
 def test_a_refused_commit_raises_from_the_next_put_and_the_stager_goes_on(
         worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
-    bad, good, later = _blocks(5, 64 << 10), _blocks(6, 64 << 10), _blocks(7, 64 << 10)
-    monkeypatch.setattr(shm_stage, "copy_into", _lying_about(bad[0]))
+    bad, good, later = make_blocks(5, 64 << 10), make_blocks(6, 64 << 10), make_blocks(7, 64 << 10)
+    monkeypatch.setattr(shm_stage, "copy_into", lying_about(bad[0]))
     monkeypatch.setitem(worker._handlers, P.Op.COMMIT_UNCHECKED, worker._commit)  # a worker that checks at once
-    stager, reader = _stager(worker), ShmTransport(worker.unix_path)
+    stager, reader = stager_for(worker), ShmTransport(worker.unix_path)
     try:
         stager.put([b"bad"], [memoryview(bad[0])])  # returns: the worker has not answered yet
         with pytest.raises(CorruptBlock):
             stager.put([b"good"], [memoryview(good[0])])
-        assert not _stored(reader, [b"good"], good)  # the put that raised stored nothing ...
+        assert not stored(reader, [b"good"], good)  # the put that raised stored nothing ...
         stager.put([b"good"], [memoryview(good[0])])  # ... and the stager goes on
         stager.put([b"bad"], [memoryview(bad[0])])
         with pytest.raises(CorruptBlock):
             stager.settle()
         stager.put([b"later"], [memoryview(later[0])])
         stager.settle()
-        assert _stored(reader, [b"good", b"later"], good + later)
+        assert stored(reader, [b"good", b"later"], good + later)
         assert reader.batch_get_into([b"bad"], [np.zeros(64 << 10, dtype=np.uint8)]) == [-1]
     finally:
         stager.close()
@@ -172,14 +156,14 @@ def test_a_refused_commit_raises_from_the_next_put_and_the_stager_goes_on(
 
 def test_no_room_is_a_capacity_error_with_nothing_held(worker: Worker) -> None:
     filler = ShmTransport(worker.unix_path)
-    stager = _stager(worker)
+    stager = stager_for(worker)
     try:
         with pytest.raises(CapacityError):
             for i in range(200):  # pinned: nothing can be evicted for the stager
-                filler.batch_put([f"fill{i}".encode()], _blocks(i, 4 * MiB - 4096), pin_s=60)
+                filler.batch_put([f"fill{i}".encode()], make_blocks(i, 4 * MiB - 4096), pin_s=60)
         with pytest.raises(CapacityError):
-            stager.put([b"x"], [memoryview(_blocks(9, 4 * MiB - 4096)[0])])
-        assert _reserved(worker) == 0
+            stager.put([b"x"], [memoryview(make_blocks(9, 4 * MiB - 4096)[0])])
+        assert reserved_bytes(worker) == 0
     finally:
         stager.close()
         filler.close()
@@ -202,43 +186,43 @@ def test_stagers_stage_only_a_same_node_workers_blocks_that_fit(worker: Worker) 
 def test_fast_puts_commit_together_and_the_stager_sends_them_if_its_producer_does_not(
         worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm_stage, "HOLD_S", 0.3)  # (so that the puts below surely come within it)
-    stager, reader = _stager(worker), ShmTransport(worker.unix_path)
-    blocks = [_blocks(10 + i, 64 << 10) for i in range(5)]
+    stager, reader = stager_for(worker), ShmTransport(worker.unix_path)
+    blocks = [make_blocks(10 + i, 64 << 10) for i in range(5)]
     keys = [[f"fast{i}".encode()] for i in range(5)]
     try:
         assert stager.fits([64 << 10])  # room for shm_stage.HOLD_PUTS of them held
-        before = _requests(worker, "commit_unchecked")
+        before = requests_of(worker, "commit_unchecked")
         placed = [stager.put(k, [memoryview(b[0])], pin_s=60) for k, b in zip(keys, blocks)]
-        assert _requests(worker, "commit_unchecked") - before <= 1  # the first, after a pause: at once
+        assert requests_of(worker, "commit_unchecked") - before <= 1  # the first, after a pause: at once
         for ((place,), _), block in zip(placed, blocks):  # each in its place (a reader on this node copies it)
             assert bytes(reader.arena[place.offset:place.offset + place.size]) == block[0].tobytes()
-        assert not _stored(reader, keys[-1], blocks[-1])  # ... but not committed yet
+        assert not stored(reader, keys[-1], blocks[-1])  # ... but not committed yet
         held_at = time.monotonic()
-        _wait_for(lambda: _stored(reader, sum(keys, []), sum(blocks, [])))  # no call of the producer's
+        wait_for(lambda: stored(reader, sum(keys, []), sum(blocks, [])))  # no call of the producer's
         assert time.monotonic() - held_at >= 0.1  # (held, then sent by the stager's thread)
-        _wait_for(lambda: _requests(worker, "commit_unchecked") - before >= 2)  # (counted after the answer)
-        assert _requests(worker, "commit_unchecked") - before == 2  # the first; the other four together
+        wait_for(lambda: requests_of(worker, "commit_unchecked") - before >= 2)  # (counted after the answer)
+        assert requests_of(worker, "commit_unchecked") - before == 2  # the first; the other four together
         assert worker.cache.stats().pins == 5
     finally:
         stager.close()
     assert not [t for t in threading.enumerate() if t.name == "kvpool-stage-flush"]  # its thread ended
-    _wait_for(lambda: _reserved(worker) == 0)
+    wait_for(lambda: reserved_bytes(worker) == 0)
     assert worker.cache.check() == []
     reader.close()
 
 
 def test_a_put_after_a_pause_is_committed_at_once(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm_stage, "HOLD_S", 0.002)
-    stager, reader = _stager(worker), ShmTransport(worker.unix_path)
+    stager, reader = stager_for(worker), ShmTransport(worker.unix_path)
     try:
         assert stager.fits([64 << 10])
-        before = _requests(worker, "commit_unchecked")
+        before = requests_of(worker, "commit_unchecked")
         for i in range(3):
             time.sleep(0.02)  # a producer slower than HOLD_S
-            stager.put([f"slow{i}".encode()], [memoryview(_blocks(20 + i, 64 << 10)[0])])
+            stager.put([f"slow{i}".encode()], [memoryview(make_blocks(20 + i, 64 << 10)[0])])
         stager.settle()
-        _wait_for(lambda: _requests(worker, "commit_unchecked") - before >= 3)  # (counted after the answer)
-        assert _requests(worker, "commit_unchecked") - before == 3
+        wait_for(lambda: requests_of(worker, "commit_unchecked") - before >= 3)  # (counted after the answer)
+        assert requests_of(worker, "commit_unchecked") - before == 3
     finally:
         stager.close()
         reader.close()
@@ -247,23 +231,23 @@ def test_a_put_after_a_pause_is_committed_at_once(worker: Worker, monkeypatch: p
 def test_commits_held_when_the_connection_breaks_fail_the_next_call(
         worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm_stage, "HOLD_S", 0.05)
-    stager, reader = _stager(worker), ShmTransport(worker.unix_path)
+    stager, reader = stager_for(worker), ShmTransport(worker.unix_path)
     try:
         assert stager.fits([64 << 10])
         for i in range(3):
-            stager.put([f"lost{i}".encode()], [memoryview(_blocks(30 + i, 64 << 10)[0])])
+            stager.put([f"lost{i}".encode()], [memoryview(make_blocks(30 + i, 64 << 10)[0])])
         for conn in list(worker._conns):  # the worker drops the stager's connection (and reader's)
             socket.socket.shutdown(conn.sock, socket.SHUT_RDWR)
         time.sleep(0.2)  # the stager's thread tries to send the held commits, and finds it closed
         with pytest.raises(PoolUnavailable):
             stager.settle()
         assert not worker.metrics.registry.get_sample_value("kvpool_protocol_errors_total")  # nothing stale sent
-        later = _blocks(40, 64 << 10)
+        later = make_blocks(40, 64 << 10)
         stager.put([b"later"], [memoryview(later[0])])  # and it goes on, on a new connection
         stager.settle()
-        assert _stored(reader, [b"later"], later)
+        assert stored(reader, [b"later"], later)
     finally:
         stager.close()
         reader.close()
-    _wait_for(lambda: _reserved(worker) == 0)
+    wait_for(lambda: reserved_bytes(worker) == 0)
     assert worker.cache.check() == []

@@ -13,19 +13,25 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from stagehelp import (
+    lying_about,
+    make_blocks,
+    protocol_errors,
+    reserved_bytes,
+    stager_for,
+    stored,
+    wait_for,
+)
 
 from kvpool.core import protocol as P
 from kvpool.core import shm_stage
 from kvpool.core.config import CacheConfig, WorkerConfig
 from kvpool.core.errors import CapacityError, CorruptBlock, PoolUnavailable
-from kvpool.core.fastcopy import copy_into
 from kvpool.core.server import Worker
-from kvpool.core.shm_stage import Stager
 from kvpool.core.transport import ShmTransport
 
 MiB = 1 << 20
@@ -36,42 +42,18 @@ def make_worker(tmp_path: Path, dram_bytes: int) -> Worker:
                   CacheConfig(dram_bytes=dram_bytes, dram_slab_size=4 << 20, prefault=False)).start()  # type: ignore[arg-type]
 
 
-def _blocks(seed: int, *sizes: int) -> list[np.ndarray]:
-    return [np.random.default_rng([seed, i]).integers(0, 256, n, dtype=np.uint8) for i, n in enumerate(sizes)]
 
 
-def _stager(worker: Worker, timeout_s: float = 5.0) -> Stager:
-    t = ShmTransport(worker.unix_path, timeout_s=timeout_s)
-    return Stager(t, t.hello().arena)
 
 
-def _reserved(worker: Worker) -> int:
-    return sum(sum(c.reserved.values()) for c in worker._conns)
 
 
-def _stored(reader: ShmTransport, keys: list[bytes], blocks: list[np.ndarray]) -> bool:
-    out = [np.zeros_like(b) for b in blocks]
-    return reader.batch_get_into(keys, out) == [b.nbytes for b in blocks] and all(map(np.array_equal, out, blocks))
 
 
-def _wait_for(done: Callable[[], bool], s: float = 5) -> None:
-    deadline = time.monotonic() + s
-    while not done():
-        assert time.monotonic() < deadline, f"not within {s} s"
-        time.sleep(0.01)
 
 
-def _protocol_errors(worker: Worker) -> float:
-    return worker.metrics.registry.get_sample_value("kvpool_protocol_errors_total") or 0
 
 
-def _lying_about(block: np.ndarray) -> Callable[[memoryview, np.ndarray, list[memoryview]], np.ndarray]:
-    head = block.tobytes()[:64]
-
-    def copy_lying(dst: memoryview, offsets: np.ndarray, srcs: list[memoryview]) -> np.ndarray:
-        lies = np.array([bytes(memoryview(s).cast("B")[:64]) == head for s in srcs], dtype="<u8")
-        return copy_into(dst, offsets, srcs) ^ lies
-    return copy_lying
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -82,7 +64,7 @@ def _lying_about(block: np.ndarray) -> Callable[[memoryview, np.ndarray, list[me
 
 def test_a_fitted_shape_of_many_small_blocks_batches_past_MAX_BATCH(tmp_path: Path) -> None:
     w = make_worker(tmp_path, dram_bytes=1 << 30)  # a 1 GiB arena: 128 MiB reserve per connection
-    stager, reader = _stager(w), ShmTransport(w.unix_path)
+    stager, reader = stager_for(w), ShmTransport(w.unix_path)
     try:
         n, size = 8200, 512  # a layer of 8200 blocks of 512 B (4 MiB): one frame, well within the budget
         assert stager.fits([size] * n)
@@ -92,9 +74,9 @@ def test_a_fitted_shape_of_many_small_blocks_batches_past_MAX_BATCH(tmp_path: Pa
         for keys in layers:
             stager.put(keys, [memoryview(blocks)] * n)
         stager.settle()
-        assert _protocol_errors(w) == 0
+        assert protocol_errors(w) == 0
         for keys in layers:
-            assert _stored(reader, keys[:4], [blocks] * 4)
+            assert stored(reader, keys[:4], [blocks] * 4)
     finally:
         stager.close()
         reader.close()
@@ -122,10 +104,10 @@ class _PreemptedOnce(collections.deque):
 def test_settle_racing_the_flusher_returns_without_the_refused_commit(
         worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm_stage, "HOLD_S", 0.05)
-    good, bad = _blocks(1, 64 << 10), _blocks(2, 64 << 10)
-    monkeypatch.setattr(shm_stage, "copy_into", _lying_about(bad[0]))
+    good, bad = make_blocks(1, 64 << 10), make_blocks(2, 64 << 10)
+    monkeypatch.setattr(shm_stage, "copy_into", lying_about(bad[0]))
     monkeypatch.setitem(worker._handlers, P.Op.COMMIT_UNCHECKED, worker._commit)  # refuses the bad one
-    stager = _stager(worker)
+    stager = stager_for(worker)
     stager._owed = _PreemptedOnce()
     try:
         assert stager.fits([64 << 10])
@@ -148,7 +130,7 @@ def test_settle_racing_the_flusher_returns_without_the_refused_commit(
 
 def test_one_lost_connection_fails_two_puts(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm_stage, "HOLD_S", 0.05)
-    stager = _stager(worker)
+    stager = stager_for(worker)
     real_forget = stager._forget
 
     def forget_after_a_preemption() -> None:
@@ -157,18 +139,18 @@ def test_one_lost_connection_fails_two_puts(worker: Worker, monkeypatch: pytest.
     stager._forget = forget_after_a_preemption  # type: ignore[method-assign]
     try:
         assert stager.fits([64 << 10])
-        stager.put([b"a"], [memoryview(_blocks(1, 64 << 10)[0])])
-        stager.put([b"b"], [memoryview(_blocks(2, 64 << 10)[0])])  # held, the flusher armed for it
+        stager.put([b"a"], [memoryview(make_blocks(1, 64 << 10)[0])])
+        stager.put([b"b"], [memoryview(make_blocks(2, 64 << 10)[0])])  # held, the flusher armed for it
         for conn in list(worker._conns):  # the worker drops the connection
             socket.socket.shutdown(conn.sock, socket.SHUT_RDWR)
         with pytest.raises(PoolUnavailable):  # a put of another shape reads the worker's answers: the failure
-            stager.put([b"c"], [memoryview(_blocks(3, 32 << 10)[0])])
-        later = _blocks(4, 64 << 10)
+            stager.put([b"c"], [memoryview(make_blocks(3, 32 << 10)[0])])
+        later = make_blocks(4, 64 << 10)
         stager.put([b"later"], [memoryview(later[0])])  # a new connection: this put should go
         stager.settle()
     finally:
         stager.close()
-    _wait_for(lambda: _reserved(worker) == 0)
+    wait_for(lambda: reserved_bytes(worker) == 0)
     assert worker.cache.check() == []
 
 
@@ -183,20 +165,20 @@ def test_one_lost_connection_fails_two_puts(worker: Worker, monkeypatch: pytest.
 def test_a_put_after_the_worker_dropped_the_connection_overwrites_another_writers_block(
         worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm_stage, "HOLD_S", 0.5, raising=False)  # (the put below comes within it)
-    stager, other, reader = _stager(worker), ShmTransport(worker.unix_path), ShmTransport(worker.unix_path)
+    stager, other, reader = stager_for(worker), ShmTransport(worker.unix_path), ShmTransport(worker.unix_path)
     try:
         assert stager.fits([64 << 10])
-        stager.put([b"a0"], [memoryview(_blocks(0, 64 << 10)[0])])
-        stager.put([b"a1"], [memoryview(_blocks(1, 64 << 10)[0])])  # spare slots in hand now
+        stager.put([b"a0"], [memoryview(make_blocks(0, 64 << 10)[0])])
+        stager.put([b"a1"], [memoryview(make_blocks(1, 64 << 10)[0])])  # spare slots in hand now
         mine = [c for c in worker._conns if c.reserved]
         assert len(mine) == 1
         socket.socket.shutdown(mine[0].sock, socket.SHUT_RDWR)  # the worker drops the stager's connection
-        _wait_for(lambda: mine[0] not in worker._conns)  # ... and frees its reservations
-        theirs = [_blocks(100 + i, 64 << 10) for i in range(16)]
+        wait_for(lambda: mine[0] not in worker._conns)  # ... and frees its reservations
+        theirs = [make_blocks(100 + i, 64 << 10) for i in range(16)]
         other.batch_put([f"theirs{i}".encode() for i in range(16)], [b[0] for b in theirs])
         for i in range(2, 6):
             try:
-                stager.put([f"a{i}".encode()], [memoryview(_blocks(i, 64 << 10)[0])])
+                stager.put([f"a{i}".encode()], [memoryview(make_blocks(i, 64 << 10)[0])])
             except PoolUnavailable:
                 break
         out = [np.zeros(64 << 10, dtype=np.uint8) for _ in theirs]
@@ -218,18 +200,18 @@ def test_a_put_after_the_worker_dropped_the_connection_overwrites_another_writer
 
 @pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::pytest.PytestUnraisableExceptionWarning")
 def test_an_unclosed_stager_is_collected_and_its_slots_go_back(worker: Worker) -> None:  # (its socket unclosed)
-    stager = _stager(worker)
+    stager = stager_for(worker)
     assert stager.fits([64 << 10])
     for i in range(3):
-        stager.put([f"u{i}".encode()], [memoryview(_blocks(i, 64 << 10)[0])])
+        stager.put([f"u{i}".encode()], [memoryview(make_blocks(i, 64 << 10)[0])])
     ref = weakref.ref(stager)
     del stager
     deadline = time.monotonic() + 2
-    while time.monotonic() < deadline and not (ref() is None and _reserved(worker) == 0):
+    while time.monotonic() < deadline and not (ref() is None and reserved_bytes(worker) == 0):
         gc.collect()
         time.sleep(0.05)
-    assert (ref() is None, _reserved(worker)) == (True, 0), \
-        f"alive={ref() is not None}, reserved={_reserved(worker)} bytes, flush threads=" \
+    assert (ref() is None, reserved_bytes(worker)) == (True, 0), \
+        f"alive={ref() is not None}, reserved={reserved_bytes(worker)} bytes, flush threads=" \
         f"{[t.name for t in threading.enumerate() if t.name == 'kvpool-stage-flush']}"
 
 
@@ -240,7 +222,7 @@ def test_an_unclosed_stager_is_collected_and_its_slots_go_back(worker: Worker) -
 # ---------------------------------------------------------------------------------------------------
 
 def test_an_empty_put(worker: Worker) -> None:
-    stager = _stager(worker)
+    stager = stager_for(worker)
     try:
         stager.put([], [])
         stager.settle()
@@ -262,22 +244,22 @@ def test_close_after_fast_puts_commits_them(worker: Worker, monkeypatch: pytest.
     lost = []
     try:
         for r in range(60):
-            stager = _stager(worker)
+            stager = stager_for(worker)
             keys = [[f"r{r}/{i}".encode()] for i in range(4)]
-            blocks = [_blocks(r * 10 + i, 64 << 10) for i in range(4)]
+            blocks = [make_blocks(r * 10 + i, 64 << 10) for i in range(4)]
             assert stager.fits([64 << 10])
             for k, b in zip(keys, blocks):
                 stager.put(k, [memoryview(b[0])])
             time.sleep(0.001 * (r % 3))
             stager.close()  # "a put still held is sent, not dropped"
             deadline = time.monotonic() + 1
-            while time.monotonic() < deadline and not all(_stored(reader, k, b) for k, b in zip(keys, blocks)):
+            while time.monotonic() < deadline and not all(stored(reader, k, b) for k, b in zip(keys, blocks)):
                 time.sleep(0.01)
-            lost += [k[0] for k, b in zip(keys, blocks) if not _stored(reader, k, b)]
+            lost += [k[0] for k, b in zip(keys, blocks) if not stored(reader, k, b)]
     finally:
         reader.close()
     assert lost == [], f"{len(lost)} of 240 puts never committed after close(): {lost[:8]}"
-    _wait_for(lambda: _reserved(worker) == 0)
+    wait_for(lambda: reserved_bytes(worker) == 0)
     assert worker.cache.check() == []
 
 
@@ -288,7 +270,7 @@ def _flusher_threads() -> list[threading.Thread]:
 @pytest.mark.parametrize("hold_s", [0.0005, 0.002, 0.05])
 def test_shapes_and_pins_varying_mid_stream(worker: Worker, monkeypatch: pytest.MonkeyPatch, hold_s: float) -> None:
     monkeypatch.setattr(shm_stage, "HOLD_S", hold_s)
-    stager, reader = _stager(worker), ShmTransport(worker.unix_path)
+    stager, reader = stager_for(worker), ShmTransport(worker.unix_path)
     shapes = [(64 << 10,), (64 << 10, 4096), (32 << 10,), (64 << 10,), (1 * MiB,)]
     rng = np.random.default_rng(0)
     puts = []
@@ -297,7 +279,7 @@ def test_shapes_and_pins_varying_mid_stream(worker: Worker, monkeypatch: pytest.
             shape = shapes[(i // 7) % len(shapes)] if i % 11 else shapes[int(rng.integers(len(shapes)))]
             stager.fits(list(shape))
             keys = [f"k{i}/{j}".encode() for j in range(len(shape))]
-            blocks = _blocks(i, *shape)
+            blocks = make_blocks(i, *shape)
             pin = [0.0, 30.0, 60.0][i % 3]
             places, sums = stager.put(keys, [memoryview(b) for b in blocks], pin_s=pin, hold=bool(i % 5 == 0))
             for p, b in zip(places, blocks):
@@ -309,41 +291,41 @@ def test_shapes_and_pins_varying_mid_stream(worker: Worker, monkeypatch: pytest.
                 time.sleep(0.003)
         stager.settle()
         for keys, blocks, _ in puts[-30:]:  # (older ones may be evicted)
-            assert _stored(reader, keys, blocks)
-        assert _protocol_errors(worker) == 0
+            assert stored(reader, keys, blocks)
+        assert protocol_errors(worker) == 0
     finally:
         stager.close()
     assert not _flusher_threads()
-    _wait_for(lambda: _reserved(worker) == 0)
+    wait_for(lambda: reserved_bytes(worker) == 0)
     assert worker.cache.check() == []
     reader.close()
 
 
 def test_same_key_twice_in_one_batch(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm_stage, "HOLD_S", 0.3)
-    stager, reader = _stager(worker), ShmTransport(worker.unix_path)
+    stager, reader = stager_for(worker), ShmTransport(worker.unix_path)
     try:
         assert stager.fits([64 << 10])
-        first, second = _blocks(1, 64 << 10), _blocks(2, 64 << 10)
-        stager.put([b"x"], [memoryview(_blocks(0, 64 << 10)[0])])
+        first, second = make_blocks(1, 64 << 10), make_blocks(2, 64 << 10)
+        stager.put([b"x"], [memoryview(make_blocks(0, 64 << 10)[0])])
         stager.put([b"k"], [memoryview(first[0])], pin_s=60)
         stager.put([b"k"], [memoryview(second[0])])
         stager.settle()
-        assert _stored(reader, [b"k"], second)
+        assert stored(reader, [b"k"], second)
     finally:
         stager.close()
-    _wait_for(lambda: _reserved(worker) == 0)
+    wait_for(lambda: reserved_bytes(worker) == 0)
     assert worker.cache.check() == []
     reader.close()
 
 
 def test_refused_commit_inside_a_batch(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm_stage, "HOLD_S", 0.3)
-    bad = _blocks(99, 64 << 10)
-    monkeypatch.setattr(shm_stage, "copy_into", _lying_about(bad[0]))
+    bad = make_blocks(99, 64 << 10)
+    monkeypatch.setattr(shm_stage, "copy_into", lying_about(bad[0]))
     monkeypatch.setitem(worker._handlers, P.Op.COMMIT_UNCHECKED, worker._commit)
-    stager, reader = _stager(worker), ShmTransport(worker.unix_path)
-    goods = [_blocks(i, 64 << 10) for i in range(6)]
+    stager, reader = stager_for(worker), ShmTransport(worker.unix_path)
+    goods = [make_blocks(i, 64 << 10) for i in range(6)]
     try:
         assert stager.fits([64 << 10])
         stager.put([b"g0"], [memoryview(goods[0][0])])
@@ -356,48 +338,48 @@ def test_refused_commit_inside_a_batch(worker: Worker, monkeypatch: pytest.Monke
         for i in (3, 4, 5):
             stager.put([f"g{i}".encode()], [memoryview(goods[i][0])])
         stager.settle()
-        assert _stored(reader, [f"g{i}".encode() for i in range(6)], [g[0] for g in goods])
+        assert stored(reader, [f"g{i}".encode() for i in range(6)], [g[0] for g in goods])
     finally:
         stager.close()
-    _wait_for(lambda: _reserved(worker) == 0)
+    wait_for(lambda: reserved_bytes(worker) == 0)
     assert worker.cache.check() == []
     reader.close()
 
 
 def test_refused_commit_sent_by_the_flusher(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm_stage, "HOLD_S", 0.02)
-    bad = _blocks(99, 64 << 10)
-    monkeypatch.setattr(shm_stage, "copy_into", _lying_about(bad[0]))
+    bad = make_blocks(99, 64 << 10)
+    monkeypatch.setattr(shm_stage, "copy_into", lying_about(bad[0]))
     monkeypatch.setitem(worker._handlers, P.Op.COMMIT_UNCHECKED, worker._commit)
-    stager = _stager(worker)
+    stager = stager_for(worker)
     try:
         assert stager.fits([64 << 10])
-        stager.put([b"g0"], [memoryview(_blocks(0, 64 << 10)[0])])
+        stager.put([b"g0"], [memoryview(make_blocks(0, 64 << 10)[0])])
         stager.put([b"bad"], [memoryview(bad[0])])
         time.sleep(0.2)  # the flusher sends it
         with pytest.raises(CorruptBlock):
             stager.settle()
     finally:
         stager.close()
-    _wait_for(lambda: _reserved(worker) == 0)
+    wait_for(lambda: reserved_bytes(worker) == 0)
     assert worker.cache.check() == []
 
 
 def test_capacity_error_while_commits_are_held(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm_stage, "HOLD_S", 0.3)
     filler = ShmTransport(worker.unix_path)
-    stager, reader = _stager(worker), ShmTransport(worker.unix_path)
+    stager, reader = stager_for(worker), ShmTransport(worker.unix_path)
     try:
         for i in range(200):
             try:
-                filler.batch_put([f"fill{i}".encode()], _blocks(i, 4 * MiB - 4096), pin_s=60)
+                filler.batch_put([f"fill{i}".encode()], make_blocks(i, 4 * MiB - 4096), pin_s=60)
             except CapacityError:
                 break
         assert stager.fits([256 << 10])
         got: list[tuple[list[bytes], list[np.ndarray]]] = []
         raised: CapacityError | None = None
         for i in range(40):
-            keys, bl = [f"s{i}".encode()], _blocks(1000 + i, 256 << 10)
+            keys, bl = [f"s{i}".encode()], make_blocks(1000 + i, 256 << 10)
             try:
                 stager.put(keys, [memoryview(bl[0])], pin_s=60)
                 got.append((keys, bl))
@@ -407,26 +389,26 @@ def test_capacity_error_while_commits_are_held(worker: Worker, monkeypatch: pyte
         assert raised is not None  # the worker ran out of room with commits held
         stager.settle()
         for keys, bl in got:
-            assert _stored(reader, keys, bl)
+            assert stored(reader, keys, bl)
     finally:
         stager.close()
         filler.close()
-    _wait_for(lambda: _reserved(worker) == 0)
+    wait_for(lambda: reserved_bytes(worker) == 0)
     assert worker.cache.check() == []
     reader.close()
 
 
 def test_hold_without_send_held_then_close(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm_stage, "HOLD_S", 0.002)
-    stager, reader = _stager(worker), ShmTransport(worker.unix_path)
-    blocks = [_blocks(i, 64 << 10) for i in range(12)]
+    stager, reader = stager_for(worker), ShmTransport(worker.unix_path)
+    blocks = [make_blocks(i, 64 << 10) for i in range(12)]
     try:
         assert stager.fits([64 << 10])
         for i, b in enumerate(blocks):
             stager.put([f"h{i}".encode()], [memoryview(b[0])], pin_s=10 * (i % 2), hold=True)
     finally:
         stager.close()
-    _wait_for(lambda: _stored(reader, [f"h{i}".encode() for i in range(12)], [b[0] for b in blocks]))
-    _wait_for(lambda: _reserved(worker) == 0)
+    wait_for(lambda: stored(reader, [f"h{i}".encode() for i in range(12)], [b[0] for b in blocks]))
+    wait_for(lambda: reserved_bytes(worker) == 0)
     assert worker.cache.check() == []
     reader.close()
