@@ -144,9 +144,11 @@ class Stager:
         try:
             with self._lock, t.held() as (sock, arena, pages):
                 _still_open(sock)
-                limit = min(self._batch, _puts_per_request(keys))
+                meta = _meta_bytes(keys)
+                per_request = _puts_per_request(len(keys), meta)
+                limit = min(self._batch, per_request)
                 if self._held.due or (self._held.puts and (now - self._held.since >= HOLD_S
-                                                           or not self._held.has_room(keys))):
+                                                           or not self._held.has_room(len(keys), meta))):
                     self._send_held(sock)  # (a put made with `hold`, then no `send_held`; a late flusher; full)
                 offsets = self._slots(sock, keys, sizes)
                 pages.ready(offsets, sizes)
@@ -155,12 +157,12 @@ class Stager:
                     with t.copying(sock):
                         csums[part] = copy_into(arena, offsets[part], views[part])
                 held = self._held
-                held.add(now, keys, offsets, sizes, csums, versions, pin_s)
+                held.add(now, keys, meta, offsets, sizes, csums, versions, pin_s)
                 held.generation = t.generation
                 asked = sum(len(s) // len(keys) for op, _, s in self._owed if op == P.Op.ALLOC)
                 ahead = len(self._spares) + asked
                 if held.alloc is None and ahead < max(limit, LOOKAHEAD):  # the next puts' slots
-                    held.alloc = (keys, sizes, max(limit, min(LOOKAHEAD - ahead, _puts_per_request(keys))))
+                    held.alloc = (keys, sizes, max(limit, min(LOOKAHEAD - ahead, per_request)))
                 # go now unless more puts are coming soon and the next one has slots without these
                 held.due = paused or held.puts >= limit or not (self._spares or asked)
                 if held.due and not hold:
@@ -339,12 +341,10 @@ def _meta_bytes(keys: list[bytes]) -> int:
     return sum(map(len, keys)) + 34 * len(keys)
 
 
-def _puts_per_request(keys: list[bytes]) -> int:
-    """Puts of `keys`' shape whose commits (or slots) one request may carry: `BATCH_KEYS`, within the
-    protocol's limit on metadata."""
-    if not keys:
-        return 1
-    return max(1, min(BATCH_KEYS // len(keys), (P.MAX_META - 4) // _meta_bytes(keys)))
+def _puts_per_request(count: int, meta: int) -> int:
+    """Puts of `count` keys (`meta` bytes of a COMMIT's metadata: `_meta_bytes`) whose commits (or slots)
+    one request may carry: `BATCH_KEYS` keys, within the protocol's limit on metadata."""
+    return max(1, min(BATCH_KEYS // count, (P.MAX_META - 4) // meta))
 
 
 class _Held:
@@ -361,20 +361,20 @@ class _Held:
         self._columns: list[tuple[np.ndarray, ...]] = []  # (offsets, sizes, checksums, versions) of each put
         self._pins: list[np.ndarray] = []  # seconds, per key (0: not pinned)
 
-    def add(self, now: float, keys: list[bytes], offsets: np.ndarray, sizes: np.ndarray, csums: np.ndarray,
-            versions: np.ndarray, pin_s: float) -> None:
+    def add(self, now: float, keys: list[bytes], meta: int, offsets: np.ndarray, sizes: np.ndarray,
+            csums: np.ndarray, versions: np.ndarray, pin_s: float) -> None:
         if not self.puts:
             self.since = now
         self.puts += 1
         self._count += len(keys)
-        self._meta += _meta_bytes(keys)
+        self._meta += meta
         self._keys += keys
         self._columns.append((offsets, sizes, csums, versions))
         self._pins.append(np.full(len(keys), pin_s, dtype="<f8"))
 
-    def has_room(self, keys: list[bytes]) -> bool:
-        """Whether the commit of a put of `keys` still fits in one request with these."""
-        return self._count + len(keys) <= BATCH_KEYS and self._meta + _meta_bytes(keys) <= P.MAX_META - 4
+    def has_room(self, count: int, meta: int) -> bool:
+        """Whether the commit of a put of `count` keys (`meta` bytes) still fits in one request with these."""
+        return self._count + count <= BATCH_KEYS and self._meta + meta <= P.MAX_META - 4
 
     def requests(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, list[bytes], np.ndarray]]]:
         """The requests to send, in order (PIN, COMMIT_UNCHECKED, ALLOC), and (op, keys, sizes) of those
