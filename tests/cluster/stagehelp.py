@@ -47,6 +47,13 @@ def wait_for(done: Callable[[], bool], seconds: float = 5) -> None:
         time.sleep(0.01)
 
 
+def all_given_back(worker: Worker) -> None:
+    """Once the stagers are closed: the worker holds no slot reserved any more (within 5 s), and its
+    cache is consistent."""
+    wait_for(lambda: reserved_bytes(worker) == 0)
+    assert worker.cache.check() == []
+
+
 def lying_about(block: np.ndarray) -> Callable[[memoryview, np.ndarray, list[memoryview]], np.ndarray]:
     """A `copy_into` whose checksum is wrong for `block` (known by its first 64 bytes) only."""
     head = block.tobytes()[:64]

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 from stagehelp import (
+    all_given_back,
     lying_about,
     make_blocks,
     requests_of,
@@ -66,8 +67,7 @@ def test_staged_puts_land_where_they_say_and_spare_slots_follow_the_shape(worker
         assert reserved_bytes(worker) == LOOKAHEAD * (MiB + 4096)  # spare puts' worth, of the last put's shape
     finally:
         stager.close()
-    wait_for(lambda: reserved_bytes(worker) == 0)  # the spare went back
-    assert worker.cache.check() == []
+    all_given_back(worker)  # the spare went back
     reader.close()
 
 
@@ -90,8 +90,7 @@ def test_a_held_put_is_committed_pinned_once_sent_and_not_before(worker: Worker)
     finally:
         stager.close()  # a put still held is sent, not dropped
     wait_for(lambda: stored(reader, [b"closing"], first))
-    wait_for(lambda: reserved_bytes(worker) == 0)
-    assert worker.cache.check() == []
+    all_given_back(worker)
     reader.close()
 
 
@@ -206,8 +205,7 @@ def test_fast_puts_commit_together_and_the_stager_sends_them_if_its_producer_doe
     finally:
         stager.close()
     assert not [t for t in threading.enumerate() if t.name == "kvpool-stage-flush"]  # its thread ended
-    wait_for(lambda: reserved_bytes(worker) == 0)
-    assert worker.cache.check() == []
+    all_given_back(worker)
     reader.close()
 
 
@@ -249,5 +247,4 @@ def test_commits_held_when_the_connection_breaks_fail_the_next_call(
     finally:
         stager.close()
         reader.close()
-    wait_for(lambda: reserved_bytes(worker) == 0)
-    assert worker.cache.check() == []
+    all_given_back(worker)

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from stagehelp import (
+    all_given_back,
     lying_about,
     make_blocks,
     protocol_errors,
@@ -150,8 +151,7 @@ def test_one_lost_connection_fails_two_puts(worker: Worker, monkeypatch: pytest.
         stager.settle()
     finally:
         stager.close()
-    wait_for(lambda: reserved_bytes(worker) == 0)
-    assert worker.cache.check() == []
+    all_given_back(worker)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -259,8 +259,7 @@ def test_close_after_fast_puts_commits_them(worker: Worker, monkeypatch: pytest.
     finally:
         reader.close()
     assert lost == [], f"{len(lost)} of 240 puts never committed after close(): {lost[:8]}"
-    wait_for(lambda: reserved_bytes(worker) == 0)
-    assert worker.cache.check() == []
+    all_given_back(worker)
 
 
 def _flusher_threads() -> list[threading.Thread]:
@@ -296,8 +295,7 @@ def test_shapes_and_pins_varying_mid_stream(worker: Worker, monkeypatch: pytest.
     finally:
         stager.close()
     assert not _flusher_threads()
-    wait_for(lambda: reserved_bytes(worker) == 0)
-    assert worker.cache.check() == []
+    all_given_back(worker)
     reader.close()
 
 
@@ -314,8 +312,7 @@ def test_same_key_twice_in_one_batch(worker: Worker, monkeypatch: pytest.MonkeyP
         assert stored(reader, [b"k"], second)
     finally:
         stager.close()
-    wait_for(lambda: reserved_bytes(worker) == 0)
-    assert worker.cache.check() == []
+    all_given_back(worker)
     reader.close()
 
 
@@ -341,8 +338,7 @@ def test_refused_commit_inside_a_batch(worker: Worker, monkeypatch: pytest.Monke
         assert stored(reader, [f"g{i}".encode() for i in range(6)], [g[0] for g in goods])
     finally:
         stager.close()
-    wait_for(lambda: reserved_bytes(worker) == 0)
-    assert worker.cache.check() == []
+    all_given_back(worker)
     reader.close()
 
 
@@ -361,8 +357,7 @@ def test_refused_commit_sent_by_the_flusher(worker: Worker, monkeypatch: pytest.
             stager.settle()
     finally:
         stager.close()
-    wait_for(lambda: reserved_bytes(worker) == 0)
-    assert worker.cache.check() == []
+    all_given_back(worker)
 
 
 def test_capacity_error_while_commits_are_held(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -393,8 +388,7 @@ def test_capacity_error_while_commits_are_held(worker: Worker, monkeypatch: pyte
     finally:
         stager.close()
         filler.close()
-    wait_for(lambda: reserved_bytes(worker) == 0)
-    assert worker.cache.check() == []
+    all_given_back(worker)
     reader.close()
 
 
@@ -409,6 +403,5 @@ def test_hold_without_send_held_then_close(worker: Worker, monkeypatch: pytest.M
     finally:
         stager.close()
     wait_for(lambda: stored(reader, [f"h{i}".encode() for i in range(12)], [b[0] for b in blocks]))
-    wait_for(lambda: reserved_bytes(worker) == 0)
-    assert worker.cache.check() == []
+    all_given_back(worker)
     reader.close()
