@@ -38,7 +38,6 @@ its message names for up to half a second).
 from __future__ import annotations
 
 import logging
-import select
 import socket
 import threading
 import time
@@ -56,7 +55,7 @@ from .connection import raise_item
 from .errors import KVPoolError, PoolUnavailable
 from .fanout import Departures
 from .fastcopy import copy_into
-from .shm_put import PART_BYTES, part_slices, recv_column
+from .shm_put import PART_BYTES, part_slices, recv_column, still_open
 from .shm_refs import Place
 from .transport import ShmTransport
 from .versions import CLOCK
@@ -142,7 +141,7 @@ class Stager:
         paused, self._last_put = now - self._last_put > HOLD_S, now
         try:
             with self._lock, t.held() as (sock, arena, pages):
-                _still_open(sock)
+                still_open(sock)
                 meta = _meta_bytes(keys)
                 per_request = _puts_per_request(len(keys), meta)
                 limit = min(self._batch, per_request)
@@ -323,15 +322,6 @@ class Stager:
             self._held = _Held()
             self._spares.clear()
             self.transport.close()
-
-
-def _still_open(sock: socket.socket) -> None:
-    """ConnectionError if the worker closed the connection (it then gave this connection's slots to other
-    writers: no put may copy into a spare one). Seen only where no answer is left unread before the close."""
-    poller = select.poll()  # (the socket has a timeout: a receive would wait for a byte first)
-    poller.register(sock, select.POLLIN)
-    if poller.poll(0) and sock.recv(1, socket.MSG_PEEK) == b"":
-        raise ConnectionError("the worker closed the connection")
 
 
 def _meta_bytes(keys: list[bytes]) -> int:

@@ -33,7 +33,7 @@ from .connection import Connection, put_outcome, refuse_too_large, send_pin
 from .errors import BufferSizeError, PoolUnavailable, ProtocolError
 from .fastcopy import copy_from
 from .pool_backend import leases_by_copy
-from .shm_put import PartedPut
+from .shm_put import PartedPut, SpareSlots
 from .shm_refs import committed
 from .tiers.dram import DramArena
 from .versions import CLOCK
@@ -164,6 +164,15 @@ class ShmTransport(Connection):
         self._arena_rw: memoryview | None = None
         self._pages: ArenaPages | None = None
         self._pages_rw: ArenaPages | None = None
+        self._spare = SpareSlots()
+        """Slots reserved for the next put of the last one's shape (`kvpool.core.shm_put`)."""
+
+    @contextmanager
+    def _session(self, generation: int | None = None) -> Iterator[socket.socket]:
+        """`Connection._session`, the answer a put left unread read first (`SpareSlots`)."""
+        with super()._session(generation) as sock:
+            self._spare.read_answer(sock, self.generation)
+            yield sock
 
     @property
     def arena(self) -> memoryview:
@@ -239,7 +248,9 @@ class ShmTransport(Connection):
                 send_pin(sock, keys, pin_s)
             put = PartedPut(sock, arena, pages, keys, views, versions, functools.partial(self.copying, sock))
             try:
-                offsets = put.run()
+                offsets = put.run(self._spare.take(sock, self.generation, put.sizes))
+                if not put.status.any():  # (a part refused for want of room asks for no more)
+                    self._spare.ask(sock, self.generation, keys, put.sizes)
             except BaseException:
                 self.close()  # replies may be unread; the worker frees the slots of a closed connection
                 raise
@@ -356,6 +367,7 @@ class ShmTransport(Connection):
         fails on the closed socket; a put copies nothing more: `copying`). A mapping that still backs a
         caller's leased view goes with the view."""
         super().close()
+        self._spare.forget()
         mappings = (self._arena, self._arena_rw)
         readiers = (self._pages, self._pages_rw)
         self._arena = self._arena_rw = None
