@@ -13,8 +13,10 @@ that of the batch's first failed block.
 A put of a frame of at most `SPARE_BYTES` that follows one of the same block sizes within `RUN_S` also
 asks, as it ends, for the slots of a next put of that shape (`SpareSlots`), without waiting for the
 answer: the connection's next exchange reads it, and the next put of that shape copies its first part
-at once instead of waiting for an ALLOC (batches of 64 x 16 KiB, the worker's CPU the bottleneck: the
-first part's wait was ~115 of a put's ~620 µs). A put of another shape gives them back first.
+at once instead of waiting for an ALLOC (batches of 64 x 16 KiB: the first part's wait was ~115 of a
+put's ~620 µs; `kvpool bench transport`'s 16 KiB puts went 0.23-0.25 -> 0.26-0.27 of memcpy, its 64 KiB
+ones, where the worker's hashing and commits bound the put, not at all). A put of another shape gives
+them back first.
 """
 from __future__ import annotations
 
@@ -44,8 +46,8 @@ MIN_PART_BYTES = 512 << 10
 parts: 0.25-0.26 of memcpy against 0.24 in four, three runs each; in one, 0.22)."""
 PARTS_PER_ALLOC = 8
 """Parts whose slots one ALLOC asks for (after the first part's, asked alone)."""
-SPARE_BYTES = 4 << 20
-"""The largest frame whose put asks for the next put's slots as it ends (64 blocks of 64 KiB): what a
+SPARE_BYTES = 1 << 20
+"""The largest frame whose put asks for the next put's slots as it ends (64 blocks of 16 KiB): what a
 client keeps of the arena reserved between its puts, per connection ..."""
 RUN_S = 0.05
 """... once its puts of one shape come in a run, each less than this after the one before."""
