@@ -45,6 +45,26 @@ def test_copy_hash_writes_the_source_and_returns_its_xxh3(impl: str, size: int, 
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_copy_hash_at_every_end_of_xxh3s_last_block(impl: str) -> None:
+    """XXH3 hashes long input in blocks of 1024 bytes, then the last block's 64-byte stripes, then a last
+    stripe that overlaps them: the one-pass AVX2 kernel takes each case apart (the tail it writes
+    again), so every length from one block boundary to the next, at both alignments it takes."""
+    copy_hash, _ = IMPLS[impl]
+    rng = np.random.default_rng(7)
+    for n in range(9 * 1024 - 70, 10 * 1024 + 70):
+        src = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        with mmap.mmap(-1, n + 64) as arena:
+            for skew in (0, 16):
+                dst = memoryview(arena)[skew:skew + n]
+                try:
+                    assert copy_hash(dst, src) == xxhash.xxh3_64_intdigest(src), n
+                    assert bytes(dst) == src and arena[skew + n:] == b"\0" * (64 - skew)
+                finally:
+                    dst.release()
+                arena[:] = b"\0" * len(arena)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_numpy_buffers_either_way(impl: str) -> None:
     copy_hash, copy = IMPLS[impl]
     src = np.arange(300_000, dtype=np.uint16)
