@@ -31,7 +31,24 @@ BUCKET = "kvpool_members"
 BEAT_RETRY_S = 0.25
 """How soon a heartbeat that failed is tried again: a worker whose NATS node is cut off fails over to
 another (aio.PING_INTERVAL_S) and must be heard again well within the member TTL."""
+REGISTER_S = 30.0
+"""How long a worker's first registration is tried again while JetStream cannot take it yet: a NATS
+cluster answers nothing, or "no responders", until it has elected the bucket's leader (here seconds after
+it created the bucket)."""
 _NO_PEERS_YET = 10005  # JetStream's "no suitable peers for placement": fewer nodes up than the replicas
+
+
+def _not_ready(e: BaseException) -> bool:
+    """Whether `e` is JetStream not answering yet (a NATS cluster electing a leader answers nothing, or
+    503, and one whose nodes are not all up yet has "no suitable peers" to place replicas on), rather
+    than a refusal."""
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeout
+    from nats.js.errors import APIError, NoStreamResponseError
+
+    if isinstance(e, APIError):
+        return e.code == 503 or e.err_code == _NO_PEERS_YET
+    return isinstance(e, (NatsTimeout, NoRespondersError, NoStreamResponseError, asyncio.TimeoutError, TimeoutError))
 
 
 def rank(key: bytes, worker_ids: Sequence[str]) -> list[str]:
@@ -95,18 +112,13 @@ class Membership:
         """`_bucket()`, asked again while JetStream cannot answer yet (a NATS cluster electing a leader
         answers nothing, or 503; one whose nodes are not all up yet has "no suitable peers" to place
         the bucket's replicas on) until `within_s` seconds have passed."""
-        from nats.errors import NoRespondersError
-        from nats.errors import TimeoutError as NatsTimeout
-        from nats.js.errors import APIError
-
         deadline = time.monotonic() + within_s
         while True:
             left = deadline - time.monotonic()
             try:
                 return await self._bucket(timeout=max(0.5, min(2.0, left)))
-            except (NatsTimeout, NoRespondersError, APIError) as e:
-                not_yet = not isinstance(e, APIError) or e.code == 503 or e.err_code == _NO_PEERS_YET
-                if not not_yet or left <= 0.7:
+            except Exception as e:
+                if not _not_ready(e) or left <= 0.7:
                     raise
                 log.debug("members bucket not answering yet: %r", e)
                 await asyncio.sleep(0.2)
@@ -192,17 +204,26 @@ class Membership:
                     continue
                 await asyncio.sleep(heartbeat_s)
 
-        try:
-            if self._kv is None:
-                raise PoolUnavailable(f"no member bucket {BUCKET!r} at {redacted_url(self.url)}, and this NATS user "
-                                      "may not create it")
-            self._io.run(self._kv.put(worker_id, json.dumps({**info(), "ts": time.time()}).encode()), timeout=10)
-        except Exception as e:
-            denied = nats_denied(self._nc, f"$KV.{BUCKET}.")
-            if denied:
-                raise AuthError(f"the NATS user at {redacted_url(self.url)} may not register members (role "
-                                f"{self.role!r}; workers need the worker credentials): {denied}") from e
-            raise nats_error(e, f"cannot register {worker_id!r} at {redacted_url(self.url)}") from e
+        deadline, told = time.monotonic() + REGISTER_S, False
+        while True:
+            try:
+                if self._kv is None:
+                    raise PoolUnavailable(f"no member bucket {BUCKET!r} at {redacted_url(self.url)}, and this NATS "
+                                          "user may not create it")
+                self._io.run(self._kv.put(worker_id, json.dumps({**info(), "ts": time.time()}).encode()), timeout=10)
+                break
+            except Exception as e:
+                denied = nats_denied(self._nc, f"$KV.{BUCKET}.")
+                if denied:
+                    raise AuthError(f"the NATS user at {redacted_url(self.url)} may not register members (role "
+                                    f"{self.role!r}; workers need the worker credentials): {denied}") from e
+                if not _not_ready(e) or time.monotonic() >= deadline:
+                    raise nats_error(e, f"cannot register {worker_id!r} at {redacted_url(self.url)}") from e
+                if not told:
+                    log.warning("JetStream does not take the registration of %r yet (%r): trying again every "
+                                "%.2f s for up to %.0f s", worker_id, e, BEAT_RETRY_S, REGISTER_S)
+                    told = True
+                time.sleep(BEAT_RETRY_S)
         self._registered = worker_id
         if on_beat is not None:
             on_beat()
