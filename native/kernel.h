@@ -67,9 +67,9 @@ static inline __m256i KV_FN(acc_step)(__m256i acc, __m256i data, const uint8_t *
     return _mm256_add_epi64(product, _mm256_add_epi64(acc, swapped));
 }
 
-/* `count` stripes of 64 bytes from src to dst (16-byte aligned), streamed past the caches, each
- * accumulated as it passes through the registers, with the secret of stripe `first` on. */
-static inline void KV_FN(stripes)(__m256i acc[2], char *dst, const char *src, size_t first, size_t count) {
+/* The first `count` stripes of 64 bytes of a block from src to dst (16-byte aligned), streamed past the
+ * caches, each accumulated (with its stripe's secret) as it passes through the registers. */
+static inline void KV_FN(stripes)(__m256i acc[2], char *dst, const char *src, size_t count) {
     for (size_t i = 0; i < count; i++, src += 64, dst += 64) {
         __m256i const lo = _mm256_loadu_si256((const __m256i *)src);
         __m256i const hi = _mm256_loadu_si256((const __m256i *)(src + 32));
@@ -77,7 +77,7 @@ static inline void KV_FN(stripes)(__m256i acc[2], char *dst, const char *src, si
         _mm_stream_si128((__m128i *)(dst + 16), _mm256_extracti128_si256(lo, 1));
         _mm_stream_si128((__m128i *)(dst + 32), _mm256_castsi256_si128(hi));
         _mm_stream_si128((__m128i *)(dst + 48), _mm256_extracti128_si256(hi, 1));
-        const uint8_t *secret = XXH3_kSecret + 8 * (first + i);
+        const uint8_t *secret = XXH3_kSecret + 8 * i;
         acc[0] = KV_FN(acc_step)(acc[0], lo, secret);
         acc[1] = KV_FN(acc_step)(acc[1], hi, secret + 32);
     }
@@ -107,13 +107,13 @@ static uint64_t KV_FN(copy_hash_fused)(char *dst, const char *src, size_t n) {
     __m256i acc[2] = {_mm256_load_si256((const __m256i *)init), _mm256_load_si256((const __m256i *)(init + 4))};
     size_t const blocks = (n - 1) / BLOCK; /* full blocks, each scrambled after; then 1..BLOCK bytes */
     for (size_t b = 0; b < blocks; b++) {
-        KV_FN(stripes)(acc, dst + b * BLOCK, src + b * BLOCK, 0, STRIPES);
+        KV_FN(stripes)(acc, dst + b * BLOCK, src + b * BLOCK, STRIPES);
         KV_FN(scramble)(acc);
     }
     size_t const base = blocks * BLOCK;
     size_t const partial = (n - 1 - base) / 64;                       /* the last block's stripes */
     size_t const direct = n - base > 64 ? (n - base - 64) / 64 : 0;  /* those that end by n - 64 */
-    KV_FN(stripes)(acc, dst + base, src + base, 0, direct);
+    KV_FN(stripes)(acc, dst + base, src + base, direct);
     size_t const tail = n - 64 < base + 64 * direct ? n - 64 : base + 64 * direct;
     size_t const rest = n - tail; /* 64..127 bytes: the last block's other stripe, if any, and the last */
     _Alignas(32) char last[128];
