@@ -61,20 +61,22 @@ class FanOut:
         self.timeout_s = timeout_s
         self.tls_ca = tls_ca  # TCP workers over TLS, verified against this CA file (else KVPOOL_TLS_CA's)
         self._transports: dict[str, tuple[tuple[Any, ...], Transport]] = {}
-        self._suspect: dict[str, float] = {}
+        self._suspect: dict[str, tuple[float, tuple[Any, ...]]] = {}  # worker -> (until, the incarnation that failed)
         self._departures = Departures()
         self._warned: set[str] = set()  # workers whose failure was logged, until they answer again
         self._lock = threading.Lock()  # guards the two dicts, the departures and `_closed`
         self._closed = False  # a call still running (a read repair) connects nowhere after `close`
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvpool-fanout")
 
-    def _askable(self, groups: Mapping[str, list[int]]) -> dict[str, list[int]]:
+    def _askable(self, live: Mapping[str, WorkerInfo], groups: Mapping[str, list[int]]) -> dict[str, list[int]]:
         """`groups` less the suspect workers: a call gets nothing from them (a miss, or a put that
         did not reach them), but placement still counts them, so their keys never land elsewhere
-        meanwhile, where they would outlive a newer version written once the worker is back."""
+        meanwhile, where they would outlive a newer version written once the worker is back. A worker
+        is suspect as the process that failed (its incarnation), not as the one restarted under its id."""
         now = time.monotonic()
         with self._lock:
-            return {w: idx for w, idx in groups.items() if self._suspect.get(w, 0) <= now}
+            suspect = {w: inc for w, (until, inc) in self._suspect.items() if until > now}
+        return {w: idx for w, idx in groups.items() if suspect.get(w) != live[w].incarnation}
 
     def drop_departed(self, live: Mapping[str, WorkerInfo]) -> None:
         """Close the connections to workers that have not been members for `DEPARTED_S` (one to a
@@ -111,14 +113,21 @@ class FanOut:
             stale.close()
         return known[1]
 
-    def failed(self, worker_id: str, err: Exception, in_flight: Future[Any] | None = None) -> None:
-        """Treat the worker as down for a while and drop its connection: at once, or (a call still
-        `in_flight` on it past the deadline) when that call ends, never under it."""
+    def failed(self, worker_id: str, incarnation: tuple[Any, ...], err: Exception,
+               in_flight: Future[Any] | None = None) -> None:
+        """Treat the worker's process `incarnation` as down for a while and drop its connection: at once,
+        or (a call still `in_flight` on it past the deadline) when that call ends, never under it. (A
+        call that took an older member list may fail on a process restarted since: the new one's
+        connection stays, and it is not suspect.)"""
         with self._lock:
             first = worker_id not in self._warned  # logged once per outage of the worker: retries every
             self._warned.add(worker_id)            # SUSPECT_S would fill an engine's log
-            self._suspect[worker_id] = time.monotonic() + SUSPECT_S
-            known = self._transports.pop(worker_id, None)
+            self._suspect[worker_id] = (time.monotonic() + SUSPECT_S, incarnation)
+            known = self._transports.get(worker_id)
+            if known is not None and known[0] == incarnation:
+                del self._transports[worker_id]
+            else:
+                known = None
         (log.warning if first else log.debug)("worker %s failed (%s); treating it as down for %.0f s%s", worker_id,
                                               err, SUSPECT_S, "" if first else " (again)")
         if known is None:
@@ -147,7 +156,7 @@ class FanOut:
 
         if self._closed:
             raise PoolUnavailable("the client is closed")
-        groups = self._askable(groups)
+        groups = self._askable(live, groups)
         if not groups:
             return
 
@@ -160,7 +169,7 @@ class FanOut:
             try:
                 result = ask(w, idx)
             except PoolUnavailable as e:
-                self.failed(w, e)
+                self.failed(w, live[w].incarnation, e)
                 return
             self._answered(w)
             yield w, idx, result
@@ -173,18 +182,19 @@ class FanOut:
         if late:
             with gate:
                 abandoned[0] = True
-            self._abandon({f: futures[f][0] for f in late}, used)
+            self._abandon({f: futures[f][0] for f in late}, live, used)
         for f in done:
             w, idx = futures[f]
             try:
                 result = f.result()
             except PoolUnavailable as e:
-                self.failed(w, e)
+                self.failed(w, live[w].incarnation, e)
                 continue
             self._answered(w)
             yield w, idx, result
 
-    def _abandon(self, late: dict[Future[Any], str], used: Mapping[str, Transport]) -> None:
+    def _abandon(self, late: dict[Future[Any], str], live: Mapping[str, WorkerInfo],
+                 used: Mapping[str, Transport]) -> None:
         """Calls past their deadline: each worker is marked down and its connection aborted, and this
         returns once every such call has stopped (at once: its I/O fails), so that none writes into the
         caller's buffers, or sends from them, after the caller has them back."""
@@ -193,7 +203,8 @@ class FanOut:
             if f.cancel():
                 continue  # never started (or cancelled by `close`: `wait` would not see it end)
             started.append(f)
-            self.failed(w, PoolTimeout(f"no answer within the call's {self.timeout_s} s", limit=self.timeout_s), f)
+            self.failed(w, live[w].incarnation,
+                        PoolTimeout(f"no answer within the call's {self.timeout_s} s", limit=self.timeout_s), f)
             t = used.get(w)
             if t is not None:
                 t.abort()

@@ -88,6 +88,36 @@ def _serves(port: int) -> bool:
         return False
 
 
+def test_a_failure_on_a_restarted_workers_old_process_leaves_the_new_one_askable(nats, tmp_path: Path) -> None:
+    """A call that took the member list before a worker restarted (a cluster client's background job: its
+    notes to the workers next in line, its read repairs) fails on the old process: that process is
+    suspect, not the one now serving under the same id, whose blocks are read at once."""
+    workers = [WorkerProcess(tmp_path / f"w{i}", nats_url=nats.url, ssd=True, dram_bytes="64MiB", env=SMALL)
+               for i in range(2)]
+    try:
+        for w in workers:
+            w.wait_ready()
+        restarted = worker_id(workers[1])
+        keys = {f"s{i}": SIZE for i in range(200)}
+        with PoolClient(mode="cluster", nats_url=nats.url, timeout_s=5) as c:
+            wait_members(c, 2)
+            c.batch_put(list(keys), [block(k, SIZE) for k in keys])
+            before = dict(c.backend.members())
+            assert workers[1].stop() == 0
+            workers[1] = WorkerProcess(tmp_path / "w1", nats_url=nats.url, ssd=True, dram_bytes="64MiB",
+                                       env=SMALL).wait_ready()
+            assert c.wait_for_members(lambda m: restarted in m and m[restarted].incarnation
+                                      != before[restarted].incarnation and len(m) == 2, 15)
+            late = c.backend.fanout.each(before, {restarted: [0]}, lambda t, idx: t.batch_exists([b"s0"]),
+                                         time.monotonic() + 5)
+            assert list(late) == []  # it failed on the old process
+            hits, misses = read_all(c, keys)
+        assert not misses, f"{len(misses)} of {len(keys)} blocks missed: the restarted worker was taken as down"
+    finally:
+        for w in workers:
+            w.stop(timeout=5)
+
+
 def test_restart_on_the_same_state_keeps_its_id_and_serves_its_blocks(nats, tmp_path: Path) -> None:
     workers = [WorkerProcess(tmp_path / f"w{i}", nats_url=nats.url, ssd=True, dram_bytes="64MiB", env=SMALL)
                for i in range(3)]
