@@ -88,12 +88,27 @@ def _serves(port: int) -> bool:
         return False
 
 
+def _ssd_worker(nats, tmp_path: Path, i: int) -> WorkerProcess:
+    """Worker `i` of a test, with an SSD tier on its own state folder (the same one again on a restart)."""
+    return WorkerProcess(tmp_path / f"w{i}", nats_url=nats.url, ssd=True, dram_bytes="64MiB", env=SMALL)
+
+
+def _restart(c: PoolClient, nats, tmp_path: Path, workers: list[WorkerProcess], i: int) -> None:
+    """SIGTERM worker `i` (its DRAM is flushed to its SSD tier), start it again on the same state, and wait
+    until `c` sees the new process's entry (its view may still hold the old one's)."""
+    wid = worker_id(workers[i])
+    old = c.backend.members()[wid].incarnation
+    assert workers[i].stop() == 0
+    workers[i] = _ssd_worker(nats, tmp_path, i).wait_ready()
+    assert worker_id(workers[i]) == wid
+    assert c.wait_for_members(lambda m: wid in m and m[wid].incarnation != old and len(m) == len(workers), 15)
+
+
 def test_a_failure_on_a_restarted_workers_old_process_leaves_the_new_one_askable(nats, tmp_path: Path) -> None:
     """A call that took the member list before a worker restarted (a cluster client's background job: its
     notes to the workers next in line, its read repairs) fails on the old process: that process is
     suspect, not the one now serving under the same id, whose blocks are read at once."""
-    workers = [WorkerProcess(tmp_path / f"w{i}", nats_url=nats.url, ssd=True, dram_bytes="64MiB", env=SMALL)
-               for i in range(2)]
+    workers = [_ssd_worker(nats, tmp_path, i) for i in range(2)]
     try:
         for w in workers:
             w.wait_ready()
@@ -103,11 +118,7 @@ def test_a_failure_on_a_restarted_workers_old_process_leaves_the_new_one_askable
             wait_members(c, 2)
             c.batch_put(list(keys), [block(k, SIZE) for k in keys])
             before = dict(c.backend.members())
-            assert workers[1].stop() == 0
-            workers[1] = WorkerProcess(tmp_path / "w1", nats_url=nats.url, ssd=True, dram_bytes="64MiB",
-                                       env=SMALL).wait_ready()
-            assert c.wait_for_members(lambda m: restarted in m and m[restarted].incarnation
-                                      != before[restarted].incarnation and len(m) == 2, 15)
+            _restart(c, nats, tmp_path, workers, 1)
             late = c.backend.fanout.each(before, {restarted: [0]}, lambda t, idx: t.batch_exists([b"s0"]),
                                          time.monotonic() + 5)
             assert list(late) == []  # it failed on the old process
@@ -119,25 +130,17 @@ def test_a_failure_on_a_restarted_workers_old_process_leaves_the_new_one_askable
 
 
 def test_restart_on_the_same_state_keeps_its_id_and_serves_its_blocks(nats, tmp_path: Path) -> None:
-    workers = [WorkerProcess(tmp_path / f"w{i}", nats_url=nats.url, ssd=True, dram_bytes="64MiB", env=SMALL)
-               for i in range(3)]
+    workers = [_ssd_worker(nats, tmp_path, i) for i in range(3)]
     try:
         for w in workers:
             w.wait_ready()
-        before = worker_id(workers[1])
         keys = {f"r{i}": SIZE for i in range(600)}
         with PoolClient(mode="cluster", nats_url=nats.url, timeout_s=5) as c:
             wait_members(c, 3)
             names = list(keys)
             for i in range(0, len(names), 50):
                 c.batch_put(names[i:i + 50], [block(k, SIZE) for k in names[i:i + 50]])
-            old = c.backend.members()[before].incarnation
-            assert workers[1].stop() == 0  # SIGTERM: DRAM is flushed to its SSD tier
-            workers[1] = WorkerProcess(tmp_path / "w1", nats_url=nats.url, ssd=True, dram_bytes="64MiB",
-                                       env=SMALL).wait_ready()
-            assert worker_id(workers[1]) == before
-            # (the client's view may still hold the old process's entry: wait for the new one's)
-            assert c.wait_for_members(lambda m: before in m and m[before].incarnation != old and len(m) == 3, 15)
+            _restart(c, nats, tmp_path, workers, 1)  # keeps its id
             hits, misses = read_all(c, keys)
         assert not misses, f"{len(misses)} of {len(keys)} blocks missed after a restart on the same state"
     finally:
