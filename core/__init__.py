@@ -7,7 +7,7 @@ NATS helpers, and the command-line hook type (`registry`). Their bench suites us
 from .aio import LoopThread, nats_connect, nats_denied, nats_failure
 from .async_client import AsyncPoolClient
 from .blocks import checksum
-from .buffers import readable
+from .buffers import readable, readable_all
 from .cache import TieredCache
 from .client import ClientConfig, PoolClient
 from .config import CacheConfig
@@ -45,7 +45,7 @@ __all__ = [
     "InvalidArgument", "CorruptBlock", "StorageError", "BenchError",
     "NamespaceError", "QuotaExceeded",
     # what the faces build on
-    "ClientConfig", "load_config", "Key", "key_bytes", "checksum", "readable", "LoopThread", "nats_connect",
-    "nats_failure", "nats_denied", "NatsCreds", "Role", "find_creds", "redacted_url", "AddParser", "Subparsers",
-    "Place", "put_placed", "read_placed", "Stagers", "keys_bytes",
+    "ClientConfig", "load_config", "Key", "key_bytes", "checksum", "readable", "readable_all", "LoopThread",
+    "nats_connect", "nats_failure", "nats_denied", "NatsCreds", "Role", "find_creds", "redacted_url", "AddParser",
+    "Subparsers", "Place", "put_placed", "read_placed", "Stagers", "keys_bytes",
 ]

@@ -1,7 +1,8 @@
 """Byte views of the buffers callers hand us: bytes-likes, numpy arrays and torch tensors.
 
-Everything in the pool moves as flat uint8 memoryviews. CUDA tensors are staged through host memory
-here, in one place, so tiers and transports only ever see host bytes.
+Everything in the pool moves as flat uint8 memoryviews. Device tensors are staged through host memory
+here, in one place, so tiers and transports only ever see host bytes; a batch's CUDA tensors are staged
+together, in pinned memory (`cuda_staging`).
 """
 from __future__ import annotations
 
@@ -10,19 +11,36 @@ from typing import Any
 
 import numpy as np
 
+from .cuda_staging import host_buffers, to_devices, to_host
 from .errors import BufferSizeError, InvalidArgument
 
-__all__ = ["readable", "byte_size", "Destination", "destination_views", "finish_all"]
+__all__ = ["readable", "readable_all", "byte_size", "Destination", "destinations", "destination_views",
+           "finish_all"]
 
 
 _FLAT_TYPES = frozenset({np.ndarray, bytearray, memoryview, bytes})
 """Types whose flat uint8 buffers are used as they are (`memoryview(buf)` says whether one is)."""
 
 
-def _torch_host_bytes(t: Any) -> np.ndarray:
+def _is_torch(buf: Any) -> bool:
+    return type(buf).__module__.startswith("torch")
+
+
+def _on_cuda(buf: Any) -> bool:
+    """Whether `buf` is a torch tensor on a CUDA device (staged in pinned memory)."""
+    return _is_torch(buf) and bool(buf.device.type == "cuda")
+
+
+def _flat_bytes(t: Any) -> Any:
     import torch
 
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _torch_host_bytes(t: Any) -> np.ndarray:
+    flat = _flat_bytes(t)
+    if flat.device.type == "cuda":
+        return to_host([flat])[0]
     if flat.device.type != "cpu":
         flat = flat.cpu()
     host: np.ndarray = flat.numpy()
@@ -35,7 +53,7 @@ def readable(buf: Any) -> memoryview:
         mv = memoryview(buf)
         if mv.format == "B" and mv.ndim == 1 and mv.c_contiguous:
             return mv
-    if type(buf).__module__.startswith("torch"):
+    if _is_torch(buf):
         return _torch_host_bytes(buf).data.cast("B")
     if isinstance(buf, np.ndarray):
         return np.ascontiguousarray(buf).reshape(-1).view(np.uint8).data
@@ -49,9 +67,19 @@ def readable(buf: Any) -> memoryview:
     return mv
 
 
+def readable_all(buffers: Sequence[Any]) -> list[memoryview]:
+    """`[readable(b) for b in buffers]`, but the batch's CUDA tensors are copied to the host together:
+    into one pinned buffer, waited for once (`cuda_staging.to_host`)."""
+    cuda = [b for b in buffers if _on_cuda(b)]
+    if not cuda:
+        return [readable(b) for b in buffers]
+    staged = iter(to_host([_flat_bytes(b) for b in cuda]))
+    return [next(staged).data.cast("B") if _on_cuda(b) else readable(b) for b in buffers]
+
+
 def byte_size(buf: Any) -> int:
     """`readable(buf).nbytes`, without making the view (a device tensor is not copied to the host)."""
-    if type(buf).__module__.startswith("torch"):
+    if _is_torch(buf):
         return int(buf.numel()) * int(buf.element_size())
     if isinstance(buf, np.ndarray):
         return int(buf.nbytes)
@@ -62,21 +90,22 @@ class Destination:
     """A writable flat byte view of a caller's buffer; `finish()` publishes what was written.
 
     CPU buffers are written in place through `view`. For a torch tensor, `tensor` is its flat uint8
-    view (for device-to-device copies); a CUDA tensor's `view` is a host staging array that
-    `finish()` moves to the device in one copy.
+    view (for device-to-device copies); a device tensor's `view` is of a host staging tensor (`host`
+    where given: pinned memory that `destinations` shares among a batch) that `finish()` moves to the
+    device in one copy.
     """
 
-    __slots__ = ("view", "tensor", "_staged")
+    __slots__ = ("view", "tensor", "_host")
 
-    def __init__(self, buf: Any) -> None:
+    def __init__(self, buf: Any, host: Any = None) -> None:
         self.tensor: Any = None
-        self._staged = False
+        self._host: Any = None
         if type(buf) in _FLAT_TYPES:  # the common case first, cheaply: a flat writable byte buffer
             mv = memoryview(buf)
             if mv.format == "B" and mv.ndim == 1 and mv.c_contiguous and not mv.readonly:
                 self.view = mv
                 return
-        if type(buf).__module__.startswith("torch"):
+        if _is_torch(buf):
             import torch
 
             if not buf.is_contiguous():
@@ -84,9 +113,12 @@ class Destination:
             self.tensor = buf.reshape(-1).view(torch.uint8)
             if self.tensor.device.type == "cpu":
                 self.view = memoryview(self.tensor.numpy())
-            else:
-                self._staged = True
-                self.view = np.empty(self.tensor.numel(), dtype=np.uint8).data
+                return
+            n = int(self.tensor.numel())
+            if host is None:
+                host = host_buffers([n])[0] if _on_cuda(buf) else torch.empty(n, dtype=torch.uint8)
+            self._host = host
+            self.view = memoryview(host.numpy())
         elif isinstance(buf, np.ndarray):
             if not buf.flags.c_contiguous or not buf.flags.writeable:
                 raise BufferSizeError("destination array must be C-contiguous and writeable")
@@ -105,18 +137,31 @@ class Destination:
 
     def finish(self, nbytes: int) -> None:
         """Publish the first `nbytes` written into `view` to the caller's buffer."""
-        if self._staged and nbytes > 0:
-            import torch
-
-            host = torch.frombuffer(self.view[:nbytes], dtype=torch.uint8)
-            self.tensor[:nbytes].copy_(host)
+        finish_all([self], [nbytes])
 
 
 def finish_all(dests: Sequence[Destination], sizes: Sequence[int]) -> None:
-    """`finish` each destination with the size written into it (-1: nothing; a no-op but for staged tensors)."""
+    """`finish` each destination with the size written into it (-1: nothing; a no-op but for staged
+    tensors). The copies to CUDA tensors are queued together and waited for once."""
+    to_cuda: list[tuple[Any, Any]] = []
     for size, dest in zip(sizes, dests):
-        if dest._staged:
-            dest.finish(size)
+        if dest._host is None or size <= 0:
+            continue
+        if dest.tensor.device.type == "cuda":
+            to_cuda.append((dest.tensor, dest._host[:size]))
+        else:
+            dest.tensor[:size].copy_(dest._host[:size])
+    if to_cuda:
+        to_devices(to_cuda)
+
+
+def destinations(buffers: Sequence[Any]) -> list[Destination]:
+    """A `Destination` of each buffer; the CUDA tensors among them are staged in one pinned buffer."""
+    cuda = [b for b in buffers if _on_cuda(b)]
+    if not cuda:
+        return [Destination(b) for b in buffers]
+    hosts = iter(host_buffers([byte_size(b) for b in cuda]))
+    return [Destination(b, next(hosts)) if _on_cuda(b) else Destination(b) for b in buffers]
 
 
 def destination_views(buffers: Sequence[Any]) -> tuple[list[memoryview], list[Destination] | None]:
@@ -127,5 +172,5 @@ def destination_views(buffers: Sequence[Any]) -> tuple[list[memoryview], list[De
         views: list[memoryview] = [memoryview(b) for b in buffers]
         if all(v.format == "B" and v.ndim == 1 and v.c_contiguous and not v.readonly for v in views):
             return views, None
-    dests = [Destination(b) for b in buffers]
+    dests = destinations(buffers)
     return [d.view for d in dests], dests

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
-from .buffers import Destination, readable
+from .buffers import Destination, destinations, readable_all
 from .cache_events import CacheListener
 from .config import CacheConfig, load
 from .demoter import Demoter
@@ -97,7 +97,7 @@ class TieredCache:
             raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers"
                                   + (f" and {len(versions)} versions" if versions is not None else ""))
         raw_keys = keys_bytes(keys)
-        views = [readable(b) for b in buffers]
+        views = readable_all(buffers)
         max_block = self.max_block
         for k, v in zip(raw_keys, views):
             if v.nbytes > max_block:
@@ -215,7 +215,7 @@ class TieredCache:
         if len(keys) != len(buffers):
             raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
         raw_keys = keys_bytes(keys)
-        return [self._get_into(k, Destination(b)) for k, b in zip(raw_keys, buffers)]
+        return [self._get_into(k, dest) for k, dest in zip(raw_keys, destinations(buffers))]
 
     def _get_into(self, k: bytes, dest: Destination) -> int:
         device = self._stack.device

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from .buffers import Destination, readable
+from .buffers import destinations, finish_all, readable_all
 from .errors import BlockTooLarge, BufferSizeError, PoolClosed
 from .pool_backend import MembersPredicate
 from .records import PoolStats, WorkerInfo
@@ -40,7 +40,7 @@ class MemoryBackend:
             raise PoolClosed("the memory backend is closed")
 
     def batch_put(self, keys: Sequence[bytes], buffers: Sequence[Any], pin_s: float = 0.0) -> None:
-        views = [readable(b) for b in buffers]
+        views = readable_all(buffers)
         for k, v in zip(keys, views):
             if v.nbytes > self._max_block:
                 raise BlockTooLarge(f"block {k[:24]!r} is {v.nbytes} bytes; the max block is {self._max_block}",
@@ -53,7 +53,7 @@ class MemoryBackend:
             self.batch_pin(keys, pin_s)
 
     def batch_get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[int]:
-        dests = [Destination(b) for b in buffers]
+        dests = destinations(buffers)
         found = self._lookup(keys)
         out: list[int] = []
         for k, data, dest in zip(keys, found, dests):
@@ -63,8 +63,7 @@ class MemoryBackend:
             if data is not None:
                 dest.view[:len(data)] = data
             out.append(-1 if data is None else len(data))
-        for n, dest in zip(out, dests):
-            dest.finish(n)
+        finish_all(dests, out)
         return out
 
     def _lookup(self, keys: Sequence[bytes]) -> list[bytes | None]:

@@ -28,7 +28,7 @@ import numpy as np
 from . import protocol as P
 from .arena_pages import ArenaPages
 from .blocks import checksum
-from .buffers import Destination, destination_views, finish_all, readable
+from .buffers import Destination, destination_views, destinations, finish_all, readable_all
 from .connection import Connection, put_outcome, refuse_too_large, send_pin
 from .errors import BufferSizeError, PoolUnavailable, ProtocolError
 from .fastcopy import copy_from
@@ -62,7 +62,7 @@ class TcpTransport(Connection):
         `_FRAMES_IN_FLIGHT` unanswered): the worker receives, hashes and commits one while the next is
         hashed and sent. A block the worker refuses fails alone; the error raised is the first failed
         block's."""
-        views = [readable(b) for b in buffers]
+        views = readable_all(buffers)
         lens = [v.nbytes for v in views]
         refuse_too_large(keys, lens, self.max_block)
         stamps = _stamps(versions, len(keys))
@@ -101,7 +101,7 @@ class TcpTransport(Connection):
 
     def batch_get_versions_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> tuple[list[int], list[int]]:
         """`batch_get_into`, and each key's version as the worker knows it (a miss: its removal's, or 0)."""
-        dests = [Destination(b) for b in buffers]
+        dests = destinations(buffers)
         sizes: list[int] = []
         versions: list[int] = []
         for f in P.frames(len(keys)):
@@ -226,7 +226,7 @@ class ShmTransport(Connection):
                   versions: Sequence[int] | None) -> list[int]:
         """`Connection.put_as_of`: a batch larger than the worker lets one connection reserve at once
         goes in several rounds."""
-        views = [readable(b) for b in buffers]
+        views = readable_all(buffers)
         lens = [v.nbytes for v in views]
         refuse_too_large(keys, lens, self.max_block)
         budget = self.hello().max_reserve or P.MAX_DATA

@@ -25,6 +25,7 @@ from kvpool.core import (
     put_placed,
     read_placed,
     readable,
+    readable_all,
 )
 
 from .envelope import Ref
@@ -41,7 +42,7 @@ def put_blocks(pool: PoolClient, keys: Sequence[Key], buffers: Sequence[Any], *,
     """Store each buffer under its key (pinned for `pin_s` seconds if > 0); the reference to publish.
     With `stagers`, a put to a worker on this node returns without waiting for it (`Stager`); with
     `hold` too, its COMMIT waits for `stagers.send_held()` (the caller announces the blocks first)."""
-    views = [readable(b) for b in buffers]
+    views = readable_all(buffers)
     sizes = [len(v) for v in views]
     names = keys_bytes(keys) if stagers is not None else []
     stager = stagers.for_keys(names, sizes) if stagers is not None else None
