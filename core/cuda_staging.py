@@ -3,7 +3,7 @@
 The pool moves host bytes, so a CUDA tensor put is first copied to the host and one read into is filled
 on the host first. `tensor.cpu()` and a copy from a numpy array use pageable memory, which the driver
 copies through a pinned buffer of its own, and wait for each tensor. On an H100 (docs/BENCHMARKS.md,
-run AJ), 64 MiB of 1 MiB tensors moved at 9.5 GB/s to the host and 7.5 from it that way, against 48
+run AJ), 64 MiB of 1 MiB tensors moved at 9.5 GB/s to the host and 7.6 from it that way, against 48
 both ways between the device and pinned memory. Here a batch's tensors share one pinned buffer, their
 copies are queued without blocking on each tensor's current stream, and each stream is waited for once.
 
