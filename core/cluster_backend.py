@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -60,29 +60,40 @@ class Repair:
     size: int
 
 
+def live_groups(live: dict[str, WorkerInfo], groups: Groups) -> Groups:
+    """`groups` less the workers that are no members of `live` now. A job in the background takes the
+    member list when it runs, not when it was queued: a worker restarted meanwhile is reached at its new
+    process (an older list would have it asked at the old one's address, and its connection replaced
+    by one that leads nowhere), and one that left is not asked."""
+    return {w: idx for w, idx in groups.items() if w in live}
+
+
 class Repairs:
     """Read repair: writes the newest block (or removal) read to the owners that answered with an older
     one, in one background thread, each batch under its own `timeout_s`. Bytes are copied before the
     read returns (the caller owns its buffers); at most `max_pending` keys wait, beyond which repairs
-    are skipped (the next read of the key repairs it)."""
+    are skipped (the next read of the key repairs it). A repair reaches its owners as `members()` gives
+    them when it runs (`live_groups`)."""
 
-    def __init__(self, fanout: FanOut, timeout_s: float, max_pending: int = 4096) -> None:
+    def __init__(self, fanout: FanOut, members: Callable[[], dict[str, WorkerInfo]], timeout_s: float,
+                 max_pending: int = 4096) -> None:
         self.fanout = fanout
+        self.members = members
         self.timeout_s = timeout_s
         self._queue = Background("kvpool-repair", max_pending)
         self.done = 0
         """Keys repaired (an owner answered the repair)."""
         self._lock = threading.Lock()
 
-    def submit(self, live: dict[str, WorkerInfo], repairs: list[Repair]) -> None:
+    def submit(self, repairs: list[Repair]) -> None:
         if not repairs:
             return
         jobs: list[tuple[Repair, bytes | None]] = []
         for r in repairs:
             jobs.append((r, None if r.buffer is None else bytes(readable(r.buffer)[:r.size])))
-        self._queue.submit(len(jobs), lambda: self._run(live, jobs))  # full: skipped
+        self._queue.submit(len(jobs), lambda: self._run(jobs))  # full: skipped
 
-    def _run(self, live: dict[str, WorkerInfo], jobs: list[tuple[Repair, bytes | None]]) -> None:
+    def _run(self, jobs: list[tuple[Repair, bytes | None]]) -> None:
         try:
             puts: Groups = {}
             removes: Groups = {}
@@ -98,8 +109,10 @@ class Repairs:
                 return t.batch_remove([jobs[j][0].key for j in idx], [jobs[j][0].version for j in idx])
 
             deadline = time.monotonic() + self.timeout_s
-            done = sum(len(idx) for _, idx, _ in self.fanout.each(live, puts, put, deadline))
-            done += sum(len(idx) for _, idx, _ in self.fanout.each(live, removes, remove, deadline))
+            live = self.members()
+            done = sum(len(idx) for _, idx, _ in self.fanout.each(live, live_groups(live, puts), put, deadline))
+            done += sum(len(idx) for _, idx, _ in self.fanout.each(live, live_groups(live, removes), remove,
+                                                                   deadline))
             with self._lock:
                 self.done += done
         except KVPoolError as e:  # a repair that fails is retried by the next read of its key
@@ -130,7 +143,7 @@ class ClusterBackend:
         self.membership = Membership(nats_url, connect_timeout_s=max(timeout_s, JOIN_TIMEOUT_S))
         self.membership.watch()
         self.fanout = FanOut(node_id or default_node_id(), token, timeout_s, tls_ca)
-        self.repairs = Repairs(self.fanout, timeout_s)
+        self.repairs = Repairs(self.fanout, self._live, timeout_s)
         self.supersedes = Background("kvpool-supersede", 1 << 16)
         """Where puts and removes tell the workers next in line (`_supersede`)."""
 
@@ -144,8 +157,7 @@ class ClusterBackend:
         n = self.replication + next_in_line
         return [rank(k, ids)[:n] for k in keys]
 
-    def _supersede(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
-                   versions: list[int]) -> None:
+    def _supersede(self, ranked: list[list[str]], keys: Sequence[bytes], versions: list[int]) -> None:
         """Tell each key's worker next in line (`ranked`: `_owners(next_in_line=True)`) to drop a block of
         it stamped before its version, or within the clock-skew bound after it (`Connection.supersede`,
         one way; `ReplicaState.supersede`). That worker owned the key before one ranked above it joined,
@@ -167,7 +179,8 @@ class ClusterBackend:
 
         def send() -> None:
             try:
-                for _ in self.fanout.each(live, groups, tell, self._deadline()):
+                live = self._live()  # as it is now (`live_groups`)
+                for _ in self.fanout.each(live, live_groups(live, groups), tell, self._deadline()):
                     pass
             except KVPoolError as e:
                 log.debug("the workers next in line of %d keys not told: %s", len(keys), e)
@@ -180,7 +193,7 @@ class ClusterBackend:
         told, as of now, what an ordinary put tells it (`_supersede`)."""
         live = self._live()
         if len(live) > self.replication:
-            self._supersede(live, self._owners(keys, live, next_in_line=True), keys, CLOCK.batch(len(keys)))
+            self._supersede(self._owners(keys, live, next_in_line=True), keys, CLOCK.batch(len(keys)))
 
     def sole_owner(self, keys: Sequence[bytes]) -> WorkerInfo | None:
         """The live member that placement gives every key of `keys` to, as their only copy; None when
@@ -234,7 +247,7 @@ class ClusterBackend:
                 self._put_as_of(live, [ranked[i] for i in superseded], again, [buffers[i] for i in superseded],
                                 pin_s, self._restamp(live, again, superseded, versions))
         finally:  # (a put that failed may have reached an owner: the older copies go too)
-            self._supersede(live, ranked, keys, versions)
+            self._supersede(ranked, keys, versions)
 
     def _refuse_too_large(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
                           buffers: Sequence[Any]) -> None:
@@ -359,7 +372,7 @@ class ClusterBackend:
         stale = [Repair(keys[i], [w for w, (b, v) in heard[i].items() if (b, v) != (newest[i][1], newest[i][0])],
                         got[i] if out[i] >= 0 else newest[i][0], buffers[i] if out[i] >= 0 else None, out[i])
                  for i in range(n) if newest[i][0] and (out[i] >= 0 or not newest[i][1])]
-        self.repairs.submit(live, [r for r in stale if r.owners])
+        self.repairs.submit([r for r in stale if r.owners])
         return out
 
     def batch_exists(self, keys: Sequence[bytes]) -> list[bool]:
@@ -406,7 +419,7 @@ class ClusterBackend:
                                                                   stamps)[0]):
                     removed[i] = removed[i] or done
         finally:
-            self._supersede(live, ranked, keys, versions)
+            self._supersede(ranked, keys, versions)
         return removed
 
     def _remove_as_of(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],

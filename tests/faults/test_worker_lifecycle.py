@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -125,6 +126,36 @@ def test_a_failure_on_a_restarted_workers_old_process_leaves_the_new_one_askable
             hits, misses = read_all(c, keys)
         assert not misses, f"{len(misses)} of {len(keys)} blocks missed: the restarted worker was taken as down"
     finally:
+        for w in workers:
+            w.stop(timeout=5)
+
+
+def test_a_background_job_queued_before_a_restart_reaches_the_new_process(nats, tmp_path: Path) -> None:
+    """A put's notes to the workers next in line wait in the client's background queue while a worker
+    restarts: they go to the member as it is when they are sent, so the client's connection to the new
+    process stays (sent with the list of their put, they would have replaced it by one to the old process,
+    closing it under any call in flight on it)."""
+    workers = [_ssd_worker(nats, tmp_path, i) for i in range(2)]
+    gate = threading.Event()
+    try:
+        for w in workers:
+            w.wait_ready()
+        restarted = worker_id(workers[1])
+        keys = {f"q{i}": SIZE for i in range(100)}
+        with PoolClient(mode="cluster", nats_url=nats.url, timeout_s=5) as c:
+            wait_members(c, 2)
+            queue = c.backend.supersedes
+            assert queue.submit(1, gate.wait)  # the notes queue up behind this
+            c.batch_put(list(keys), [block(k, SIZE) for k in keys])
+            _restart(c, nats, tmp_path, workers, 1)
+            hits, misses = read_all(c, keys)  # through a connection to the new process
+            assert not misses
+            held = c.backend.fanout._transports[restarted]
+            gate.set()
+            queue.wait()
+            assert c.backend.fanout._transports.get(restarted) is held
+    finally:
+        gate.set()
         for w in workers:
             w.stop(timeout=5)
 
