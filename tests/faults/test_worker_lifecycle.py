@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -105,14 +107,24 @@ def _restart(c: PoolClient, nats, tmp_path: Path, workers: list[WorkerProcess], 
     assert c.wait_for_members(lambda m: wid in m and m[wid].incarnation != old and len(m) == len(workers), 15)
 
 
+@contextmanager
+def _ssd_workers(nats, tmp_path: Path, n: int) -> Iterator[list[WorkerProcess]]:
+    """`n` SSD workers, ready; stopped at the end (those `_restart` put in their places too)."""
+    workers = [_ssd_worker(nats, tmp_path, i) for i in range(n)]
+    try:
+        for w in workers:
+            w.wait_ready()
+        yield workers
+    finally:
+        for w in workers:
+            w.stop(timeout=5)
+
+
 def test_a_failure_on_a_restarted_workers_old_process_leaves_the_new_one_askable(nats, tmp_path: Path) -> None:
     """A call that took the member list before a worker restarted (a cluster client's background job: its
     notes to the workers next in line, its read repairs) fails on the old process: that process is
     suspect, not the one now serving under the same id, whose blocks are read at once."""
-    workers = [_ssd_worker(nats, tmp_path, i) for i in range(2)]
-    try:
-        for w in workers:
-            w.wait_ready()
+    with _ssd_workers(nats, tmp_path, 2) as workers:
         restarted = worker_id(workers[1])
         keys = {f"s{i}": SIZE for i in range(200)}
         with PoolClient(mode="cluster", nats_url=nats.url, timeout_s=5) as c:
@@ -125,9 +137,6 @@ def test_a_failure_on_a_restarted_workers_old_process_leaves_the_new_one_askable
             assert list(late) == []  # it failed on the old process
             hits, misses = read_all(c, keys)
         assert not misses, f"{len(misses)} of {len(keys)} blocks missed: the restarted worker was taken as down"
-    finally:
-        for w in workers:
-            w.stop(timeout=5)
 
 
 def test_a_background_job_queued_before_a_restart_reaches_the_new_process(nats, tmp_path: Path) -> None:
@@ -135,14 +144,11 @@ def test_a_background_job_queued_before_a_restart_reaches_the_new_process(nats, 
     restarts: they go to the member as it is when they are sent, so the client's connection to the new
     process stays (sent with the list of their put, they would have replaced it by one to the old process,
     closing it under any call in flight on it)."""
-    workers = [_ssd_worker(nats, tmp_path, i) for i in range(2)]
     gate = threading.Event()
-    try:
-        for w in workers:
-            w.wait_ready()
-        restarted = worker_id(workers[1])
-        keys = {f"q{i}": SIZE for i in range(100)}
-        with PoolClient(mode="cluster", nats_url=nats.url, timeout_s=5) as c:
+    with _ssd_workers(nats, tmp_path, 2) as workers, PoolClient(mode="cluster", nats_url=nats.url, timeout_s=5) as c:
+        try:
+            restarted = worker_id(workers[1])
+            keys = {f"q{i}": SIZE for i in range(100)}
             wait_members(c, 2)
             queue = c.backend.supersedes
             assert queue.submit(1, gate.wait)  # the notes queue up behind this
@@ -154,17 +160,12 @@ def test_a_background_job_queued_before_a_restart_reaches_the_new_process(nats, 
             gate.set()
             queue.wait()
             assert c.backend.fanout._transports.get(restarted) is held
-    finally:
-        gate.set()
-        for w in workers:
-            w.stop(timeout=5)
+        finally:
+            gate.set()
 
 
 def test_restart_on_the_same_state_keeps_its_id_and_serves_its_blocks(nats, tmp_path: Path) -> None:
-    workers = [_ssd_worker(nats, tmp_path, i) for i in range(3)]
-    try:
-        for w in workers:
-            w.wait_ready()
+    with _ssd_workers(nats, tmp_path, 3) as workers:
         keys = {f"r{i}": SIZE for i in range(600)}
         with PoolClient(mode="cluster", nats_url=nats.url, timeout_s=5) as c:
             wait_members(c, 3)
@@ -174,9 +175,6 @@ def test_restart_on_the_same_state_keeps_its_id_and_serves_its_blocks(nats, tmp_
             _restart(c, nats, tmp_path, workers, 1)  # keeps its id
             hits, misses = read_all(c, keys)
         assert not misses, f"{len(misses)} of {len(keys)} blocks missed after a restart on the same state"
-    finally:
-        for w in workers:
-            w.stop(timeout=5)
 
 
 def test_worker_id_flag_names_the_worker(tmp_path: Path) -> None:
