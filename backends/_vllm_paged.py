@@ -8,6 +8,11 @@ cost per key (~30 us for a same-node worker) is far above the cost of copying a 
 (~3 us for 32 KiB); with L layers, per-layer keys cost L times the keys for the same bytes. vLLM's
 CPU backend lays the cache out layer-major (`LBHNC`), so a token block's layers are not adjacent and
 one staging copy per direction is the price of one key per block.
+
+On a GPU the layers are CUDA tensors: the staging buffer is on their device too, so the gather and
+scatter stay there, and the pool moves the staged blocks to and from the host a batch at a time,
+through pinned memory (`kvpool.core.cuda_staging`). The copies run on the current stream, after the
+forward pass that wrote the KV and before the one that reads it.
 """
 from __future__ import annotations
 
@@ -32,8 +37,8 @@ class PagedKV:
 
     `layers` are vLLM's per-layer views with blocks as the first dimension (`[B, H, N, C]` in vLLM
     0.32; a view split into kernel blocks is regrouped into `num_blocks` blocks). All layers must
-    have the same block shape and dtype. A token block is `[layers, *block shape]` of their bytes, stored
-    as one pool block per `layer_groups` part.
+    have the same block shape and dtype, on one device (the CPU, or one CUDA device). A token block is
+    `[layers, *block shape]` of their bytes, stored as one pool block per `layer_groups` part.
     """
 
     def __init__(self, layers: Sequence[torch.Tensor], num_blocks: int, staging_bytes: int = STAGING_BYTES,
@@ -41,11 +46,13 @@ class PagedKV:
         if not layers:
             raise InvalidArgument("no KV cache layers to move")
         grouped = [t if t.shape[0] == num_blocks else torch.unflatten(t, 0, (num_blocks, -1)) for t in layers]
-        shape, dtype = grouped[0].shape, grouped[0].dtype
+        shape, dtype, device = grouped[0].shape, grouped[0].dtype, grouped[0].device
         for t in grouped:
-            if t.shape != shape or t.dtype != dtype or t.device.type != "cpu":
-                raise InvalidArgument(f"KV layers differ or are not on the CPU: {tuple(t.shape)} {t.dtype} {t.device} "
-                                      f"vs {tuple(shape)} {dtype}; kvpool moves uniform CPU layers only")
+            if t.shape != shape or t.dtype != dtype or t.device != device or device.type not in ("cpu", "cuda"):
+                raise InvalidArgument(f"KV layers differ or are on no CPU or CUDA device: {tuple(t.shape)} {t.dtype} "
+                                      f"{t.device} vs {tuple(shape)} {dtype} {device}; kvpool moves uniform layers "
+                                      "on one CPU or CUDA device only")
+        self.device = device
         self.layer_block_bytes = math.prod(shape[1:]) * grouped[0].element_size()
         self.block_bytes = len(grouped) * self.layer_block_bytes
         """Bytes of one token block of every layer."""
@@ -74,7 +81,7 @@ class PagedKV:
         if stage is None or have < n:
             words = self.layer_block_bytes // _size(self._word)
             rows = min(self._cap, max(n, 2 * have, 8))
-            stage = self._stage = torch.empty((rows, len(self._layers), words), dtype=self._word)
+            stage = self._stage = torch.empty((rows, len(self._layers), words), dtype=self._word, device=self.device)
         return stage[:n]
 
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
@@ -82,7 +89,7 @@ class PagedKV:
         next gather or load."""
         stage = self._staging(len(block_ids))
         if self._rows is not None:
-            idx = torch.tensor(block_ids, dtype=torch.int64)
+            idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
             for j, rows in enumerate(self._rows):
                 torch.index_select(rows, 0, idx, out=stage[:, j])
         else:
@@ -94,7 +101,7 @@ class PagedKV:
     def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> None:
         """Write `src` ([n, layers, words], as gather returns) into the blocks."""
         if self._rows is not None:
-            idx = torch.tensor(block_ids, dtype=torch.int64)
+            idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
             for j, rows in enumerate(self._rows):
                 rows.index_copy_(0, idx, src[:, j])
         else:

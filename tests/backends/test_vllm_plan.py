@@ -214,18 +214,23 @@ def test_prompt_without_token_ids_matches_nothing() -> None:
 LAYERS, NUM_BLOCKS, HEADS, HEAD_DIM = 3, 12, 2, 64
 
 
-def _cpu_kv(seed: int) -> list[torch.Tensor]:
+def _cpu_kv(seed: int, device: str = "cpu") -> list[torch.Tensor]:
     """vLLM CPU backend per-layer caches: [blocks, kv heads, block size, 2 * head dim], bf16."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(NUM_BLOCKS, HEADS, BS, 2 * HEAD_DIM, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
+    return [torch.randn(NUM_BLOCKS, HEADS, BS, 2 * HEAD_DIM, generator=g).to(torch.bfloat16).to(device)
+            for _ in range(LAYERS)]
 
 
-def _strided_kv(seed: int) -> list[torch.Tensor]:
+def _strided_kv(seed: int, device: str = "cpu") -> list[torch.Tensor]:
     """Per-layer views of one [blocks, layers, ...] buffer with heads outermost in each block, so no
     block is contiguous (exercises the per-block fallback)."""
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randn(HEADS, NUM_BLOCKS, LAYERS, BS, 2 * HEAD_DIM, generator=g).to(torch.bfloat16)
+    raw = torch.randn(HEADS, NUM_BLOCKS, LAYERS, BS, 2 * HEAD_DIM, generator=g).to(torch.bfloat16).to(device)
     return [raw[:, :, j].transpose(0, 1) for j in range(LAYERS)]
+
+
+ON_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                          reason="needs a CUDA device")])
 
 
 @pytest.fixture
@@ -235,9 +240,12 @@ def io() -> HostIO:
     h.close()
 
 
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
 @pytest.mark.parametrize("make", [_cpu_kv, _strided_kv])
-def test_save_then_load_moves_exact_bytes_between_different_blocks(io: HostIO, make) -> None:
-    src, dst = make(1), make(2)
+def test_save_then_load_moves_exact_bytes_between_different_blocks(io: HostIO, make, device: str) -> None:
+    """On a GPU (vLLM's layers are CUDA tensors there) the gather and scatter stay on the device, and
+    the pool moves the blocks through pinned host memory."""
+    src, dst = make(1, device), make(2, device)
     a, b = PagedKV(src, NUM_BLOCKS, staging_bytes=2 * LAYERS * HEADS * BS * 2 * HEAD_DIM * 2), PagedKV(dst, NUM_BLOCKS)
     assert a.fast == (make is _cpu_kv)
     assert a.block_bytes == LAYERS * HEADS * BS * 2 * HEAD_DIM * 2
@@ -302,6 +310,12 @@ def test_layers_of_different_shapes_are_refused() -> None:
     layers = _cpu_kv(1)
     with pytest.raises(ValueError, match="differ"):
         PagedKV([layers[0], layers[1][:, :1]], NUM_BLOCKS)
+
+
+def test_layers_on_no_cpu_or_cuda_device_are_refused() -> None:
+    layers = [torch.empty(NUM_BLOCKS, HEADS, BS, 2 * HEAD_DIM, dtype=torch.bfloat16, device="meta")] * 2
+    with pytest.raises(ValueError, match="on no CPU or CUDA device"):
+        PagedKV(layers, NUM_BLOCKS)
 
 
 def test_kernel_block_views_are_regrouped_into_manager_blocks(io: HostIO) -> None:
