@@ -34,7 +34,8 @@ def _on_cuda(buf: Any) -> bool:
 def _flat_bytes(t: Any) -> Any:
     import torch
 
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    # (a conjugate or negative view's bits are made real first: such a view has no bytes of its own to view)
+    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _torch_host_bytes(t: Any) -> np.ndarray:
@@ -127,7 +128,7 @@ class Destination:
             mv = memoryview(buf)
             if mv.readonly:
                 raise BufferSizeError(f"destination {type(buf).__name__} is read-only")
-            if not mv.c_contiguous and (mv.format != "B" or mv.ndim != 1):
+            if not mv.c_contiguous:
                 raise BufferSizeError(f"destination {type(buf).__name__} is not contiguous; pass a contiguous buffer")
             self.view = mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
 

@@ -27,6 +27,7 @@ from .errors import (
     BlockTooLarge,
     CapacityError,
     CorruptBlock,
+    KVPoolError,
     PoolTimeout,
     PoolUnavailable,
     ProtocolError,
@@ -172,7 +173,16 @@ class Connection:
     def _session(self, generation: int | None = None) -> Iterator[socket.socket]:
         """Hold the connection for one exchange; any transport failure drops it and is typed.
         `generation`: the exchange belongs to that connection (e.g. the RELEASE of its leases): if it
-        has closed since, PoolUnavailable, and no other connection is made or touched."""
+        has closed since, PoolUnavailable, and no other connection is made or touched.
+
+        Anything else that leaves an exchange drops the connection too (a KeyboardInterrupt or an
+        exception from a signal handler while a reply is awaited, a caller's buffer that fails
+        mid-receive): a reply, or part of one, may be unread, and replies are told apart by their
+        operation alone, so the next request of the kind would take it for its own (another key's
+        bytes). The pool's own errors keep it: they are raised where the exchange is whole (a refused
+        block, a destination too small, a stager's earlier failure), or close it above (a refused
+        request's AuthError, a ProtocolError), or by the code that raised them with replies still due
+        (`ShmTransport._put_frame`, `_get_frame`)."""
         with self._lock:
             if generation is not None and generation != self.generation:
                 raise PoolUnavailable(f"the connection to worker {self.address} closed meanwhile: the worker "
@@ -195,6 +205,11 @@ class Connection:
             except (ConnectionError, OSError, ProtocolError) as e:
                 self.close()
                 raise PoolUnavailable(f"worker {self.address}: {e}") from e
+            except KVPoolError:
+                raise  # the pool's own: raised where the exchange is whole (or by code that closed it)
+            except BaseException:
+                self.close()
+                raise
 
     @staticmethod
     def _roundtrip(sock: socket.socket, op: int, meta: bytes = b"", data: list[memoryview] | None = None) -> P.Frame:

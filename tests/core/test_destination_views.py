@@ -41,3 +41,11 @@ def test_byte_size_is_what_readable_gives_without_making_the_view() -> None:
     for buf in (b"abc", bytearray(7), memoryview(b"abcdef")[::2], np.zeros((3, 4), np.float32).T,
                 np.arange(10, dtype=np.int64)[::3], torch.zeros(5, 3, dtype=torch.float16).t(), b""):
         assert byte_size(buf) == readable(buf).nbytes
+
+
+def test_conjugate_and_negative_views_are_read_as_their_values() -> None:
+    """Such views have no bytes of their own (a bit says conjugate, or negate, on access): their values
+    are made real first, not a torch error."""
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    assert bytes(readable(x.conj())) == x.conj().resolve_conj().numpy().tobytes()
+    assert bytes(readable(x.conj().imag)) == (-x.imag).numpy().tobytes()

@@ -205,3 +205,16 @@ def test_a_restarted_worker_counts_the_tenant_blocks_on_its_ssd(tmp_path: Path) 
                         a.put("a/over", BLOCK)
         finally:
             w.stop(timeout=10)
+
+
+def test_a_refused_frame_of_a_put_leaves_no_reply_for_the_next(worker: WorkerProcess) -> None:
+    """A batch sent in several frames whose first is refused: the error is raised as that frame's answer
+    arrives, the later frames' answers still due. The connection is dropped with them (a NamespaceError
+    is an AuthError), so the next put does not take one of them for its own."""
+    block = np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8)
+    keys = ["a/not-b's"] + [f"b/k{i}" for i in range(11)]  # 12 MiB: frames of 3 MiB, the first refused
+    with _client(worker, B_TOKEN) as b:
+        with pytest.raises(NamespaceError):
+            b.batch_put(keys, [block] * len(keys))
+        b.put("b/after", b"the next put's bytes")
+        assert b.get("b/after") == b"the next put's bytes"
