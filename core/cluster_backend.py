@@ -24,6 +24,7 @@ from .config import default_node_id
 from .connection import DEFAULT_MAX_BLOCK, refuse_too_large
 from .errors import KVPoolError, PoolUnavailable
 from .fanout import FanOut, Transport
+from .missed_writes import MissedWrites
 from .nats_creds import redacted_url
 from .pool_backend import MembersPredicate, copies
 from .records import PoolStats, WorkerInfo, WorkerStats
@@ -144,6 +145,8 @@ class ClusterBackend:
         self.membership.watch()
         self.fanout = FanOut(node_id or default_node_id(), token, timeout_s, tls_ca)
         self.repairs = Repairs(self.fanout, self._live, timeout_s)
+        self.missed = MissedWrites(self.fanout, self._live, timeout_s)
+        """Removals owed to owners that a put or remove went on without (`kvpool.core.missed_writes`)."""
         self.supersedes = Background("kvpool-supersede", 1 << 16)
         """Where puts and removes tell the workers next in line (`_supersede`)."""
 
@@ -207,6 +210,16 @@ class ClusterBackend:
 
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout_s
+
+    def _missed(self, groups: Groups, answered: set[str], keys: Sequence[bytes], versions: Sequence[int]) -> None:
+        """The owners of `groups` that did not answer a write (suspect, or failed within the call) are
+        owed a removal of their older copies, as of `versions` (`missed`). With one copy of each key, an
+        owner that misses a write fails it: nothing is owed."""
+        if self.replication <= 1:
+            return
+        for w, idx in groups.items():
+            if w not in answered:
+                self.missed.missed(w, [keys[i] for i in idx], [versions[i] for i in idx])
 
     def _replica_groups(self, owners: list[list[str]]) -> Groups:
         """Key indices by owner: the first `replication` workers of each of `owners` (`_owners`)."""
@@ -272,10 +285,14 @@ class ClusterBackend:
             held = t.put_as_of([keys[i] for i in idx], [buffers[i] for i in idx], pin_s, [versions[i] for i in idx])
             return [idx[j] for j in held]
 
-        for _, idx, held in self.fanout.each(live, self._replica_groups(ranked), put, self._deadline()):
+        groups = self._replica_groups(ranked)
+        answered: set[str] = set()
+        for w, idx, held in self.fanout.each(live, groups, put, self._deadline()):
+            answered.add(w)
             superseded.update(held)
             for i in idx:
                 stored[i] += 1
+        self._missed(groups, answered, keys, [v - 1 for v in versions])  # (the put's own version stays welcome)
         if not all(stored):
             raise PoolUnavailable(f"{stored.count(0)} of {len(keys)} blocks were stored by no live worker that "
                                   "answered (one that did not answer in time may still store them)")
@@ -435,12 +452,16 @@ class ClusterBackend:
         def rm(t: Transport, idx: list[int]) -> list[int]:
             return t.remove_as_of([keys[i] for i in idx], [versions[i] for i in idx])
 
-        for _, idx, outcomes in self.fanout.each(live, self._replica_groups(ranked), rm, self._deadline()):
+        groups = self._replica_groups(ranked)
+        answered: set[str] = set()
+        for w, idx, outcomes in self.fanout.each(live, groups, rm, self._deadline()):
+            answered.add(w)
             for i, o in zip(idx, outcomes):
                 reached[i] = True
                 removed[i] = removed[i] or o == REMOVED
                 if o == SUPERSEDED:
                     superseded.add(i)
+        self._missed(groups, answered, keys, versions)
         if not all(reached):
             raise PoolUnavailable(f"{reached.count(False)} of {len(keys)} removes were answered by no live owner "
                                   "(one that did not answer in time may still remove them)")
@@ -517,4 +538,5 @@ class ClusterBackend:
         self.supersedes.close(flush=True)  # first: what the puts made owe the workers next in line
         self.fanout.close()  # then: a repair under way fails fast, and connects nowhere new
         self.repairs.close()
+        self.missed.close()
         self.membership.close()

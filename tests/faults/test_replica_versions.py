@@ -127,9 +127,24 @@ def _repairs(c: PoolClient) -> None:
     backend.repairs.wait()
 
 
-def test_a_paused_replica_is_outvoted_then_repaired(nats, spawn):
+def _missed_delivered(c: PoolClient) -> bool:
+    """Whether the client has told every owner it left out of a write (`kvpool.core.missed_writes`)."""
+    backend = c.backend
+    assert isinstance(backend, ClusterBackend)
+    return poll(lambda: backend.missed.pending() == 0, 10)
+
+
+def _skipped(c: PoolClient, victim: WorkerProcess, key: str) -> None:
+    """SIGSTOP `victim` and make the client take it as down: a read of `key` (one of its) times out on
+    it, so the writes of the next `SUSPECT_S` go on without it (none waits in its socket for its return)."""
+    freeze(victim.proc.pid)
+    c.get(key)
+
+
+def test_a_paused_replica_is_outvoted_then_told_what_it_missed(nats, spawn):
     """SIGSTOP shorter than the member TTL: the replica wakes up holding old versions and removed keys.
-    Reads take the newest among the owners (0 stale, 0 resurrected), and repair the replica."""
+    Reads take the newest among the owners (0 stale, 0 resurrected); once it answers again the client
+    removes what it missed from it, and reads repair it."""
     workers = _cluster(nats, spawn)
     ids = [worker_id(w) for w in workers]
     truth = Truth()
@@ -140,9 +155,12 @@ def test_a_paused_replica_is_outvoted_then_repaired(nats, spawn):
         victim = workers[1]
         mine = _owned_by(keys, ids, ids[1])
         overwritten, removed = _change_while_paused(c, truth, mine, victim)
-        time.sleep(SUSPECT_S + 0.5)  # the client asks the replica again
-        with _direct(victim) as direct:  # it did miss them: what it holds is old
-            assert direct.batch_exists(removed).count(True) == len(removed)
+        seen = truth.check(c)  # (the replica is suspect for a while: the other owner answers)
+        assert not seen.stale and not seen.resurrected
+        assert _missed_delivered(c)
+        with _direct(victim) as direct:  # told: it holds no older copy of what changed (the newest, or none)
+            told = truth.check(direct, removed + overwritten)
+            assert not told.stale and not told.resurrected
         seen = truth.check(c)
         assert not seen.stale and not seen.resurrected
         assert seen.hits == len(keys) - len(removed)  # the other owner has every one
@@ -151,6 +169,65 @@ def test_a_paused_replica_is_outvoted_then_repaired(nats, spawn):
             after = truth.check(direct, mine)
             assert not after.stale and not after.resurrected
             assert after.hits == len(mine) - len(removed)
+    assert "kvpool-missed-writes" not in [t.name for t in threading.enumerate()]  # ended by close
+
+
+def test_a_replica_that_missed_a_put_serves_no_older_copy_once_the_newest_is_evicted(nats, spawn):
+    """The owner that took the put alone evicts it (ordinary traffic on keys the other does not own):
+    the replica that missed the put, back within the member TTL, would hold the only copy left, an older
+    one. It was told to drop it: reads are the newest or misses (adversarial check: 20 of 20 stale)."""
+    workers = _cluster(nats, spawn, dram_bytes="16MiB", env=SMALL_DRAM)
+    ids = [worker_id(w) for w in workers]
+    a, b, other = ids
+
+    def owned_by(*owners: str, n: int) -> list[str]:
+        return [k for k in (f"e{i}" for i in range(20000)) if set(rank(k.encode(), ids)[:2]) == set(owners)][:n]
+
+    keys = owned_by(a, b, n=20)
+    with _client(nats) as c:
+        wait_members(c, 3)
+        c.batch_put(keys, [block(k, SIZE, 0) for k in keys])
+        _skipped(c, workers[1], keys[0])
+        try:
+            c.batch_put(keys, [block(k, SIZE, 1) for k in keys])  # to the first owner alone
+        finally:
+            os.kill(workers[1].proc.pid, signal.SIGCONT)
+        fill = owned_by(a, other, n=512)  # 32 MiB through a's 16 MiB arena
+        for i in range(0, len(fill), 32):
+            c.batch_put(fill[i:i + 32], [block(k, SIZE) for k in fill[i:i + 32]])
+        with _direct(workers[0]) as direct:
+            assert not any(direct.batch_exists(keys))  # the newest is gone from the owner that took it
+        assert _missed_delivered(c)
+        time.sleep(SUSPECT_S)
+        for k in keys:
+            got = c.get(k)
+            assert got is None or bytes(got) == block(k, SIZE, 1), f"{k}: an older copy served"
+
+
+def test_a_removal_a_replica_missed_holds_after_the_other_owner_restarts(nats, spawn):
+    """The owner that took the removal alone restarts (its removals live in memory): the replica that
+    missed it, back within the member TTL, still held the key. It was told to drop it: the key stays
+    removed (adversarial check: 40 of 40 came back)."""
+    workers, ids = _ssd_cluster(nats, spawn)
+    keys = [k for k in (f"d{i}" for i in range(2000)) if set(rank(k.encode(), ids)[:2]) == {ids[0], ids[1]}][:40]
+    with _client(nats) as c:
+        wait_members(c, 3)
+        c.batch_put(keys, [block(k, 4096) for k in keys])
+        _skipped(c, workers[1], keys[0])
+        try:
+            assert all(c.batch_remove(keys))  # by the first owner alone
+        finally:
+            os.kill(workers[1].proc.pid, signal.SIGCONT)
+        assert _missed_delivered(c)
+        old = c.backend.members()[ids[0]].incarnation
+        assert workers[0].stop() == 0
+        back = _back_on_its_state(nats, workers[0])
+        try:
+            assert c.wait_for_members(lambda m: ids[0] in m and m[ids[0]].incarnation != old and len(m) == 3, 15)
+            time.sleep(SUSPECT_S)
+            assert [k for k in keys if c.get(k) is not None] == []
+        finally:
+            back.stop(timeout=5)
 
 
 def test_a_replica_away_past_the_member_ttl_catches_up(nats, spawn):
@@ -331,7 +408,7 @@ def test_closing_a_client_mid_repair_returns_at_once_and_leaves_no_thread(nats, 
     took = time.monotonic() - t0
     assert took < 1.0, f"close took {took:.2f} s"
     deadline = time.monotonic() + 1.0
-    ours = ("kvpool-repair", "kvpool-fanout", "kvpool-supersede")
+    ours = ("kvpool-repair", "kvpool-fanout", "kvpool-supersede", "kvpool-missed-writes")
     while alive := [t.name for t in threading.enumerate() if t.name.startswith(ours)]:
         assert time.monotonic() < deadline, f"threads left running after close: {alive}"
         time.sleep(0.05)
