@@ -48,6 +48,7 @@ class MissedWrites:
         self._owed: dict[str, dict[bytes, int]] = {}  # worker -> key -> the version to remove as of
         self._count = 0
         self._full_logged = False
+        self._failed_logged = False
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -94,6 +95,10 @@ class MissedWrites:
                 self._deliver(owed)
             except KVPoolError as e:  # (the client closed meanwhile, say): tried again, or dropped by close
                 log.debug("removals owed to workers that missed writes not sent: %s", e)
+            except Exception:  # a bug: logged (a warning the first time), and tried again rather than ending the thread
+                log.log(logging.DEBUG if self._failed_logged else logging.WARNING,
+                        "removals owed to workers that missed writes failed", exc_info=True)
+                self._failed_logged = True
             with self._cond:
                 if self._owed and not self._closed:
                     self._cond.wait(RETRY_S)
