@@ -38,6 +38,16 @@ def _pinned(nbytes: int) -> Any:
         return None
 
 
+def _split(host: Any, sizes: Sequence[int]) -> list[Any]:
+    """Consecutive slices of `host` (a flat tensor) of `sizes` elements."""
+    out: list[Any] = []
+    at = 0
+    for n in sizes:
+        out.append(host[at:at + n])
+        at += n
+    return out
+
+
 def _wait(tensors: Sequence[Any]) -> None:
     """Wait for the work queued on the current stream of each CUDA device among `tensors`."""
     import torch
@@ -49,19 +59,15 @@ def _wait(tensors: Sequence[Any]) -> None:
 def to_host(flats: Sequence[Any]) -> list[np.ndarray]:
     """Host copies of flat uint8 CUDA tensors, as numpy arrays: slices of one pinned buffer, filled by
     copies queued together and waited for once."""
-    host = _pinned(sum(int(t.numel()) for t in flats))
+    sizes = [int(t.numel()) for t in flats]
+    host = _pinned(sum(sizes))
     if host is None:
         return [t.cpu().numpy() for t in flats]
-    out: list[np.ndarray] = []
-    at = 0
-    for t in flats:
-        n = int(t.numel())
-        part = host[at:at + n]
+    parts = _split(host, sizes)
+    for part, t in zip(parts, flats):
         part.copy_(t, non_blocking=True)
-        out.append(part.numpy())
-        at += n
     _wait(flats)
-    return out
+    return [part.numpy() for part in parts]
 
 
 def host_buffers(sizes: Sequence[int]) -> list[Any]:
@@ -72,12 +78,7 @@ def host_buffers(sizes: Sequence[int]) -> list[Any]:
     host = _pinned(sum(sizes))
     if host is None:
         return [torch.empty(n, dtype=torch.uint8) for n in sizes]
-    out: list[Any] = []
-    at = 0
-    for n in sizes:
-        out.append(host[at:at + n])
-        at += n
-    return out
+    return _split(host, sizes)
 
 
 def to_devices(copies: Sequence[tuple[Any, Any]]) -> None:
