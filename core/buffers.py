@@ -31,6 +31,11 @@ def _on_cuda(buf: Any) -> bool:
     return _is_torch(buf) and bool(buf.device.type == "cuda")
 
 
+def _cuda_tensors(buffers: Sequence[Any]) -> list[Any]:
+    """The CUDA tensors among `buffers` (flat byte buffers, the usual batch, are passed over cheaply)."""
+    return [b for b in buffers if type(b) not in _FLAT_TYPES and _on_cuda(b)]
+
+
 def _flat_bytes(t: Any) -> Any:
     import torch
 
@@ -71,7 +76,7 @@ def readable(buf: Any) -> memoryview:
 def readable_all(buffers: Sequence[Any]) -> list[memoryview]:
     """`[readable(b) for b in buffers]`, but the batch's CUDA tensors are copied to the host together:
     into one pinned buffer, waited for once (`cuda_staging.to_host`)."""
-    cuda = [b for b in buffers if type(b) not in _FLAT_TYPES and _on_cuda(b)]  # (flat ones first, cheaply)
+    cuda = _cuda_tensors(buffers)
     if not cuda:
         return [readable(b) for b in buffers]
     staged = iter(to_host([_flat_bytes(b) for b in cuda]))
@@ -158,7 +163,7 @@ def finish_all(dests: Sequence[Destination], sizes: Sequence[int]) -> None:
 
 def destinations(buffers: Sequence[Any]) -> list[Destination]:
     """A `Destination` of each buffer; the CUDA tensors among them are staged in one pinned buffer."""
-    cuda = [b for b in buffers if type(b) not in _FLAT_TYPES and _on_cuda(b)]  # (flat ones first, cheaply)
+    cuda = _cuda_tensors(buffers)
     if not cuda:
         return [Destination(b) for b in buffers]
     hosts = iter(host_buffers([byte_size(b) for b in cuda]))

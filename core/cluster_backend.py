@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .background import Background
-from .buffers import byte_size, readable
+from .buffers import byte_size, readable, readable_all
 from .cluster import Membership, rank
 from .config import default_node_id
 from .connection import DEFAULT_MAX_BLOCK, refuse_too_large
@@ -252,6 +252,7 @@ class ClusterBackend:
             raise PoolUnavailable(f"no live workers in the cluster at {redacted_url(self.nats_url)}")
         ranked = self._owners(keys, live, next_in_line=True)
         self._refuse_too_large(live, ranked, keys, buffers)
+        buffers = readable_all(buffers)  # (CUDA tensors to the host once, not once per owner)
         versions = CLOCK.batch(len(keys))
         try:
             superseded = self._put_as_of(live, ranked, keys, buffers, pin_s, versions)

@@ -151,3 +151,29 @@ def test_with_workers_of_two_max_blocks_each_block_is_held_to_its_owners(nats, s
             c.batch_put(["other", refused], [b"o", big])
         assert e.value.key == refused.encode() and e.value.limit == 3 << 20
         assert c.batch_exists(["other", refused]) == [False, False]
+
+
+def test_a_replicated_put_stages_device_tensors_once(nats, spawn, monkeypatch):
+    """With R=2 every block goes to two owners: tensors that must be staged in host memory (CUDA ones:
+    here CPU tensors taken for them) are staged once for the batch, not once per owner."""
+    import torch
+
+    from kvpool.core import buffers, cuda_staging
+
+    staged: list[int] = []
+
+    def host(n: int):
+        staged.append(n)
+        return torch.empty(n, dtype=torch.uint8)
+
+    monkeypatch.setattr(buffers, "_on_cuda", buffers._is_torch)
+    monkeypatch.setattr(cuda_staging, "_pinned", host)
+    monkeypatch.setattr(cuda_staging, "_wait", lambda ts: None)
+    for i in range(2):
+        spawn(nats_url=nats.url, node_id=f"node{i}")
+    with PoolClient(mode="cluster", nats_url=nats.url, replication=2, node_id="client-node", timeout_s=3) as c:
+        _wait_members(c, 2)
+        tensors = [torch.from_numpy(np.frombuffer(_block(i), dtype=np.uint8).copy()) for i in range(8)]
+        c.batch_put([f"t{i}" for i in range(8)], tensors)
+        assert staged == [8 * (32 << 10)]
+        assert [c.get(f"t{i}") for i in range(8)] == [_block(i) for i in range(8)]
