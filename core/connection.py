@@ -177,9 +177,9 @@ class Connection:
 
         Anything else that leaves an exchange drops the connection too (a KeyboardInterrupt or an
         exception from a signal handler while a reply is awaited, a caller's buffer that fails
-        mid-receive): a reply, or part of one, may be unread, and replies are told apart by their
-        operation alone, so the next request of the kind would take it for its own (another key's
-        bytes). The pool's own errors keep it: they are raised where the exchange is whole (a refused
+        mid-receive): a reply, or part of one, may be unread, and the next request would find it in its
+        place (its id refuses a whole stray reply, `request_ids`; part of one would be read as a header).
+        The pool's own errors keep it: they are raised where the exchange is whole (a refused
         block, a destination too small, a stager's earlier failure), or close it above (a refused
         request's AuthError, a ProtocolError), or by the code that raised them with replies still due
         (`ShmTransport._put_frame`, `_get_frame`)."""

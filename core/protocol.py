@@ -27,9 +27,11 @@ import xxhash
 
 from .errors import PoolUnavailable, ProtocolError
 from .keys import MAX_KEY_BYTES
+from .request_ids import check as check_id
+from .request_ids import issue as issue_id
 from .versions import CLEAR, PUT, REMOVE, REMOVED, SUPERSEDED, Change
 
-__all__ = ["MAGIC", "VERSION", "HEADER", "MAX_META", "MAX_DATA", "MAX_BATCH", "Op", "Status", "ITEM_QUOTA",
+__all__ = ["MAGIC", "VERSION", "HEADER", "MAX_META", "MAX_DATA", "MAX_BATCH", "Op", "ONE_WAY", "Status", "ITEM_QUOTA",
     "ITEM_SUPERSEDED", "REMOVED", "SUPERSEDED", "Frame",
     "header", "recv_exactly", "recv_checksum", "recv_into_all", "recv_frame", "send_frame", "pack_json", "unpack_json",
     "frames", "pack_batch", "unpack_batch", "unpack_ids", "check_reply", "recv_reply", "recv_blocks", "drain",
@@ -84,6 +86,10 @@ class Op(IntEnum):
     #                        now and hashes each block at its first read (a handoff's reader checks its own copy)
     SUPERSEDE = 18  # keys + versions -> (no reply): the key's owners took a put or remove as of the version; a
     #                 block held stamped before it (or within the clock skew after) goes (`ReplicaState.supersede`)
+
+
+ONE_WAY = frozenset({Op.ABORT, Op.RELEASE, Op.PIN, Op.SUPERSEDE})
+"""Requests the worker never answers."""
 
 
 class Status(IntEnum):
@@ -211,11 +217,13 @@ def _recv_meta(sock: socket.socket, n: int) -> bytes:
     return b"".join(parts)
 
 
-def send_frame(sock: socket.socket, op: int, meta: bytes = b"", *, status: int = 0, req_id: int = 0,
+def send_frame(sock: socket.socket, op: int, meta: bytes = b"", *, status: int = 0, req_id: int | None = None,
                data: list[memoryview] | None = None) -> None:
-    """Send header, metadata and data buffers with as few system calls as the kernel allows."""
+    """Send header, metadata and data buffers with as few system calls as the kernel allows. A client's
+    request takes the connection's next id (`request_ids`); the worker's reply passes its request's."""
     data = data or []
-    _send_all(sock, [header(op, status, req_id, meta, sum(len(d) for d in data)), meta, *data])
+    rid = issue_id(sock, op not in ONE_WAY) if req_id is None else req_id
+    _send_all(sock, [header(op, status, rid, meta, sum(len(d) for d in data)), meta, *data])
 
 
 def send_frames(sock: socket.socket, frames: Sequence[tuple[int, bytes]]) -> None:
@@ -223,7 +231,7 @@ def send_frames(sock: socket.socket, frames: Sequence[tuple[int, bytes]]) -> Non
     takes them whole: the peer reads them in one wake-up rather than one each."""
     bufs: list[Any] = []
     for op, meta in frames:
-        bufs += [header(op, 0, 0, meta, 0), meta]
+        bufs += [header(op, 0, issue_id(sock, op not in ONE_WAY), meta, 0), meta]
     _send_all(sock, bufs)
 
 
@@ -348,8 +356,10 @@ def unpack_ids(meta: bytes) -> np.ndarray:
 
 
 def recv_reply(sock: socket.socket, op: int) -> Frame:
-    """The next frame, checked as the worker's answer to a request of `op` (`check_reply`)."""
+    """The next frame, checked as the worker's answer to the oldest request on `sock` owed one (its id:
+    `request_ids`), of `op` (`check_reply`)."""
     reply = recv_frame(sock)
+    check_id(sock, reply.req_id)
     check_reply(reply, op)
     return reply
 

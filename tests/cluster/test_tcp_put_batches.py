@@ -49,15 +49,14 @@ def _put(conn: TcpTransport, keys: list[bytes], blocks: list[bytes], csums: list
                         np.array(versions if versions is not None else range(1, n + 1), dtype="<u8"))
     with conn._session() as sock:
         P.send_frame(sock, P.Op.PUT, meta, data=[memoryview(b) for b in blocks])
-        reply = P.recv_frame(sock)
-    P.check_reply(reply, P.Op.PUT)
+        reply = P.recv_reply(sock, P.Op.PUT)
     return np.frombuffer(reply.meta, dtype="<i1").tolist()
 
 
 def _used(conn: TcpTransport) -> int:
     with conn._session() as sock:
         P.send_frame(sock, P.Op.STATS)
-        reply = P.recv_frame(sock)
+        reply = P.recv_reply(sock, P.Op.STATS)
     return int(P.unpack_json(reply.meta)["tenant"]["used_bytes"])
 
 

@@ -6,6 +6,7 @@ frame, a closed connection, or silence. Every client call returns or raises a KV
 bounded time; none hangs, crashes, raises anything else, or touches memory outside the arena."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import socket
@@ -47,6 +48,7 @@ class Reply:
     meta: bytes = b""
     data: bytes = b""
     claim: int | None = None
+    id_shift: int = 0  # the reply carries the request's id plus this (not 0: another request's reply)
 
 
 class LyingWorker:
@@ -90,22 +92,24 @@ class LyingWorker:
         try:
             with conn:
                 nonce_w = secrets.token_bytes(NONCE_BYTES)
-                P.recv_frame(conn)  # HELLO
+                hello = P.recv_frame(conn)
                 if self.arena is not None:  # same node: the kernel vouches for the peer's user
                     P.send_frame(conn, P.Op.HELLO, P.pack_json({
                         "worker_id": "liar", "unix": self.address, "max_block": 1 << 20, "max_reserve": 8 << 20,
-                        "arena": self.arena.name, "arena_size": self.arena.length, "transports": ["shm"]}))
+                        "arena": self.arena.name, "arena_size": self.arena.length, "transports": ["shm"]}),
+                        req_id=hello.req_id)
                 else:
-                    P.send_frame(conn, P.Op.HELLO, P.pack_json({"auth": True, "nonce": nonce_w.hex()}))
+                    P.send_frame(conn, P.Op.HELLO, P.pack_json({"auth": True, "nonce": nonce_w.hex()}),
+                                 req_id=hello.req_id)
                     auth = P.recv_frame(conn)
                     nonce_c = bytes.fromhex(json.loads(auth.meta)["nonce"])
                     info = {"worker_id": "liar", "tcp": self.address, "max_block": 1 << 20, "auth": True,
                             "proof": proof(TOKEN, nonce_w, nonce_c, "worker").hex()}
-                    P.send_frame(conn, P.Op.AUTH, P.pack_json(info))
+                    P.send_frame(conn, P.Op.AUTH, P.pack_json(info), req_id=auth.req_id)
                 for reply in replies:
                     frame = P.recv_frame(conn)
                     P.drain(conn, frame.data_len)
-                    while frame.op in _NO_REPLY:  # one-way requests (a same-node get's RELEASE, ABORT, PIN)
+                    while frame.op in P.ONE_WAY:  # one-way requests (a same-node get's RELEASE, ABORT, PIN)
                         frame = P.recv_frame(conn)
                         P.drain(conn, frame.data_len)
                     if reply.how == "close":
@@ -118,12 +122,10 @@ class LyingWorker:
                         continue
                     op = frame.op if reply.op is None else reply.op
                     claim = len(reply.data) if reply.claim is None else reply.claim
-                    conn.sendall(P.header(op, reply.status, frame.req_id, reply.meta, claim) + reply.meta + reply.data)
+                    rid = (frame.req_id + reply.id_shift) % (1 << 32)
+                    conn.sendall(P.header(op, reply.status, rid, reply.meta, claim) + reply.meta + reply.data)
         except (OSError, ValueError, KeyError, KVPoolError):
             pass  # the client hung up on us: what it should do with a liar
-
-
-_NO_REPLY = frozenset({P.Op.RELEASE, P.Op.ABORT, P.Op.PIN, P.Op.SUPERSEDE})
 
 
 @pytest.fixture(scope="module")
@@ -287,6 +289,26 @@ def test_the_same_node_liar_is_trusted_when_it_tells_the_truth(shm_liar: LyingWo
         assert bytes(shm_liar.arena.buf[offset:offset + len(data)]) == data  # the client wrote it there
         out = bytearray(4096)
         assert t.batch_get_into([b"k"], [out]) == [len(data)] and bytes(out) == data
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("shift", [0, -1, 1], ids=["its-own", "the-request-before", "a-later-request"])
+def test_a_reply_is_taken_only_for_the_request_it_answers(liar: LyingWorker, shift: int) -> None:
+    """A GET reply right in every way (sizes, data, checksums) but carrying another request's id (one
+    left unread on the connection, one sent twice) is not this request's answer: nothing lands in the
+    caller's buffer and the connection is dropped (PoolUnavailable). With its own id it is read."""
+    data = bytes([0]) * 4096
+    liar.replies = [dataclasses.replace(_get_reply([4096], True, 0), id_shift=shift)]
+    t = TcpTransport(liar.address, token=TOKEN, timeout_s=TIMEOUT_S)
+    out = bytearray(b"\xaa" * 4096)
+    try:
+        if shift == 0:
+            assert t.batch_get_into([b"k"], [out]) == [4096] and bytes(out) == data
+            return
+        with pytest.raises(PoolUnavailable, match="reply to request"):
+            t.batch_get_into([b"k"], [out])
+        assert bytes(out) == b"\xaa" * 4096
     finally:
         t.close()
 

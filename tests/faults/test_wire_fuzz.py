@@ -103,7 +103,7 @@ def frame(draw: st.DrawFn) -> bytes:
 def _authenticate(s: socket.socket) -> None:
     """HELLO and AUTH by hand (the challenge-response of kvpool.core.auth), as a client with the token."""
     P.send_frame(s, P.Op.HELLO)
-    nonce_w = bytes.fromhex(P.unpack_json(P.recv_frame(s).meta)["nonce"])
+    nonce_w = bytes.fromhex(P.unpack_json(P.recv_reply(s, P.Op.HELLO).meta)["nonce"])
     nonce_c = secrets.token_bytes(NONCE_BYTES)
     P.send_frame(s, P.Op.AUTH, P.pack_json({"nonce": nonce_c.hex(),
                                              "proof": proof(TOKEN, nonce_w, nonce_c, "client").hex()}))
