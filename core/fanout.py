@@ -138,10 +138,13 @@ class FanOut:
             in_flight.add_done_callback(lambda _: known[1].close())
 
     def each(self, live: Mapping[str, WorkerInfo], groups: Mapping[str, list[int]],
-             call: Callable[[Transport, list[int]], T], deadline: float) -> Iterator[tuple[str, list[int], T]]:
+             call: Callable[[Transport, list[int]], T], deadline: float,
+             suspects: bool = False) -> Iterator[tuple[str, list[int], T]]:
         """(worker, key indices, result) per worker of `groups` that answered by `deadline` (monotonic
         seconds); the workers are asked in parallel, so one call waits for the slowest worker once, not
-        for each in turn. A worker that fails or misses the deadline is marked down and skipped."""
+        for each in turn. A worker that fails or misses the deadline is marked down and skipped; one
+        marked down already is not asked, unless `suspects` (a message that must reach it the moment
+        it answers again: `kvpool.core.missed_writes`)."""
         used: dict[str, Transport] = {}  # the connection each call took, for `_abandon`
         gate = threading.Lock()
         abandoned = [False]
@@ -156,7 +159,8 @@ class FanOut:
 
         if self._closed:
             raise PoolUnavailable("the client is closed")
-        groups = self._askable(live, groups)
+        if not suspects:
+            groups = self._askable(live, groups)
         if not groups:
             return
 

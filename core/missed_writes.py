@@ -9,10 +9,16 @@ once one evicts the newer block, or restarts and forgets a removal (removals liv
 left-out owner's older block is the newest anyone knows of, served and repaired back (found by an
 adversarial check: stale bytes after a 2 s pause and ordinary eviction).
 
-So each owner left out is sent, once it is askable again, a removal of its copies older than the write
-(`remove_as_of`): at the removal's version, or just below the put's, so that a block as new or newer
-stays and the put's own version is still welcome (from a read repair). Until it is delivered, reads
-outvote it as before. A worker that leaves the cluster has its missed writes dropped: one that comes
+So each owner left out is sent a removal of its copies older than the write (`remove_as_of`): at the
+removal's version, or just below the put's, so that a block as new or newer stays and the put's own
+version is still welcome (from a read repair). It is sent at once and again every `RETRY_S` until the
+owner answers, even while the client still takes it as down (`fanout.SUSPECT_S`): an owner that was
+paused finds the request waiting as it resumes, not seconds later (meanwhile a reader in another process
+that found the newest copy evicted took its older one: an adversarial check, 20 of 20 stale reads 0.1 s
+after the resume). Until it is delivered, reads outvote it as before.
+
+What is owed lives in this client: one that closes or dies before the owner answers again leaves it
+untold (README, **Replicas**). A worker that leaves the cluster has its missed writes dropped: one that comes
 back after the member TTL is fenced and catches up from its peers' change logs, which hold them. At
 most `MAX_PENDING` keys wait; past that, new ones are dropped and that is logged once.
 """
@@ -34,7 +40,7 @@ log = logging.getLogger("kvpool.cluster")
 MAX_PENDING = 1 << 16
 """Keys that may wait for their owner at once, over all owners."""
 RETRY_S = 0.5
-"""How often undelivered removals are tried again (a suspect worker is askable after `fanout.SUSPECT_S`)."""
+"""How long after a failed delivery it is tried again (each try is bounded by the client's timeout)."""
 
 
 class MissedWrites:
@@ -117,7 +123,8 @@ class MissedWrites:
             t.remove_as_of([jobs[j][0] for j in idx], [jobs[j][1] for j in idx])
 
         done = {w: [jobs[j] for j in idx]
-                for w, idx, _ in self.fanout.each(live, groups, remove, time.monotonic() + self.timeout_s)}
+                for w, idx, _ in self.fanout.each(live, groups, remove, time.monotonic() + self.timeout_s,
+                                                  suspects=True)}
         with self._cond:
             for w in list(self._owed):
                 if w not in live:

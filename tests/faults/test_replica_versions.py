@@ -161,6 +161,7 @@ def test_a_paused_replica_is_outvoted_then_told_what_it_missed(nats, spawn):
         with _direct(victim) as direct:  # told: it holds no older copy of what changed (the newest, or none)
             told = truth.check(direct, removed + overwritten)
             assert not told.stale and not told.resurrected
+        time.sleep(SUSPECT_S)  # (told while the client still took it as down: now it answers reads, and is repaired)
         seen = truth.check(c)
         assert not seen.stale and not seen.resurrected
         assert seen.hits == len(keys) - len(removed)  # the other owner has every one
@@ -202,6 +203,29 @@ def test_a_replica_that_missed_a_put_serves_no_older_copy_once_the_newest_is_evi
         for k in keys:
             got = c.get(k)
             assert got is None or bytes(got) == block(k, SIZE, 1), f"{k}: an older copy served"
+
+
+def test_a_resumed_replica_is_told_what_it_missed_while_the_client_still_takes_it_as_down(nats, spawn):
+    """The removal owed to a replica a put went on without is sent at once and again until it answers,
+    not only once the client's suspicion of it lapses (`SUSPECT_S` after its failure): a reader in another
+    process that starts as the replica resumes, the newest copy evicted from the other owner, would find
+    its older copy the newest (adversarial check: 20 of 20 stale, 0.1 s after the resume)."""
+    workers = _cluster(nats, spawn)
+    ids = [worker_id(w) for w in workers]
+    keys = [k for k in (f"s{i}" for i in range(2000)) if set(rank(k.encode(), ids)[:2]) == {ids[0], ids[1]}][:20]
+    with _client(nats) as c:
+        wait_members(c, 3)
+        c.batch_put(keys, [block(k, SIZE, 0) for k in keys])
+        _skipped(c, workers[1], keys[0])
+        failed_at = time.monotonic()  # the client takes it as down until SUSPECT_S after this
+        try:
+            c.batch_put(keys, [block(k, SIZE, 1) for k in keys])  # to the first owner alone
+        finally:
+            os.kill(workers[1].proc.pid, signal.SIGCONT)
+        assert _missed_delivered(c)
+        assert time.monotonic() < failed_at + SUSPECT_S, "delivered only once the client trusted the replica again"
+        with _direct(workers[1]) as direct:
+            assert not any(direct.batch_exists(keys))  # its older copies are gone
 
 
 def test_a_removal_a_replica_missed_holds_after_the_other_owner_restarts(nats, spawn):
