@@ -18,9 +18,12 @@ that found the newest copy evicted took its older one: an adversarial check, 20 
 after the resume). Until it is delivered, reads outvote it as before.
 
 What is owed lives in this client: one that closes or dies before the owner answers again leaves it
-untold (README, **Replicas**). A worker that leaves the cluster has its missed writes dropped: one that comes
-back after the member TTL is fenced and catches up from its peers' change logs, which hold them. At
-most `MAX_PENDING` keys wait; past that, new ones are dropped and that is logged once.
+untold. A worker that was paused finds out by itself (`kvpool.core.stall_watch`) and catches up from its
+peers; one that only this client could not reach (a partition) is then left with its older copies.
+
+A worker that leaves the cluster has its missed writes dropped: one that comes back after the member
+TTL is fenced and catches up from its peers' change logs, which hold them. At most `MAX_PENDING` keys
+wait; past that, new ones are dropped and that is logged once.
 """
 from __future__ import annotations
 

@@ -54,6 +54,11 @@ class ReplicaState:
         with self._lock:
             self._stack.fence_at = time.monotonic() + seconds
 
+    def stall_after(self, seconds: float) -> None:
+        """As `fence_after`, for the stall watch's own deadline (`kvpool.core.stall_watch`)."""
+        with self._lock:
+            self._stack.stall_at = time.monotonic() + seconds
+
     def changes_since(self, since_ms: int, from_seq: int = 0, limit: int = 1 << 15) -> tuple[list[Change], int, int]:
         """The changes accepted at or after `since_ms` (unix ms; `versions.ChangeLog.since`), the
         sequence number to ask from next (-1: none left), and the time since which the log is complete."""

@@ -24,6 +24,7 @@ from .catch_up import AliveStamp, catch_up
 from .config import CacheConfig, WorkerConfig, default_node_id, default_state_dir
 from .errors import ConfigError, ListenError, PoolUnavailable, StorageError
 from .metrics import WorkerMetrics
+from .stall_watch import StallWatch
 from .tenants import Tenant, TenantUsage, load_tenants
 from .worker_ops import RESERVE_SHARE, RequestHandlers
 
@@ -203,6 +204,7 @@ class Worker(RequestHandlers):
                                          on_rejoin=self._left_cluster, on_beat=self._beat)
                 self.membership.watch()  # the peers it hears from: whom it asks after an absence
                 threading.Thread(target=self._keep_alive_stamp, name="kvpool-alive", daemon=True).start()
+                StallWatch(self.cache.replicas, self._stalled, self._stopping)
             if self.config.events or self.config.events_zmq:
                 from .worker_events import WorkerEvents
 
@@ -285,6 +287,18 @@ class Worker(RequestHandlers):
         reads are misses until it has caught up from its peers (in a thread: this is the NATS one)."""
         log.warning("worker %s: no heartbeat got through for %.1f s (member TTL %.1f s): reads are misses until "
                     "it has caught up from its peers", self.worker_id, gap_s, self.config.member_ttl_s)
+        self._fence_and_rejoin(gap_s)
+
+    def _stalled(self, gap_s: float) -> None:
+        """The process did not run for `gap_s` seconds (`kvpool.core.stall_watch`): clients may have taken
+        it as down and written its keys' other replicas alone. As after lapsed heartbeats."""
+        log.warning("worker %s: stalled for %.1f s (paused?): reads are misses until it has caught up from its "
+                    "peers", self.worker_id, gap_s)
+        self._fence_and_rejoin(gap_s)
+
+    def _fence_and_rejoin(self, gap_s: float) -> None:
+        """Reads are misses (but for what it accepts from now on) until a catch-up from its peers of what
+        they accepted in the last `gap_s` seconds has ended (`_rejoin`, in a thread of its own)."""
         self.cache.replicas.fence(True)
         since_ms = int((time.time() - gap_s) * 1000)
         left = time.monotonic() - gap_s

@@ -52,6 +52,8 @@ class TierStack:
         self.fence_at = math.inf
         """Monotonic seconds after which reads are misses until pushed back (a worker's heartbeat
         pushes it forward: a process paused past it wakes up fenced, before it can serve a read)."""
+        self.stall_at = math.inf
+        """The same, pushed by a worker's stall watch (`kvpool.core.stall_watch`) every fraction of a second."""
         if share_arena:
             sweep_dead_arenas()  # what a kill -9'd worker on this node left
         arena = DramArena(cfg.dram_bytes, cfg.dram_slab_size, cfg.dram_name, cfg.prefault, shared=share_arena)
@@ -78,8 +80,10 @@ class TierStack:
         """The oldest block version a read may serve: 0 normally. A worker back from an absence that has
         not yet dropped what it missed (`kvpool.core.catch_up`) is fenced: only blocks newer than
         anything it can have missed (accepted since it came back) are read, the rest are misses; and
-        none at all once its heartbeats stopped past `fence_at` (it may have been paused)."""
-        if self.fence_at != math.inf and time.monotonic() > self.fence_at:
+        none at all once its heartbeats stopped past `fence_at`, or its stall watch past `stall_at` (it
+        may have been paused)."""
+        deadline = min(self.fence_at, self.stall_at)
+        if deadline != math.inf and time.monotonic() > deadline:
             return math.inf
         return self._fence_floor
 

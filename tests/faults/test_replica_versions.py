@@ -4,6 +4,7 @@ none of what it missed. Every read is checked against the exact newest version p
 removed key must miss. Real processes: nats-server and three workers, a client with R=2."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -173,32 +174,42 @@ def test_a_paused_replica_is_outvoted_then_told_what_it_missed(nats, spawn):
     assert "kvpool-missed-writes" not in [t.name for t in threading.enumerate()]  # ended by close
 
 
-def test_a_replica_that_missed_a_put_serves_no_older_copy_once_the_newest_is_evicted(nats, spawn):
+def _owned_only_by(ids: list[str], owners: set[str], n: int, prefix: str) -> list[str]:
+    """`n` keys whose two owners are `owners`."""
+    return [k for k in (f"{prefix}{i}" for i in range(20000)) if set(rank(k.encode(), ids)[:2]) == owners][:n]
+
+
+@pytest.mark.parametrize("writer", ["stays", "closes"])
+def test_a_replica_that_missed_a_put_serves_no_older_copy_once_the_newest_is_evicted(nats, spawn, writer):
     """The owner that took the put alone evicts it (ordinary traffic on keys the other does not own):
     the replica that missed the put, back within the member TTL, would hold the only copy left, an older
-    one. It was told to drop it: reads are the newest or misses (adversarial check: 20 of 20 stale)."""
+    one (adversarial checks: 20 of 20 stale). Reads are the newest or misses: the writer tells it to drop
+    its older copies (`stays`); a writer that closed while it was paused cannot, but the replica finds
+    it stalled as it resumes and catches up from its peers before it reads again (`closes`)."""
     workers = _cluster(nats, spawn, dram_bytes="16MiB", env=SMALL_DRAM)
     ids = [worker_id(w) for w in workers]
     a, b, other = ids
-
-    def owned_by(*owners: str, n: int) -> list[str]:
-        return [k for k in (f"e{i}" for i in range(20000)) if set(rank(k.encode(), ids)[:2]) == set(owners)][:n]
-
-    keys = owned_by(a, b, n=20)
-    with _client(nats) as c:
+    keys = _owned_only_by(ids, {a, b}, 20, "e")
+    with contextlib.ExitStack() as stack:
+        c = stack.enter_context(_client(nats))
         wait_members(c, 3)
         c.batch_put(keys, [block(k, SIZE, 0) for k in keys])
         _skipped(c, workers[1], keys[0])
         try:
             c.batch_put(keys, [block(k, SIZE, 1) for k in keys])  # to the first owner alone
+            if writer == "closes":
+                stack.close()  # with the replica still paused: what it owed it is untold
+                c = stack.enter_context(_client(nats))
+                wait_members(c, 3)
         finally:
             os.kill(workers[1].proc.pid, signal.SIGCONT)
-        fill = owned_by(a, other, n=512)  # 32 MiB through a's 16 MiB arena
+        fill = _owned_only_by(ids, {a, other}, 512, "e")  # 32 MiB through a's 16 MiB arena
         for i in range(0, len(fill), 32):
             c.batch_put(fill[i:i + 32], [block(k, SIZE) for k in fill[i:i + 32]])
         with _direct(workers[0]) as direct:
             assert not any(direct.batch_exists(keys))  # the newest is gone from the owner that took it
-        assert _missed_delivered(c)
+        if writer == "stays":
+            assert _missed_delivered(c)
         time.sleep(SUSPECT_S)
         for k in keys:
             got = c.get(k)
@@ -212,7 +223,7 @@ def test_a_resumed_replica_is_told_what_it_missed_while_the_client_still_takes_i
     its older copy the newest (adversarial check: 20 of 20 stale, 0.1 s after the resume)."""
     workers = _cluster(nats, spawn)
     ids = [worker_id(w) for w in workers]
-    keys = [k for k in (f"s{i}" for i in range(2000)) if set(rank(k.encode(), ids)[:2]) == {ids[0], ids[1]}][:20]
+    keys = _owned_only_by(ids, {ids[0], ids[1]}, 20, "s")
     with _client(nats) as c:
         wait_members(c, 3)
         c.batch_put(keys, [block(k, SIZE, 0) for k in keys])
@@ -228,21 +239,31 @@ def test_a_resumed_replica_is_told_what_it_missed_while_the_client_still_takes_i
             assert not any(direct.batch_exists(keys))  # its older copies are gone
 
 
-def test_a_removal_a_replica_missed_holds_after_the_other_owner_restarts(nats, spawn):
+@pytest.mark.parametrize("writer", ["stays", "closes"])
+def test_a_removal_a_replica_missed_holds_after_the_other_owner_restarts(nats, spawn, writer):
     """The owner that took the removal alone restarts (its removals live in memory): the replica that
-    missed it, back within the member TTL, still held the key. It was told to drop it: the key stays
-    removed (adversarial check: 40 of 40 came back)."""
+    missed it, back within the member TTL, still held the key (adversarial checks: 40 of 40 came back).
+    The key stays removed: the writer tells the replica (`stays`); one that closed while the replica was
+    paused cannot, but the replica catches up from its peers as it resumes (`closes`)."""
     workers, ids = _ssd_cluster(nats, spawn)
-    keys = [k for k in (f"d{i}" for i in range(2000)) if set(rank(k.encode(), ids)[:2]) == {ids[0], ids[1]}][:40]
-    with _client(nats) as c:
+    keys = _owned_only_by(ids, {ids[0], ids[1]}, 40, "d")
+    with contextlib.ExitStack() as stack:
+        c = stack.enter_context(_client(nats))
         wait_members(c, 3)
         c.batch_put(keys, [block(k, 4096) for k in keys])
         _skipped(c, workers[1], keys[0])
         try:
             assert all(c.batch_remove(keys))  # by the first owner alone
+            if writer == "closes":
+                stack.close()
+                c = stack.enter_context(_client(nats))
+                wait_members(c, 3)
         finally:
             os.kill(workers[1].proc.pid, signal.SIGCONT)
-        assert _missed_delivered(c)
+        if writer == "stays":
+            assert _missed_delivered(c)
+        else:
+            time.sleep(SUSPECT_S)  # (its catch-up waits for a heartbeat after the stall)
         old = c.backend.members()[ids[0]].incarnation
         assert workers[0].stop() == 0
         back = _back_on_its_state(nats, workers[0])
