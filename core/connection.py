@@ -69,6 +69,11 @@ class Connection:
         """Held while this process copies into slots reserved on the connection (`ShmTransport.copying`);
         `close` and `abort` take it, so that no such copy lands once the worker may have freed them."""
         self._aborted = False
+        self._unclosed: list[socket.socket] = []
+        """Sockets shut down by `close` while an exchange was under way: closed when it ends (`_session`),
+        not under it. Guarded, with `_exchanging`, by `_fd_lock`."""
+        self._exchanging = False
+        self._fd_lock = threading.Lock()
         _OPEN.add(self)
         self.generation = 0
         """How many connections this transport has closed: what the worker holds for a connection
@@ -187,6 +192,8 @@ class Connection:
             if generation is not None and generation != self.generation:
                 raise PoolUnavailable(f"the connection to worker {self.address} closed meanwhile: the worker "
                                       "ended what this process held on it (leases, reserved slots)")
+            with self._fd_lock:
+                self._exchanging = True
             try:
                 # checked before connecting, and again once the socket is in place: `abort` either sees
                 # the socket (and shuts it down) or is seen
@@ -210,6 +217,12 @@ class Connection:
             except BaseException:
                 self.close()
                 raise
+            finally:
+                with self._fd_lock:
+                    self._exchanging = False
+                    unclosed, self._unclosed = self._unclosed, []
+                for s in unclosed:
+                    s.close()
 
     @staticmethod
     def _roundtrip(sock: socket.socket, op: int, meta: bytes = b"", data: list[memoryview] | None = None) -> P.Frame:
@@ -262,7 +275,15 @@ class Connection:
             try:
                 with suppress(OSError):
                     socket.socket.shutdown(sock, socket.SHUT_RDWR)
-                sock.close()
+                # An exchange under way in another thread fails at once on the shut-down socket; its file
+                # descriptor is closed when that exchange ends, never under it: a system call about to
+                # start there would otherwise land on whatever connection took the number meanwhile.
+                with self._fd_lock:
+                    if self._exchanging:
+                        self._unclosed.append(sock)
+                        sock = None
+                if sock is not None:
+                    sock.close()
             finally:
                 self.generation += 1
 
@@ -404,6 +425,11 @@ def _forked() -> None:
     for conn in list(_OPEN):
         conn._lock = threading.Lock()  # another thread of the parent may have held it at the fork
         conn._gate = threading.Lock()
+        conn._fd_lock = threading.Lock()
+        conn._exchanging = False
+        for s in conn._unclosed:  # (the child's copies)
+            s.close()
+        conn._unclosed = []
         if conn._sock is not None:
             conn._sock.close()  # the child's copy only: the parent's socket stays open
             conn._sock = None

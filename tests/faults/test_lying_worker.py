@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import secrets
 import socket
 import threading
@@ -325,3 +326,39 @@ def test_a_get_reply_whose_data_disagrees_with_its_sizes_drops_the_connection(li
         assert t._sock is None
     finally:
         t.close()
+
+
+def test_a_close_during_an_exchange_ends_it_at_once_and_frees_its_descriptor_after(liar: LyingWorker) -> None:
+    """Another thread's exchange (a read repair as its client closes) fails at once on the shut-down
+    socket, but the descriptor stays its socket's until that exchange ends: a system call about to start
+    there would otherwise land on whatever connection took the number meanwhile (a "Bad file descriptor"
+    from such a thread showed it happens near the close). A close with no exchange under way frees it
+    at once."""
+    liar.replies = [Reply("silence")]
+    t = TcpTransport(liar.address, token=TOKEN, timeout_s=10)
+    t.hello()
+    sock = t._sock
+    assert sock is not None
+    fd, inode = sock.fileno(), os.fstat(sock.fileno()).st_ino
+    failed: list[BaseException] = []
+
+    def get() -> None:
+        try:
+            t.batch_get_into([b"k"], [bytearray(16)])
+        except BaseException as e:
+            failed.append(e)
+
+    reader = threading.Thread(target=get)
+    reader.start()
+    time.sleep(0.3)  # (in its receive, waiting for the silent worker)
+    t.close()
+    assert sock.fileno() == fd and os.fstat(fd).st_ino == inode  # still its socket, under the exchange
+    reader.join(5)
+    assert not reader.is_alive() and len(failed) == 1 and isinstance(failed[0], KVPoolError)
+    assert sock.fileno() == -1  # freed once the exchange ended
+
+    t.hello()  # connects again; nothing under way: a close frees it at once
+    again = t._sock
+    assert again is not None
+    t.close()
+    assert again.fileno() == -1
