@@ -56,6 +56,10 @@ class WorkerMetrics:
                                        "refused, by tenant and why (namespace: a key outside '<tenant>/'; "
                                        "quota: a put past its quota_bytes)", ["tenant", "why"],
                                        registry=self.registry)
+        self.catch_ups = Counter("kvpool_catch_ups", "Times the worker fenced its reads and caught up from its "
+                                 "peers after an absence, by cause (stall: the process did not run for over a "
+                                 "second; lapse: its heartbeats lapsed past the member TTL)", ["cause"],
+                                 registry=self.registry)
         self.registry.register(_CacheCollector(cache_stats))
 
     def serve(self, host: str, port: int) -> None:

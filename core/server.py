@@ -287,6 +287,7 @@ class Worker(RequestHandlers):
         reads are misses until it has caught up from its peers (in a thread: this is the NATS one)."""
         log.warning("worker %s: no heartbeat got through for %.1f s (member TTL %.1f s): reads are misses until "
                     "it has caught up from its peers", self.worker_id, gap_s, self.config.member_ttl_s)
+        self.metrics.catch_ups.labels("lapse").inc()
         self._fence_and_rejoin(gap_s)
 
     def _stalled(self, gap_s: float) -> None:
@@ -294,6 +295,7 @@ class Worker(RequestHandlers):
         it as down and written its keys' other replicas alone. As after lapsed heartbeats."""
         log.warning("worker %s: stalled for %.1f s (paused?): reads are misses until it has caught up from its "
                     "peers", self.worker_id, gap_s)
+        self.metrics.catch_ups.labels("stall").inc()
         self._fence_and_rejoin(gap_s)
 
     def _fence_and_rejoin(self, gap_s: float) -> None:
