@@ -27,6 +27,7 @@ from .keys import Key, key_bytes, keys_bytes
 from .pins import pin_seconds
 from .pool_backend import MembersPredicate, PoolBackend
 from .records import PoolStats, WorkerInfo
+from .stall_watch import STALL_S
 from .transport import connect
 
 __all__ = ["MODES", "ClientConfig", "BACKENDS", "open_backend", "PoolClient"]
@@ -69,6 +70,10 @@ class ClientConfig:
             raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
         if self.replication < 1:
             raise ConfigError(f"replication {self.replication} must be >= 1", limit=1)
+        if self.replication > 1 and self.timeout_s < STALL_S:
+            raise ConfigError(f"timeout_s {self.timeout_s} with replication {self.replication}: at least {STALL_S} s "
+                              "(a worker paused for less does not know it may have been left out of a write, and "
+                              "would serve its older copies: kvpool.core.stall_watch)", limit=STALL_S)
 
 
 # ----- mode -> backend ------------------------------------------------------------------------

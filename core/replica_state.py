@@ -54,10 +54,11 @@ class ReplicaState:
         with self._lock:
             self._stack.fence_at = time.monotonic() + seconds
 
-    def stall_after(self, seconds: float) -> None:
-        """As `fence_after`, for the stall watch's own deadline (`kvpool.core.stall_watch`)."""
-        with self._lock:
-            self._stack.stall_at = time.monotonic() + seconds
+    def stall_until(self, deadline: float) -> None:
+        """Reads are misses after `deadline` (monotonic seconds) unless this is called again first: the
+        stall watch's own deadline (`kvpool.core.stall_watch`). Set without the cache's lock (one
+        attribute), so that a long holder of it (a clear of a million keys) is not taken for a stall."""
+        self._stack.stall_at = deadline
 
     def changes_since(self, since_ms: int, from_seq: int = 0, limit: int = 1 << 15) -> tuple[list[Change], int, int]:
         """The changes accepted at or after `since_ms` (unix ms; `versions.ChangeLog.since`), the

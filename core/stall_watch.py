@@ -8,12 +8,18 @@ tells it (`kvpool.core.missed_writes`), but only while that client lives; once t
 the newer copy (evicted, or a removal forgotten in a restart), the older one would be served.
 
 So a worker in a cluster runs a stall watch: a thread that ticks every `TICK_S` and pushes the cache's
-stall deadline `STALL_S` ahead (`ReplicaState.stall_after`). A process stalled past it wakes up with
-its reads closed (misses) before any request thread can serve one; the watch's next tick sees the gap
-and has the worker fence its reads and catch up from its peers since the stall began, as after lapsed
-heartbeats (`kvpool.core.catch_up`). `STALL_S` is below any sensible client timeout (5 s by default):
-a worker that answered every request within it was never taken as down. A worker kept from running
-that long by its own load catches up too: misses for a moment, never older bytes.
+stall deadline to `STALL_S` past the time it ticked (`ReplicaState.stall_until`). A process stalled
+past it wakes up with its reads closed (misses) before any request thread can serve one; the watch's
+next tick sees the gap and has the worker fence its reads and catch up from its peers since the stall
+began, as after lapsed heartbeats (`kvpool.core.catch_up`). The deadline counts from the time the tick
+checked, not from when it is set: a process stopped between the two wakes with it past (an adversarial
+check stopped it there: 0.2 s of older copies served, then repaired onto the other owner). Setting it
+takes no lock, so a long holder of the cache's lock (a clear of a million keys) is not a stall.
+
+A client can leave a worker out of a write only once it failed to answer within the client's timeout,
+so with replicas clients must wait at least `STALL_S` (`ClientConfig`: a ConfigError otherwise): a
+worker that answered every request within it was never left out. A worker kept from running that long
+by its own load (its GIL held a second) catches up too: misses for a moment, never older bytes.
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ class StallWatch:
 
     def __init__(self, replicas: ReplicaState, on_stall: Callable[[float], None], stop: threading.Event) -> None:
         self._replicas, self._on_stall, self._stop = replicas, on_stall, stop
-        replicas.stall_after(STALL_S)
+        replicas.stall_until(time.monotonic() + STALL_S)
         self._thread = threading.Thread(target=self._run, name="kvpool-stall-watch", daemon=True)
         self._thread.start()
 
@@ -47,4 +53,4 @@ class StallWatch:
             gap, last = now - last, now
             if gap > STALL_S:  # reads closed since the deadline passed: fenced before they open again
                 self._on_stall(gap)
-            self._replicas.stall_after(STALL_S)
+            self._replicas.stall_until(now + STALL_S)
