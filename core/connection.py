@@ -178,7 +178,9 @@ class Connection:
     def _session(self, generation: int | None = None) -> Iterator[socket.socket]:
         """Hold the connection for one exchange; any transport failure drops it and is typed.
         `generation`: the exchange belongs to that connection (e.g. the RELEASE of its leases): if it
-        has closed since, PoolUnavailable, and no other connection is made or touched.
+        has closed since, PoolUnavailable, and no other connection is made or touched. A `close` from
+        another thread during the exchange fails it too (PoolUnavailable), even where the shut-down
+        socket could still read what had arrived: what the worker held for the connection has ended.
 
         Anything else that leaves an exchange drops the connection too (a KeyboardInterrupt or an
         exception from a signal handler while a reply is awaited, a caller's buffer that fails
@@ -194,6 +196,7 @@ class Connection:
                                       "ended what this process held on it (leases, reserved slots)")
             with self._fd_lock:
                 self._exchanging = True
+            opened = self.generation
             try:
                 # checked before connecting, and again once the socket is in place: `abort` either sees
                 # the socket (and shuts it down) or is seen
@@ -202,6 +205,8 @@ class Connection:
                     raise PoolUnavailable(f"the connection to worker {self.address} was abandoned: its call "
                                           "ran past its deadline")
                 yield sock
+                if self.generation != opened:  # a shut-down socket may still read what had arrived
+                    raise PoolUnavailable(f"the connection to worker {self.address} was closed during the call")
             except (AuthError, PoolUnavailable):
                 self.close()
                 raise

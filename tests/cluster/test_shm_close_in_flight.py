@@ -165,7 +165,9 @@ def test_a_close_from_the_thread_whose_copy_it_interrupted_does_not_wait_for_its
     """A signal handler that closes the client runs in the thread it interrupted, maybe in the middle of
     a copy (the gate held): its close waits GATE_WAIT_S at most, then goes on."""
     monkeypatch.setattr(connection, "GATE_WAIT_S", 0.2)
-    with stored._session() as sock, stored.copying(sock):  # this thread, copying
+    # this thread, copying; the call it interrupted fails
+    with pytest.raises(PoolUnavailable, match="closed during the call"), stored._session() as sock, \
+            stored.copying(sock):
         t0 = time.monotonic()
         stored.close()
         assert time.monotonic() - t0 < 2

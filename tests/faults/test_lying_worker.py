@@ -69,6 +69,8 @@ class LyingWorker:
             self._listener.bind(self.address)
             self._listener.listen()
         self.replies: list[Reply] = []
+        self.requests = 0
+        """Requests read (after the handshake), over all connections."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
@@ -109,6 +111,7 @@ class LyingWorker:
                     P.send_frame(conn, P.Op.AUTH, P.pack_json(info), req_id=auth.req_id)
                 for reply in replies:
                     frame = P.recv_frame(conn)
+                    self.requests += 1
                     P.drain(conn, frame.data_len)
                     while frame.op in P.ONE_WAY:  # one-way requests (a same-node get's RELEASE, ABORT, PIN)
                         frame = P.recv_frame(conn)
@@ -348,9 +351,13 @@ def test_a_close_during_an_exchange_ends_it_at_once_and_frees_its_descriptor_aft
         except BaseException as e:
             failed.append(e)
 
+    asked = liar.requests
     reader = threading.Thread(target=get)
     reader.start()
-    time.sleep(0.3)  # (in its receive, waiting for the silent worker)
+    deadline = time.monotonic() + 10
+    while liar.requests == asked and time.monotonic() < deadline:  # until its GET is sent: it waits for the reply
+        time.sleep(0.01)
+    time.sleep(0.05)
     t.close()
     assert sock.fileno() == fd and os.fstat(fd).st_ino == inode  # still its socket, under the exchange
     reader.join(5)
