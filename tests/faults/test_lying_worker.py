@@ -69,8 +69,6 @@ class LyingWorker:
             self._listener.bind(self.address)
             self._listener.listen()
         self.replies: list[Reply] = []
-        self.requests = 0
-        """Requests read (after the handshake), over all connections."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
@@ -111,7 +109,6 @@ class LyingWorker:
                     P.send_frame(conn, P.Op.AUTH, P.pack_json(info), req_id=auth.req_id)
                 for reply in replies:
                     frame = P.recv_frame(conn)
-                    self.requests += 1
                     P.drain(conn, frame.data_len)
                     while frame.op in P.ONE_WAY:  # one-way requests (a same-node get's RELEASE, ABORT, PIN)
                         frame = P.recv_frame(conn)
@@ -331,18 +328,28 @@ def test_a_get_reply_whose_data_disagrees_with_its_sizes_drops_the_connection(li
         t.close()
 
 
-def test_a_close_during_an_exchange_ends_it_at_once_and_frees_its_descriptor_after(liar: LyingWorker) -> None:
+def test_a_close_during_an_exchange_ends_it_at_once_and_frees_its_descriptor_after(
+        liar: LyingWorker, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another thread's exchange (a read repair as its client closes) fails at once on the shut-down
     socket, but the descriptor stays its socket's until that exchange ends: a system call about to start
     there would otherwise land on whatever connection took the number meanwhile (a "Bad file descriptor"
-    from such a thread showed it happens near the close). A close with no exchange under way frees it
-    at once."""
+    from such a thread showed it happens near the close). The reader here is held just before it reads
+    the reply. A close with no exchange under way frees the descriptor at once."""
     liar.replies = [Reply("silence")]
     t = TcpTransport(liar.address, token=TOKEN, timeout_s=10)
     t.hello()
     sock = t._sock
     assert sock is not None
     fd, inode = sock.fileno(), os.fstat(sock.fileno()).st_ino
+    about_to_read, go = threading.Event(), threading.Event()
+    recv_reply = P.recv_reply
+
+    def held(s: socket.socket, op: int) -> P.Frame:
+        about_to_read.set()
+        go.wait(10)
+        return recv_reply(s, op)
+
+    monkeypatch.setattr(P, "recv_reply", held)
     failed: list[BaseException] = []
 
     def get() -> None:
@@ -351,18 +358,16 @@ def test_a_close_during_an_exchange_ends_it_at_once_and_frees_its_descriptor_aft
         except BaseException as e:
             failed.append(e)
 
-    asked = liar.requests
     reader = threading.Thread(target=get)
     reader.start()
-    deadline = time.monotonic() + 10
-    while liar.requests == asked and time.monotonic() < deadline:  # until its GET is sent: it waits for the reply
-        time.sleep(0.01)
-    time.sleep(0.05)
+    assert about_to_read.wait(10)
     t.close()
     assert sock.fileno() == fd and os.fstat(fd).st_ino == inode  # still its socket, under the exchange
+    go.set()
     reader.join(5)
-    assert not reader.is_alive() and len(failed) == 1 and isinstance(failed[0], KVPoolError)
+    assert not reader.is_alive() and len(failed) == 1 and isinstance(failed[0], PoolUnavailable)
     assert sock.fileno() == -1  # freed once the exchange ended
+    monkeypatch.undo()
 
     t.hello()  # connects again; nothing under way: a close frees it at once
     again = t._sock
