@@ -9,6 +9,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -216,3 +217,10 @@ def read_all(client: PoolClient, keys: dict[str, int], chunk: int = 64, versions
                     f"wrong or outdated bytes for {k}"
                 hits.append(k)
     return hits, misses
+
+
+def metric(port: int, series: str) -> float:
+    """The value of `series` (a name, with its labels if any: `kvpool_catch_ups_total{cause="stall"}`) on
+    the worker's metrics port, summed over its lines; 0 if it has none yet."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(series + " "))

@@ -4,7 +4,6 @@ costs a miss or a typed error for that block only; the pool serves everything el
 from __future__ import annotations
 
 import struct
-import urllib.request
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from kvpool.core.errors import CorruptBlock
 from kvpool.core.nats_server import free_port
 from kvpool.core.procs import WorkerProcess
 
-from faulthelp import block, read_all
+from faulthelp import block, metric, read_all
 from flipproxy import FlipProxy
 
 SIZE = 64 << 10
@@ -114,11 +113,6 @@ def proxied(spawn):
     proxy.close()
 
 
-def _metric(port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
-
-
 def test_a_flipped_byte_in_a_get_reply_is_a_counted_miss(proxied):
     proxy, via, direct, _ = proxied
     direct.batch_put(KEYS, [block(k, SIZE) for k in KEYS])
@@ -142,7 +136,7 @@ def test_a_flipped_byte_in_put_data_stores_nothing_wrong(proxied):
     assert caught.value.key == b"c5" and caught.value.size == SIZE
     assert proxy.flipped == 1
     assert direct.batch_exists(KEYS) == [True] * 5 + [False] + [True] * 2
-    assert _metric(port, "kvpool_corrupt_blocks_total") == 1
+    assert metric(port, "kvpool_corrupt_blocks_total") == 1
     via.batch_put(KEYS, blocks)  # the connection is still in sync
     assert read_all(direct, dict.fromkeys(KEYS, SIZE))[1] == []
 
@@ -156,5 +150,5 @@ def test_a_flipped_byte_in_frame_metadata_drops_only_that_connection(proxied):
     proxy.arm("up", P.HEADER.size + 2)  # into a request's key lengths: the worker refuses it
     with pytest.raises(PoolUnavailable):
         via.batch_exists(KEYS)
-    assert _metric(port, "kvpool_protocol_errors_total") == 1
+    assert metric(port, "kvpool_protocol_errors_total") == 1
     assert read_all(via, dict.fromkeys(KEYS, SIZE))[1] == []  # reconnected

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-import urllib.request
 
 import numpy as np
 
@@ -14,14 +13,12 @@ from kvpool.core.client import PoolClient
 from kvpool.core.nats_server import free_port
 from kvpool.core.stall_watch import STALL_S
 
-from faulthelp import poll, wait_members
+from faulthelp import metric, poll, wait_members
 from sigstop import freeze
 
 
 def _catch_ups(port: int, cause: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    name = f'kvpool_catch_ups_total{{cause="{cause}"}}'
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+    return metric(port, f'kvpool_catch_ups_total{{cause="{cause}"}}')
 
 
 def test_a_stall_is_caught_up_after_and_a_busy_worker_is_never_taken_for_stalled(nats, spawn):
