@@ -252,7 +252,8 @@ class ClusterBackend:
             raise PoolUnavailable(f"no live workers in the cluster at {redacted_url(self.nats_url)}")
         ranked = self._owners(keys, live, next_in_line=True)
         self._refuse_too_large(live, ranked, keys, buffers)
-        buffers = readable_all(buffers)  # (CUDA tensors to the host once, not once per owner)
+        if self.replication > 1:  # CUDA tensors to the host once, not once per owner (R=1: the transport's)
+            buffers = readable_all(buffers)
         versions = CLOCK.batch(len(keys))
         try:
             superseded = self._put_as_of(live, ranked, keys, buffers, pin_s, versions)
