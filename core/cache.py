@@ -29,7 +29,7 @@ from .tier_moves import TierMoves
 from .tier_stack import TierStack
 from .tiers.device import DeviceTier
 from .tiers.dram import DramArena
-from .tiers.dram_tier import BlockRef, DramBlock
+from .tiers.dram_tier import BlockRef, DramBlock, new_blocks
 from .tiers.ssd_tier import SsdTier
 from .versions import CLOCK, REMOVED, SUPERSEDED
 
@@ -418,7 +418,7 @@ class TieredCache:
         (default: stamped now); False for each block not stored (its key holds a newer version).
         `checked=False`: the caller has not hashed the blocks' bytes against `csums`; the cache does
         at each block's first read (a lease, a get, a write to SSD), and a block that fails is a miss."""
-        blocks = DramBlock.batch(keys, offsets, sizes, csums, versions, checked)
+        blocks = new_blocks(keys, offsets, sizes, csums, versions, checked)
         with self._lock:
             stored = self._admit_many(blocks)
             self._stack.counters.puts += len(blocks)

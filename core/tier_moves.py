@@ -20,7 +20,7 @@ from .buffers import Destination
 from .errors import BufferSizeError, CapacityError
 from .fastcopy import hash_at
 from .tier_stack import TierStack
-from .tiers.dram_tier import DramBlock
+from .tiers.dram_tier import DramBlock, block_meta
 
 __all__ = ["TierMoves"]
 
@@ -143,7 +143,7 @@ class TierMoves:
             incoming = sum(ssd.footprint(b.key, b.size) for b in blocks)
             if incoming <= ssd.capacity / 4 and self._trim_ssd(incoming):
                 ssd.delete_stale()  # room for this write first: LMDB refuses one that does not fit
-        metas = [b.meta for b in blocks]
+        metas = list(map(block_meta, blocks))
         view = stack.dram.view
         items = [(b.key, m, view(b)) for b, m in zip(blocks, metas)]
         try:

@@ -20,7 +20,7 @@ from .errors import PoolClosed
 from .stats import CacheCounters, CacheStats
 from .tiers.device import DeviceTier, cuda_available
 from .tiers.dram import DramArena, sweep_dead_arenas
-from .tiers.dram_tier import DramBlock, DramTier
+from .tiers.dram_tier import DramBlock, DramTier, block_meta
 from .tiers.ssd import SsdStore
 from .tiers.ssd_tier import SsdTier
 from .versions import ChangeLog, Clears, Tombstones
@@ -286,7 +286,7 @@ class TierStack:
         (A block past its TTL is not an error: expiry is lazy.)"""
         dram, ssd, device = self.dram, self.ssd, self.device
         errors = dram.check()
-        copies = {k: b.meta for k, b in dram.blocks.items() if b.on_ssd}
+        copies = {k: block_meta(b) for k, b in dram.blocks.items() if b.on_ssd}
         if ssd is not None:
             errors += ssd.check(copies)
         elif copies:

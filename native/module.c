@@ -14,6 +14,8 @@
  *                              XXH3-64 of the bytes written (out: uint64s; offsets: int64s; ValueError for a
  *                              slot outside dst, which stops the copies there)
  *
+ * DramBlock                    the DRAM tier's index entry, untracked by the cyclic GC (dram_block.c)
+ *
  * dst: a writable, src: a readable C-contiguous buffer of the same length. See kernel.h for how a copy
  * is made. copy, copy_hash, copy_from and copy_into hold the GIL throughout, as a memoryview slice assignment
  * does (a copy returns to its caller at once, not after another thread's switch interval); the others
@@ -28,6 +30,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+int kv_add_dram_block(PyObject *module);
 uint64_t kv_copy_hash_base(char *dst, const char *src, size_t n);
 void kv_copy_base(char *dst, const char *src, size_t n);
 uint64_t kv_hash_base(const char *src, size_t n);
@@ -312,5 +315,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         simd_name = "avx2";
     }
 #endif
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && kv_add_dram_block(m) < 0)
+        Py_CLEAR(m);
+    return m;
 }

@@ -6,7 +6,8 @@ lookup loop over the same keys. An SSD tier of N 4 KiB blocks (10^5 quick, 10^6 
 flushed from DRAM, closed (its index saved beside LMDB) and reopened; its reopen is compared with a
 raw LMDB key-only scan of the same environment, and timed again with the saved index removed (the
 scan after a crash). The close after the flush includes the fsync of what it wrote (ssd_sync off).
-Index bytes per key are tracemalloc's growth over the index of 20 000 blocks.
+Index bytes per key are tracemalloc's growth over the index of 20 000 blocks. `full_gc_ms_at_*`: one
+full collection of the cyclic garbage collector with that many blocks in DRAM.
 """
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ def _index_bytes_per_key(root: str) -> dict[str, float]:
 
 def _prefix_match(present: int, repeat: int) -> dict[str, float]:
     """prefix_match over the chain with `present` 1-byte blocks in DRAM (the chain among them), against
-    a dict lookup loop over the same keys; microseconds."""
+    a dict lookup loop over the same keys, microseconds; and a full collection of the cyclic garbage
+    collector with those blocks indexed (`gc_ms`: how long a worker of that many blocks stops for one)."""
     chain = _chain()
     others = [f"other-{i:09d}" for i in range(present - _CHAIN)]
     with TieredCache(dram_bytes=present * 256 + (64 << 20), dram_slab_size=1 << 20, prefault=False) as cache:
@@ -128,7 +130,8 @@ def _prefix_match(present: int, repeat: int) -> dict[str, float]:
         t_pm = best_seconds(lambda: cache.prefix_match(chain), repeat)
         t_dict = best_seconds(dict_loop, repeat)
         t_exists = best_seconds(lambda: cache.batch_exists(chain), repeat)
-    return {"prefix_match": t_pm * 1e6, "dict": t_dict * 1e6, "exists": t_exists * 1e6}
+        t_gc = best_seconds(gc.collect, 3)
+    return {"prefix_match": t_pm * 1e6, "dict": t_dict * 1e6, "exists": t_exists * 1e6, "gc_ms": t_gc * 1e3}
 
 
 def _key_only_scan(path: str) -> float:
@@ -206,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
         tag = _label(present)
         metrics.update({f"prefix_match_4096_us_at_{tag}": round(pm["prefix_match"], 1),
                         f"batch_exists_4096_us_at_{tag}": round(pm["exists"], 1),
-                        f"dict_loop_4096_us_at_{tag}": round(pm["dict"], 1)})
+                        f"dict_loop_4096_us_at_{tag}": round(pm["dict"], 1),
+                        f"full_gc_ms_at_{tag}": round(pm["gc_ms"], 1)})
         ratios[f"prefix_match_vs_dict_loop_at_{tag}"] = pm["dict"] / pm["prefix_match"]
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="kvpool-bench-scale-") as root:
         per_key = _index_bytes_per_key(root)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..blocks import BlockMeta, checksum
 from ..pins import Pins
@@ -18,7 +18,7 @@ from ..policies import EVICTION_POLICY
 from ..stats import CacheCounters
 from .dram import DramArena
 
-__all__ = ["BlockRef", "DramBlock", "DramTier"]
+__all__ = ["BlockRef", "DramBlock", "DramTier", "PyDramBlock", "block_meta", "new_blocks"]
 
 
 class BlockRef(Protocol):
@@ -40,7 +40,12 @@ class BlockRef(Protocol):
 
 @dataclass(eq=False, slots=True)
 class DramBlock:
-    """A committed block in the DRAM arena (the tier's index entry; a `BlockRef` to lease holders)."""
+    """A committed block in the DRAM arena (the tier's index entry; a `BlockRef` to lease holders).
+
+    Where the C extension was built this is `kvpool.core._native.DramBlock`, the same fields in a type
+    the cyclic garbage collector does not track: a worker holds one per block, millions of them, and a
+    full collection that walks every one holds the GIL for 0.22 s per million (docs/BENCHMARKS.md, run
+    AL). This dataclass, the same without the extension, is what the type checker sees."""
 
     key: bytes
     offset: int
@@ -54,21 +59,31 @@ class DramBlock:
     version: int = 0  # kvpool.core.versions; 0: none
     checked: bool = True  # False: committed on its writer's checksum, its bytes not hashed yet (see TierMoves.checked)
 
-    @staticmethod
-    def batch(keys: Iterable[bytes], offsets: Iterable[int], sizes: Iterable[int], checksums: Iterable[int],
-              versions: Iterable[int] | None, checked: bool) -> list[DramBlock]:
-        """A block per key, as committed together (no TTL; version 0 where `versions` is None), built
-        in one pass (the fields in their order)."""
-        return list(map(DramBlock, keys, offsets, sizes, checksums, repeat(0.0), repeat(0), repeat(False),
-                        repeat(True), repeat(False), repeat(0) if versions is None else versions,
-                        repeat(checked)))
-
-    @property
-    def meta(self) -> BlockMeta:
-        return BlockMeta(self.size, self.checksum, self.expires, self.version)
-
     def expired(self, now: float) -> bool:
         return bool(self.expires) and self.expires <= now
+
+
+PyDramBlock = DramBlock
+"""The dataclass, whichever type `DramBlock` is here (the tests hold both to one contract)."""
+
+if not TYPE_CHECKING:
+    try:
+        from .._native import DramBlock  # the same fields, untracked by the GC (see above)
+    except ImportError:  # no C compiler when it was installed
+        pass
+
+
+def new_blocks(keys: Iterable[bytes], offsets: Iterable[int], sizes: Iterable[int], checksums: Iterable[int],
+               versions: Iterable[int] | None, checked: bool) -> list[DramBlock]:
+    """A block per key, as committed together (no TTL; version 0 where `versions` is None), built
+    in one pass (the fields in their order)."""
+    return list(map(DramBlock, keys, offsets, sizes, checksums, repeat(0.0), repeat(0), repeat(False),
+                    repeat(True), repeat(False), repeat(0) if versions is None else versions, repeat(checked)))
+
+
+def block_meta(b: DramBlock) -> BlockMeta:
+    """What a block's SSD header records of it."""
+    return BlockMeta(b.size, b.checksum, b.expires, b.version)
 
 
 Evict = Callable[[list[DramBlock], list[DramBlock]], None]
