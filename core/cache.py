@@ -367,13 +367,14 @@ class TieredCache:
         earlier pin; `pin_s` <= 0 unpins. See `kvpool.core.pins` for the bounds."""
         self.batch_pin([key], pin_s)
 
-    def batch_pin(self, keys: Sequence[Key], pin_s: float) -> None:
-        """`pin` of each key. A key whose block is not in DRAM yet is pinned when it is committed, if
-        that happens within `pins.PENDING_PIN_S`."""
+    def batch_pin(self, keys: Sequence[Key], pin_s: float, holder: int = 0) -> None:
+        """`pin` of each key, on behalf of `holder` (a worker's client process: another holder's unpin
+        leaves this one's pin in place; see `kvpool.core.pins`). A key whose block is not in DRAM yet is
+        pinned when it is committed, if that happens within `pins.PENDING_PIN_S`."""
         raw_keys = keys_bytes(keys)
         with self._lock:
             self._stack.check_open()
-            self._dram.pins.pin(raw_keys, pin_s)
+            self._dram.pins.pin(raw_keys, pin_s, holder)
 
     # ----- the slot protocol (the worker serves its arena through these) -----------------------
 

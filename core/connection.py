@@ -33,6 +33,7 @@ from .errors import (
     ProtocolError,
     QuotaExceeded,
 )
+from .pins import process_holder
 from .pool_backend import MembersPredicate
 from .records import PoolStats, WorkerInfo, WorkerStats
 from .tls import ca_file, client_context, server_name
@@ -140,7 +141,7 @@ class Connection:
                 raise PoolUnavailable(f"worker socket {self.address} is served by uid {uid}, not this user: "
                                       "treated as absent")
         try:
-            hello = P.unpack_json(self._roundtrip(sock, P.Op.HELLO).meta)
+            hello = P.unpack_json(self._roundtrip(sock, P.Op.HELLO, P.pack_json({"holder": process_holder()})).meta)
         except (ProtocolError, ConnectionError) as e:
             if self.unix or self._tls is not None:
                 raise

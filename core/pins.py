@@ -1,9 +1,12 @@
 """Pins with deadlines: blocks kept in DRAM (never evicted) until unpinned or until their pin expires.
 
 A pin is on a key, not on a block: a key pinned before its block is committed (a put that carries a
-pin) is committed pinned, and a block that replaces a pinned one is pinned too. The deadline is what
-keeps a pin from outliving the client that made it: a client that dies without unpinning (a stream
-producer, say) costs DRAM for at most that long.
+pin) is committed pinned, and a block that replaces a pinned one is pinned too. Each pin has a holder
+(a worker's client process, `Conn.holder`; 0 within a process's own cache): a key stays pinned while
+any of its holders' pins runs, so two producers of the same block (a prefix that two prefill instances
+share) do not end each other's pins, and one holder's short renewal does not cut another's long pin.
+The deadline is what keeps a pin from outliving the client that made it: a client that dies without
+unpinning (a stream producer, say) costs DRAM for at most that long.
 
 What pins may cost a worker is bounded: a pin on a key that is not (yet) in DRAM waits at most
 `PENDING_PIN_S` for its block and at most `MAX_PENDING_PINS` such pins exist at once (more are
@@ -15,6 +18,8 @@ from __future__ import annotations
 import heapq
 import math
 import numbers
+import os
+import secrets
 import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol
@@ -24,7 +29,7 @@ from .errors import InvalidArgument
 if TYPE_CHECKING:
     pass
 
-__all__ = ["pin_seconds", "MAX_PIN_S", "PENDING_PIN_S", "MAX_PENDING_PINS", "Pins"]
+__all__ = ["pin_seconds", "process_holder", "MAX_PIN_S", "PENDING_PIN_S", "MAX_PENDING_PINS", "MAX_HOLDERS", "Pins"]
 
 MAX_PIN_S = 3600.0
 """The longest a pin lasts without being renewed, in seconds (longer requests are cut to it)."""
@@ -33,6 +38,27 @@ PENDING_PIN_S = 30.0
 the pin just before the block)."""
 MAX_PENDING_PINS = 1 << 16
 """Pins waiting for their blocks, at most, per cache; further ones are refused (counted in `refused`)."""
+MAX_HOLDERS = 64
+"""Holders of one key's pins, at most (a holder is a client process; HELLO names it): a pin from one
+more is refused (counted in `refused`), so clients that come and go cannot grow one key's pins."""
+
+
+_holder = 0
+
+
+def _new_holder() -> None:
+    global _holder
+    _holder = secrets.randbits(63) | 1  # (0 is a process's own cache)
+
+
+_new_holder()
+os.register_at_fork(after_in_child=_new_holder)
+
+
+def process_holder() -> int:
+    """This process's holder id: what its connections tell a worker at HELLO, so that the worker keeps
+    its pins apart from other processes'. Drawn at random at import, and again in a forked child."""
+    return _holder
 
 
 class Pinnable(Protocol):
@@ -56,35 +82,77 @@ class Pins:
 
     def __init__(self, blocks: Mapping[bytes, Pinnable]) -> None:
         self._blocks = blocks
-        self._until: dict[bytes, float] = {}  # key -> monotonic deadline
-        self._pending: dict[bytes, float] = {}  # key not in DRAM -> the pin's full length, for `claim`
+        self._until: dict[bytes, float] = {}  # key -> monotonic deadline: the last of its holders'
+        self._held: dict[bytes, dict[int, float]] = {}  # key -> each holder's deadline
+        self._pending: dict[bytes, dict[int, float]] = {}  # key not in DRAM -> each holder's full length, for `claim`
         self._deadlines: list[tuple[float, bytes]] = []  # a heap; entries whose key was re-pinned are stale
         self.refused = 0
         """Pins refused because `MAX_PENDING_PINS` were already waiting for their blocks."""
 
-    def pin(self, keys: Iterable[bytes], seconds: float) -> None:
-        """Pin `keys` for `seconds` (at most MAX_PIN_S) from now, renewing any earlier pin; `seconds` <= 0
-        unpins them. A key whose block is not in DRAM is pinned for at most PENDING_PIN_S (its block,
-        committed meanwhile, gets the whole pin through `claim`)."""
+    def pin(self, keys: Iterable[bytes], seconds: float, holder: int = 0) -> None:
+        """Pin `keys` for `seconds` (at most MAX_PIN_S) from now on behalf of `holder`, renewing its
+        earlier pin; `seconds` <= 0 ends its pin. A key stays pinned while any holder's pin runs, so one
+        holder's unpin leaves another's in place (two producers of the same block). A key whose block is
+        not in DRAM is pinned for at most PENDING_PIN_S (its block, committed meanwhile, gets each
+        holder's whole pin through `claim`)."""
         now = time.monotonic()
         seconds = min(pin_seconds(seconds), MAX_PIN_S)
         self._expire(now)
         for key in keys:
             block = self._blocks.get(key)
             if seconds <= 0:
-                self._pending.pop(key, None)
-                if self._until.pop(key, None) is not None and block is not None:
-                    block.pinned = False
+                self._unpin(key, holder, block, now)
+            elif not self._room_for(key, holder, now):
+                self.refused += 1
             elif block is not None:
                 block.pinned = True
                 self._pending.pop(key, None)
-                self._set(key, now + seconds)
+                self._hold(key, holder, now + seconds)
             elif key in self._pending or len(self._pending) < MAX_PENDING_PINS:
-                self._pending[key] = seconds
-                self._set(key, now + min(seconds, PENDING_PIN_S))
+                self._pending.setdefault(key, {})[holder] = seconds
+                self._hold(key, holder, now + min(seconds, PENDING_PIN_S))
             else:
                 self.refused += 1
         self._compact()
+
+    def _room_for(self, key: bytes, holder: int, now: float) -> bool:
+        """Whether `holder` may pin `key`: it holds a pin on it already, or fewer than `MAX_HOLDERS` do
+        (holders whose pins ran out are let go first)."""
+        held = self._held.get(key)
+        if held is None or holder in held or len(held) < MAX_HOLDERS:
+            return True
+        waiting = self._pending.get(key, {})
+        for h in [h for h, until in held.items() if until <= now]:
+            del held[h]
+            waiting.pop(h, None)
+        if not waiting:
+            self._pending.pop(key, None)
+        return len(held) < MAX_HOLDERS
+
+    def _hold(self, key: bytes, holder: int, until: float) -> None:
+        held = self._held.setdefault(key, {})
+        held[holder] = until
+        self._set(key, max(held.values()))
+
+    def _unpin(self, key: bytes, holder: int, block: Pinnable | None, now: float) -> None:
+        """End `holder`'s pin of `key`; the key stays pinned until the last of the other holders' pins."""
+        held = self._held.get(key)
+        if held is None:
+            return
+        held.pop(holder, None)
+        waiting = self._pending.get(key)
+        if waiting is not None:
+            waiting.pop(holder, None)
+            if not waiting:
+                del self._pending[key]
+        others = [until for until in held.values() if until > now]
+        if others:
+            self._set(key, max(others))
+            return
+        del self._held[key], self._until[key]
+        self._pending.pop(key, None)
+        if block is not None:
+            block.pinned = False
 
     def _set(self, key: bytes, until: float) -> None:
         self._until[key] = until
@@ -113,9 +181,11 @@ class Pins:
         now = time.monotonic()
         if self._until.get(key, 0.0) <= now:
             return False
-        seconds = self._pending.pop(key, None)
-        if seconds is not None:
-            self._set(key, now + seconds)
+        waiting = self._pending.pop(key, None)
+        if waiting is not None:
+            held = self._held[key]
+            held.update((h, now + seconds) for h, seconds in waiting.items() if held[h] > now)  # not those timed out
+            self._set(key, max(held.values()))
         return True
 
     def counts(self) -> tuple[int, int, int]:
@@ -130,8 +200,8 @@ class Pins:
     def _expire(self, now: float) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:
             until, key = heapq.heappop(self._deadlines)
-            if self._until.get(key) == until:
-                del self._until[key]
+            if self._until.get(key) == until:  # the last of its holders' deadlines
+                del self._until[key], self._held[key]
                 self._pending.pop(key, None)
                 block = self._blocks.get(key)
                 if block is not None:
@@ -153,9 +223,16 @@ class Pins:
             errors.append(f"{len(unpinned)} pinned keys have an unpinned DRAM block, e.g. {min(unpinned)[:24]!r}")
         if self._pending.keys() - self._until.keys():
             errors.append(f"{len(self._pending.keys() - self._until.keys())} pending pins are not pins")
+        if any(len(held) > MAX_HOLDERS for held in self._held.values()):
+            errors.append(f"a key has more than {MAX_HOLDERS} pin holders")
         if len(self._pending) > MAX_PENDING_PINS or self.refused < 0:
             errors.append(f"{len(self._pending)} pending pins (at most {MAX_PENDING_PINS}), {self.refused} refused")
         if set(self._until.items()) - {(k, u) for u, k in self._deadlines}:
             errors.append("a pin's deadline is missing from the deadline heap")
+        if self._held.keys() != self._until.keys() or any(
+                not held or max(held.values()) > self._until[k] for k, held in self._held.items()):
+            errors.append("a pin's deadline is not the last of its holders'")
+        if any(not self._held.get(k, {}).keys() >= waiting.keys() for k, waiting in self._pending.items()):
+            errors.append("a pending pin's holder holds no pin")
         return errors
 

@@ -65,6 +65,10 @@ class RequestHandlers(ConnectionServing):
     # ----- authentication ---------------------------------------------------------------------
 
     def _hello(self, conn: Conn, frame: P.Frame) -> None:
+        holder = P.unpack_json(frame.meta).get("holder", 0)
+        if isinstance(holder, bool) or not isinstance(holder, int) or not 0 <= holder < 1 << 63:
+            raise ProtocolError(f"HELLO with holder {holder!r}: not an id of 63 bits")
+        conn.holder = holder
         if conn.authed:
             self._reply(conn, frame, P.pack_json(self.info()))
         else:  # nothing about this worker before the peer proves it holds the token
@@ -337,7 +341,7 @@ class RequestHandlers(ConnectionServing):
         for k, s in zip(keys, seconds.tolist()):  # clients send one duration per frame: one call each
             groups.setdefault(s, []).append(k)
         for s, ks in groups.items():
-            self.cache.batch_pin(ks, s)
+            self.cache.batch_pin(ks, s, conn.holder)
 
     # ----- same-node slot protocol ------------------------------------------------------------
 

@@ -57,6 +57,7 @@ class Conn:
         self.authed = authed
         self.peer = peer  # the source address (TCP) or "uid <n>" (Unix): what failures are counted by
         self.nonce = b""  # the worker's challenge, sent in the pre-auth HELLO reply
+        self.holder = 0  # the client process's id, from its HELLO: whose pins its PINs are (kvpool.core.pins)
         self.tenant: Tenant | None = None  # set by AUTH with a tenant's token: keys of its namespace only
         self.refused_keys = 0  # requests refused for naming keys outside the tenant's namespace
         self.over_quota = False  # a put was refused for the tenant's quota (logged once per connection)

@@ -167,3 +167,33 @@ def test_closing_a_connection_ends_a_call_blocked_on_it_in_another_thread(tmp_pa
     """A client closing (its read repairs still running) must not leave a call blocked on a closed socket
     until its timeout: on Linux, closing a socket does not wake a receive blocked on it."""
     _end_a_call_blocked_in_its_handshake(tmp_path, Connection.close)
+
+
+def test_a_worker_keeps_a_pin_until_every_process_that_pinned_it_lets_go(spawn):
+    """Two processes pin one block (two prefill instances of one prefix); this one's unpin leaves the
+    other's pin in place, which then runs out by itself. Each process is a holder of its own: the
+    worker tells them apart by what their connections said at HELLO."""
+    import time
+
+    w = spawn(dram_bytes="8MiB", env={"KVPOOL_DRAM_SLAB_SIZE": str(1 << 20)})
+    size = 256 << 10
+    with PoolClient(mode="local", worker=w.unix_path) as c:
+        c.batch_put(["shared"], [_block(0, size)], pin_s=60)
+        code = textwrap.dedent(f"""
+            from kvpool.core.client import PoolClient
+            with PoolClient(mode="local", worker={w.address!r}) as c:  # over TCP: HELLO there too
+                c.batch_pin(["shared"], 2.0)
+                c.stats()  # PIN has no answer: one that does, after it, says it was taken
+        """)
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+        c.batch_pin(["shared"], 0)
+
+        def squeeze(tag: str) -> None:
+            for i in range(64):  # twice the arena: every block no pin holds is evicted
+                c.batch_put([f"filler/{tag}/{i}"], [_block(i + 1, size)])
+
+        squeeze("a")
+        assert c.get("shared") == _block(0, size), "another process's pin was ended by this one's unpin"
+        time.sleep(2.2)
+        squeeze("b")
+        assert not c.exists("shared"), "the other process's pin did not run out"

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool.core import TieredCache, pins
 
@@ -80,3 +83,96 @@ def test_pin_lengths_are_cut_to_the_maximum(make_cache: Make, monkeypatch: pytes
     squeeze(cache, "a")
     assert not cache.exists("k")
 
+
+
+def test_a_key_stays_pinned_until_the_last_of_its_holders_lets_go(make_cache: Make) -> None:
+    """Two producers of one block (a prefix two prefill instances share) each pin it; the first to end
+    its pin leaves the other's in place."""
+    cache = make_cache(dram_bytes=4 * MiB, dram_slab_size=MiB)
+    cache.put("shared", payload("shared", 256 * KiB))
+    cache.batch_pin(["shared"], 60, holder=1)
+    cache.batch_pin(["shared"], 60, holder=2)
+    cache.batch_pin(["shared"], 0, holder=1)
+    squeeze(cache, "a")
+    assert cache.get("shared") == payload("shared", 256 * KiB)
+    assert cache.check() == []
+    cache.batch_pin(["shared"], 0, holder=2)
+    squeeze(cache, "b")
+    assert not cache.exists("shared")
+    assert cache.stats().pins == 0 and cache.check() == []
+
+
+def test_one_holder_s_short_pin_does_not_cut_another_s_long_one(make_cache: Make) -> None:
+    cache = make_cache(dram_bytes=4 * MiB, dram_slab_size=MiB)
+    cache.put("k", payload("k", 256 * KiB))
+    cache.batch_pin(["k"], 60, holder=1)
+    cache.batch_pin(["k"], 0.1, holder=2)
+    time.sleep(0.2)
+    squeeze(cache, "a")
+    assert cache.exists("k")
+    cache.batch_pin(["k"], 0.1, holder=1)  # a holder's own renewal does count from the renewal
+    time.sleep(0.2)
+    squeeze(cache, "b")
+    assert not cache.exists("k")
+    assert cache.stats().pins == 0 and cache.check() == []
+
+
+def test_pins_waiting_for_a_block_each_run_their_holder_s_length_once_it_comes(
+        make_cache: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pins, "PENDING_PIN_S", 0.2)
+    cache = make_cache(dram_bytes=4 * MiB, dram_slab_size=MiB)
+    cache.batch_pin(["later"], 60, holder=1)
+    cache.batch_pin(["later"], 60, holder=2)
+    cache.batch_pin(["later"], 0, holder=1)
+    assert (cache.stats().pins, cache.stats().pending_pins) == (1, 1)
+    cache.put("later", payload("later", 256 * KiB))  # holder 2's pin now runs its 60 s
+    time.sleep(0.3)
+    squeeze(cache, "a")
+    assert cache.exists("later")
+    assert (cache.stats().pins, cache.stats().pending_pins) == (1, 0) and cache.check() == []
+    cache.batch_pin(["later"], 0, holder=1)  # no pin of its own any more: nothing changes
+    squeeze(cache, "b")
+    assert cache.exists("later")
+    cache.batch_pin(["later"], 0, holder=2)
+    squeeze(cache, "c")
+    assert not cache.exists("later") and cache.check() == []
+
+
+def test_one_key_s_pin_holders_are_bounded(make_cache: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clients that come and go (each connection may name a holder) cannot grow one key's pins: past
+    `MAX_HOLDERS`, a new holder's pin is refused and counted; one whose pin ran out makes room."""
+    monkeypatch.setattr(pins, "MAX_HOLDERS", 3)
+    cache = make_cache(dram_bytes=4 * MiB, dram_slab_size=MiB)
+    cache.put("k", payload("k", 256 * KiB))
+    cache.batch_pin(["k"], 0.1, holder=1)
+    cache.batch_pin(["k"], 60, holder=2)
+    cache.batch_pin(["k"], 60, holder=3)
+    cache.batch_pin(["k"], 60, holder=4)
+    cache.batch_pin(["k"], 30, holder=3)  # a holder renewing its own pin is not a new one
+    assert cache.stats().pins_refused == 1 and cache.check() == []
+    time.sleep(0.2)
+    cache.batch_pin(["k"], 60, holder=4)  # holder 1's pin ran out: room for one more
+    cache.batch_pin(["k"], 0, holder=2)
+    cache.batch_pin(["k"], 0, holder=3)
+    squeeze(cache, "a")
+    assert cache.exists("k") and cache.stats().pins_refused == 1 and cache.check() == []
+    cache.batch_pin(["k"], 0, holder=4)
+    squeeze(cache, "b")
+    assert not cache.exists("k") and cache.check() == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([b"a", b"b"]), st.integers(1, 4), st.sampled_from([0.0, 60.0, 120.0])),
+                max_size=40))
+def test_a_block_is_pinned_exactly_while_some_holder_s_pin_runs(ops: list[tuple[bytes, int, float]]) -> None:
+    """Any order of pins and unpins by several holders: a block is pinned if and only if at least one
+    holder's last word on it was a pin, and the bookkeeping agrees with itself."""
+    blocks = {k: SimpleNamespace(pinned=False) for k in (b"a", b"b")}
+    p = pins.Pins(blocks)
+    last: dict[tuple[bytes, int], float] = {}
+    for key, holder, seconds in ops:
+        p.pin([key], seconds, holder)
+        last[key, holder] = seconds
+        for k, block in blocks.items():
+            assert block.pinned == any(s > 0 for (kk, _), s in last.items() if kk == k)
+        assert p.check() == []

@@ -128,6 +128,25 @@ def test_malformed_proofs_fail_cleanly(tmp_path: Path) -> None:
         w.stop()
 
 
+def test_a_hello_naming_a_malformed_pin_holder_is_refused_and_the_worker_serves_on(tmp_path: Path) -> None:
+    """A HELLO may name the client process's pin holder (kvpool.core.pins): anything but an id of 63
+    bits is a protocol error that ends that connection only."""
+    w = _worker(tmp_path, token=TOKEN).start()
+    try:
+        for meta in (b'{"holder": "x"}', b'{"holder": -1}', b'{"holder": 9223372036854775808}',
+                     b'{"holder": true}', b'{"holder": 1.5}', b'[1]'):
+            with socket.create_connection(("127.0.0.1", w.port), timeout=10) as s:
+                P.send_frame(s, P.Op.HELLO, meta)
+                with pytest.raises(ConnectionError):
+                    P.recv_frame(s)
+        with PoolClient(mode="local", worker=w.address, token=TOKEN) as c:
+            c.put("k", b"v", pin_s=5)
+            assert c.get("k") == b"v"
+        assert w.metrics.protocol_errors._value.get() == 6
+    finally:
+        w.stop()
+
+
 def test_wrong_tokens_are_throttled_counted_and_do_not_delay_the_right_one(tmp_path: Path) -> None:
     w = _worker(tmp_path, token=TOKEN).start()
     try:
