@@ -29,7 +29,8 @@ from .errors import InvalidArgument
 if TYPE_CHECKING:
     pass
 
-__all__ = ["pin_seconds", "process_holder", "MAX_PIN_S", "PENDING_PIN_S", "MAX_PENDING_PINS", "MAX_HOLDERS", "Pins"]
+__all__ = ["pin_seconds", "process_holder", "MAX_PIN_S", "PENDING_PIN_S", "MAX_PENDING_PINS", "MAX_HOLDERS", "OVERFLOW",
+           "Pins"]
 
 MAX_PIN_S = 3600.0
 """The longest a pin lasts without being renewed, in seconds (longer requests are cut to it)."""
@@ -38,9 +39,13 @@ PENDING_PIN_S = 30.0
 the pin just before the block)."""
 MAX_PENDING_PINS = 1 << 16
 """Pins waiting for their blocks, at most, per cache; further ones are refused (counted in `refused`)."""
-MAX_HOLDERS = 64
-"""Holders of one key's pins, at most (a holder is a client process; HELLO names it): a pin from one
-more is refused (counted in `refused`), so clients that come and go cannot grow one key's pins."""
+MAX_HOLDERS = 8
+"""Holders of one key's own pins, at most (a holder is a client process; HELLO names it), so that
+clients that come and go cannot grow what one key's pins cost. The pins of further holders share the
+key's overflow pin, which runs until the last deadline any of them asked for and which no unpin
+shortens: past this many holders a pin may last longer than asked, never shorter."""
+OVERFLOW = -1
+"""The holder of a key's overflow pin (holder ids from clients are 0 or more)."""
 
 
 _holder = 0
@@ -102,24 +107,26 @@ class Pins:
             block = self._blocks.get(key)
             if seconds <= 0:
                 self._unpin(key, holder, block, now)
-            elif not self._room_for(key, holder, now):
-                self.refused += 1
-            elif block is not None:
+                continue
+            h = holder if self._room_for(key, holder, now) else OVERFLOW
+            if block is not None:
                 block.pinned = True
                 self._pending.pop(key, None)
-                self._hold(key, holder, now + seconds)
+                self._hold(key, h, now + seconds)
             elif key in self._pending or len(self._pending) < MAX_PENDING_PINS:
-                self._pending.setdefault(key, {})[holder] = seconds
-                self._hold(key, holder, now + min(seconds, PENDING_PIN_S))
+                waiting = self._pending.setdefault(key, {})
+                waiting[h] = max(seconds, waiting.get(h, 0.0)) if h == OVERFLOW else seconds
+                self._hold(key, h, now + min(seconds, PENDING_PIN_S))
             else:
                 self.refused += 1
         self._compact()
 
     def _room_for(self, key: bytes, holder: int, now: float) -> bool:
-        """Whether `holder` may pin `key`: it holds a pin on it already, or fewer than `MAX_HOLDERS` do
-        (holders whose pins ran out are let go first)."""
+        """Whether `holder` gets a pin of its own on `key`: it holds one already, or fewer than
+        `MAX_HOLDERS` do (holders whose pins ran out are let go first). If not, its pin goes to the
+        key's overflow pin."""
         held = self._held.get(key)
-        if held is None or holder in held or len(held) < MAX_HOLDERS:
+        if held is None or holder in held or len(held) - (OVERFLOW in held) < MAX_HOLDERS:
             return True
         waiting = self._pending.get(key, {})
         for h in [h for h, until in held.items() if until <= now]:
@@ -127,11 +134,11 @@ class Pins:
             waiting.pop(h, None)
         if not waiting:
             self._pending.pop(key, None)
-        return len(held) < MAX_HOLDERS
+        return len(held) - (OVERFLOW in held) < MAX_HOLDERS
 
     def _hold(self, key: bytes, holder: int, until: float) -> None:
         held = self._held.setdefault(key, {})
-        held[holder] = until
+        held[holder] = max(until, held.get(OVERFLOW, 0.0)) if holder == OVERFLOW else until
         self._set(key, max(held.values()))
 
     def _unpin(self, key: bytes, holder: int, block: Pinnable | None, now: float) -> None:
@@ -189,8 +196,11 @@ class Pins:
         return True
 
     def counts(self) -> tuple[int, int, int]:
-        """Live pins (those waiting for their blocks included), those waiting, and pins refused so far."""
-        return len(self._until), len(self._pending), self.refused
+        """Live pins (those waiting for their blocks included), those waiting (a key some holder's pin
+        still waits on), and pins refused so far."""
+        now = time.monotonic()
+        waiting = sum(1 for k, ws in self._pending.items() if any(self._held[k][h] > now for h in ws))
+        return len(self._until), waiting, self.refused
 
     def expire(self) -> None:
         """Unpin the keys whose pins have expired."""
@@ -223,7 +233,7 @@ class Pins:
             errors.append(f"{len(unpinned)} pinned keys have an unpinned DRAM block, e.g. {min(unpinned)[:24]!r}")
         if self._pending.keys() - self._until.keys():
             errors.append(f"{len(self._pending.keys() - self._until.keys())} pending pins are not pins")
-        if any(len(held) > MAX_HOLDERS for held in self._held.values()):
+        if any(len(held) - (OVERFLOW in held) > MAX_HOLDERS for held in self._held.values()):
             errors.append(f"a key has more than {MAX_HOLDERS} pin holders")
         if len(self._pending) > MAX_PENDING_PINS or self.refused < 0:
             errors.append(f"{len(self._pending)} pending pins (at most {MAX_PENDING_PINS}), {self.refused} refused")

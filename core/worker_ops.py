@@ -67,7 +67,7 @@ class RequestHandlers(ConnectionServing):
     def _hello(self, conn: Conn, frame: P.Frame) -> None:
         holder = P.unpack_json(frame.meta).get("holder", 0)
         if isinstance(holder, bool) or not isinstance(holder, int) or not 0 <= holder < 1 << 63:
-            raise ProtocolError(f"HELLO with holder {holder!r}: not an id of 63 bits")
+            raise ProtocolError(f"HELLO with holder {holder!r:.40}: not an id of 63 bits")
         conn.holder = holder
         if conn.authed:
             self._reply(conn, frame, P.pack_json(self.info()))

@@ -10,7 +10,7 @@
  * dataclass's slots are (so the interpreter reads and writes them as fast), made of exact types from
  * the arguments: key bytes, offset, size, checksum, leases and version ints, expires a float, the flags
  * bools. key, size, checksum and expires are read-only (nothing changes them after a block is made);
- * what is assigned to the others later is the caller's to type (ints and bools: none can hold a cycle).
+ * the others take ints and bools only (block_setattro).
  *
  * Fields, as the Python dataclass that stands in for it where no C compiler built this module:
  *   key, offset, size, checksum, expires (unix seconds; 0 never), leases, pinned, live, on_ssd, version,
@@ -106,6 +106,23 @@ static PyObject *block_expired(DramBlock *b, PyObject *now) {
     return PyBool_FromLong(expires != 0.0 && expires <= t);
 }
 
+/* The fields that may change after a block is made (offset, leases, version, the flags) take ints and
+ * bools only, and none may be deleted: whatever a caller assigns, an entry references nothing that
+ * could lead back to it (no cycle the collector would have to find), and nothing whose repr or
+ * deallocation runs Python code. Reads go the interpreter's fast way (object members); stores pass here. */
+static int block_setattro(PyObject *self, PyObject *name, PyObject *value) {
+    if (value == NULL) {
+        PyErr_Format(PyExc_AttributeError, "a DramBlock's field %R cannot be deleted", name);
+        return -1;
+    }
+    if (!PyLong_CheckExact(value) && !PyBool_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "a DramBlock's field %R takes an int or a bool, not %.100s", name,
+                     Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    return PyObject_GenericSetAttr(self, name, value);
+}
+
 static PyMethodDef block_methods[] = {
     {"expired", (PyCFunction)block_expired, METH_O, "expired(now) -> bool: it has a TTL, and it ran out by `now`"},
     {NULL, NULL, 0, NULL},
@@ -133,6 +150,7 @@ static PyTypeObject DramBlockType = {
     .tp_basicsize = sizeof(DramBlock),
     .tp_dealloc = (destructor)block_dealloc,
     .tp_repr = (reprfunc)block_repr,
+    .tp_setattro = block_setattro,
     .tp_flags = Py_TPFLAGS_DEFAULT,  /* no Py_TPFLAGS_HAVE_GC: see the top of this file; no subclasses */
     .tp_doc = "A committed block in the DRAM arena: the DRAM tier's index entry, untracked by the cyclic GC.",
     .tp_methods = block_methods,

@@ -138,27 +138,30 @@ def test_pins_waiting_for_a_block_each_run_their_holder_s_length_once_it_comes(
     assert not cache.exists("later") and cache.check() == []
 
 
-def test_one_key_s_pin_holders_are_bounded(make_cache: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_key_s_pin_holders_are_bounded_and_the_rest_share_a_pin_that_never_ends_early(
+        make_cache: Make, monkeypatch: pytest.MonkeyPatch) -> None:
     """Clients that come and go (each connection may name a holder) cannot grow one key's pins: past
-    `MAX_HOLDERS`, a new holder's pin is refused and counted; one whose pin ran out makes room."""
-    monkeypatch.setattr(pins, "MAX_HOLDERS", 3)
+    `MAX_HOLDERS`, a new holder's pin joins the key's overflow pin, which runs until the last deadline
+    asked of it and which no unpin ends early; one whose own pin ran out makes room again."""
+    monkeypatch.setattr(pins, "MAX_HOLDERS", 2)
     cache = make_cache(dram_bytes=4 * MiB, dram_slab_size=MiB)
     cache.put("k", payload("k", 256 * KiB))
     cache.batch_pin(["k"], 0.1, holder=1)
-    cache.batch_pin(["k"], 60, holder=2)
-    cache.batch_pin(["k"], 60, holder=3)
-    cache.batch_pin(["k"], 60, holder=4)
-    cache.batch_pin(["k"], 30, holder=3)  # a holder renewing its own pin is not a new one
-    assert cache.stats().pins_refused == 1 and cache.check() == []
-    time.sleep(0.2)
-    cache.batch_pin(["k"], 60, holder=4)  # holder 1's pin ran out: room for one more
-    cache.batch_pin(["k"], 0, holder=2)
-    cache.batch_pin(["k"], 0, holder=3)
+    cache.batch_pin(["k"], 0.1, holder=2)
+    cache.batch_pin(["k"], 0.4, holder=3)  # to the overflow pin
+    cache.batch_pin(["k"], 0.2, holder=4)  # to the overflow pin, which keeps the later deadline
+    cache.batch_pin(["k"], 0, holder=3)  # ends nothing: its pin is shared
+    assert cache.stats().pins_refused == 0 and cache.check() == []
+    time.sleep(0.25)
     squeeze(cache, "a")
-    assert cache.exists("k") and cache.stats().pins_refused == 1 and cache.check() == []
-    cache.batch_pin(["k"], 0, holder=4)
+    assert cache.exists("k"), "the overflow pin ended before the last deadline asked of it"
+    cache.batch_pin(["k"], 60, holder=5)  # holders 1 and 2 ran out: a pin of its own
+    time.sleep(0.2)
     squeeze(cache, "b")
-    assert not cache.exists("k") and cache.check() == []
+    assert cache.exists("k") and cache.check() == []
+    cache.batch_pin(["k"], 0, holder=5)
+    squeeze(cache, "c")
+    assert not cache.exists("k") and cache.stats().pins == 0 and cache.check() == []
 
 
 @settings(max_examples=200, deadline=None)

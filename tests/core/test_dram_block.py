@@ -41,8 +41,9 @@ def test_fields_defaults_and_expiry_are_the_dataclass_s(kind: str) -> None:
 
 
 def test_the_native_entry_holds_exact_types_and_refuses_what_could_hold_a_cycle() -> None:
-    """A key that is not exactly bytes could carry a reference back (a cycle the collector could not
-    see); numbers are stored as exact ints and floats whatever they came as (numpy's included)."""
+    """A key that is not exactly bytes, or a field assigned an object of another kind, could carry a
+    reference back (a cycle the collector could not see): made, numbers are stored as exact ints and
+    floats whatever they came as (numpy's included); assigned later, they must be ints or bools."""
     class Key(bytes):
         pass
 
@@ -57,10 +58,17 @@ def test_the_native_entry_holds_exact_types_and_refuses_what_could_hold_a_cycle(
     fields = [b.offset, b.size, b.checksum, b.expires, b.version, b.pinned, b.checked, b.leases]
     assert fields == [4096, 16, 2**64 - 1, 2.5, 9, True, False, 0]
     assert [type(v) for v in fields] == [int, int, int, float, int, bool, bool, int]
-    with pytest.raises(AttributeError):
+    with pytest.raises((AttributeError, TypeError)):  # read-only; and not an int either
         b.key = b"other"
-    with pytest.raises(AttributeError):
+    with pytest.raises(AttributeError):  # read-only
         b.checksum = 1
+    for bad in ([b], "x", 1.5, None, np.int64(3)):  # what changes later takes ints and bools only
+        with pytest.raises(TypeError):
+            b.offset = bad
+    with pytest.raises(AttributeError):
+        del b.leases
+    b.offset, b.leases, b.pinned = 8192, 2, False
+    assert (b.offset, b.leases, b.pinned) == (8192, 2, False)
     assert "b'k'" in repr(b)
 
 
