@@ -179,3 +179,29 @@ def test_a_block_is_pinned_exactly_while_some_holder_s_pin_runs(ops: list[tuple[
         for k, block in blocks.items():
             assert block.pinned == any(s > 0 for (kk, _), s in last.items() if kk == k)
         assert p.check() == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([b"a", b"b"]), st.integers(1, 5), st.sampled_from([0.0, 60.0, 120.0])),
+                max_size=40))
+def test_past_the_holder_bound_a_block_stays_pinned_at_least_as_long_as_asked(
+        ops: list[tuple[bytes, int, float]]) -> None:
+    """With room for two holders' own pins per key: a pin that finds both taken joins the key's overflow
+    pin, which nothing ends early; a block is pinned exactly while an own pin or the overflow pin runs."""
+    blocks = {k: SimpleNamespace(pinned=False) for k in (b"a", b"b")}
+    p = pins.Pins(blocks)
+    own: dict[bytes, set[int]] = {b"a": set(), b"b": set()}
+    overflow: set[bytes] = set()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pins, "MAX_HOLDERS", 2)
+        for key, holder, seconds in ops:
+            p.pin([key], seconds, holder)
+            if seconds <= 0:
+                own[key].discard(holder)
+            elif holder in own[key] or len(own[key]) < 2:
+                own[key].add(holder)
+            else:
+                overflow.add(key)
+            for k, block in blocks.items():
+                assert block.pinned == (bool(own[k]) or k in overflow)
+            assert p.check() == []
