@@ -195,6 +195,27 @@ class Pins:
             self._set(key, max(held.values()))
         return True
 
+    def left(self, key: bytes) -> None:
+        """The pinned block of `key` left DRAM (removed, cleared, replaced): its pins wait for a block
+        again, as a pin made before its block came does: for at most `PENDING_PIN_S`, then each runs
+        what it had left once a block comes (a replacement, committed at once, keeps them whole). So
+        pins on keys whose blocks are gone cost the worker no more than pins on keys never put do."""
+        held = self._held.get(key)
+        if held is None:
+            return
+        now = time.monotonic()
+        if self._until[key] <= now or (key not in self._pending and len(self._pending) >= MAX_PENDING_PINS):
+            self.refused += self._until[key] > now  # (a pin on an absent key would be refused so)
+            del self._held[key], self._until[key]
+            self._pending.pop(key, None)
+            return
+        waiting = self._pending.setdefault(key, {})
+        for h, until in held.items():
+            if until > now:
+                waiting[h] = max(waiting.get(h, 0.0), until - now)
+                held[h] = min(until, now + PENDING_PIN_S)
+        self._set(key, max(held.values()))
+
     def counts(self) -> tuple[int, int, int]:
         """Live pins (those waiting for their blocks included), those waiting (a key some holder's pin
         still waits on), and pins refused so far."""

@@ -176,12 +176,14 @@ class DramTier:
 
     def drop(self, key: bytes) -> DramBlock | None:
         """Unlink the block of `key` (None if there is none); its slot is freed now, or when its last
-        lease ends."""
+        lease ends. A pin on the key waits for a block again, as one made before its block came does."""
         b = self.blocks.pop(key, None)
         if b is None:
             return None
         self.order.discard(key)
         self._let_go(b)
+        if b.pinned:
+            self.pins.left(key)
         return b
 
     def _let_go(self, b: DramBlock) -> None:

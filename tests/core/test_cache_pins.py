@@ -205,3 +205,30 @@ def test_past_the_holder_bound_a_block_stays_pinned_at_least_as_long_as_asked(
             for k, block in blocks.items():
                 assert block.pinned == (bool(own[k]) or k in overflow)
             assert p.check() == []
+
+
+def test_a_pin_whose_block_is_removed_waits_for_a_block_again_and_no_longer(
+        make_cache: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pins on keys whose blocks are gone cost no more than pins on keys never put: they wait
+    `PENDING_PIN_S` for a block, then end; a block that comes meanwhile gets what its pins had left, and
+    a replacement keeps them whole."""
+    monkeypatch.setattr(pins, "PENDING_PIN_S", 0.2)
+    cache = make_cache(dram_bytes=4 * MiB, dram_slab_size=MiB)
+    for k in ("gone", "back"):
+        cache.put(k, payload(k, 256 * KiB))
+        cache.batch_pin([k], 60, holder=1)
+        cache.batch_pin([k], 60, holder=2)
+        cache.remove(k)
+    cache.put("kept", payload("v1", 256 * KiB), pin_s=60)
+    cache.put("kept", payload("v2", 256 * KiB))  # a replacement: the pin stays whole
+    assert (cache.stats().pins, cache.stats().pending_pins) == (3, 2) and cache.check() == []
+    cache.put("back", payload("back", 256 * KiB))  # within the wait: pinned again, for what was left
+    time.sleep(0.3)
+    squeeze(cache, "a")
+    assert cache.exists("back") and cache.exists("kept")
+    s = cache.stats()
+    assert (s.pins, s.pending_pins, s.pins_refused) == (2, 0, 0) and cache.check() == []  # "gone": ended
+    cache.batch_pin(["back"], 0, holder=1)
+    cache.batch_pin(["back"], 0, holder=2)
+    squeeze(cache, "b")
+    assert not cache.exists("back") and cache.exists("kept") and cache.check() == []
