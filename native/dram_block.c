@@ -2,7 +2,7 @@
  * type the cyclic garbage collector does not track.
  *
  * A worker holds one entry per block in DRAM: millions of them. As Python objects of a class they are
- * all tracked, and each full collection walks every one: 0.22 s per million on this project's test
+ * all tracked, and each full collection walks every one: 0.22-0.29 s per million on this project's test
  * machine, with the GIL held, so a worker of a few million blocks stops serving for a second now and
  * then (and a cluster worker's stall watch takes that for a pause and fences its reads). An entry
  * holds only its key, an exact bytes object, and numbers: it can be part of no reference cycle, so it

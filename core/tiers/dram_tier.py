@@ -44,7 +44,7 @@ class DramBlock:
 
     Where the C extension was built this is `kvpool.core._native.DramBlock`, the same fields in a type
     the cyclic garbage collector does not track: a worker holds one per block, millions of them, and a
-    full collection that walks every one holds the GIL for 0.22 s per million (docs/BENCHMARKS.md, run
+    full collection that walks every one holds the GIL for 0.22-0.29 s per million (docs/BENCHMARKS.md, run
     AL). This dataclass, the same without the extension, is what the type checker sees."""
 
     key: bytes
