@@ -7,9 +7,9 @@ unlinked while leased keeps its slot until its last lease ends, so a reader's vi
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import islice, repeat
 from typing import TYPE_CHECKING, Protocol
 
 from ..blocks import BlockMeta, checksum
@@ -86,6 +86,11 @@ def block_meta(b: DramBlock) -> BlockMeta:
     return BlockMeta(b.size, b.checksum, b.expires, b.version)
 
 
+SCAN = 4096
+"""How many of the least recently used blocks a search for room looks at before it looks at all of them
+(`DramTier.victims_for`): with millions of blocks, a walk over every one held the cache's lock for
+0.4-0.8 s, once per slab taken from another size class."""
+
 Evict = Callable[[list[DramBlock], list[DramBlock]], None]
 """The cache's eviction: demote a batch (second list, which includes the first) to SSD, then drop the
 first list's blocks from DRAM."""
@@ -97,6 +102,8 @@ class DramTier:
     def __init__(self, arena: DramArena, policy: str, counters: CacheCounters) -> None:
         self.arena = arena
         self.blocks: dict[bytes, DramBlock] = {}
+        self.at: dict[int, DramBlock] = {}
+        """The indexed blocks by offset: a slab's blocks without a walk over every block (`victims_for`)."""
         self.order = EVICTION_POLICY[policy]()
         self.pins = Pins(self.blocks)
         self._counters = counters
@@ -136,6 +143,7 @@ class DramTier:
         live pin on its key pins it."""
         self._reserved -= 1
         self.blocks[block.key] = block
+        self.at[block.offset] = block
         self.order.add(block.key)
         if block.expires:
             self.timed += 1
@@ -162,6 +170,7 @@ class DramTier:
             blocks = [b for b, ok in zip(blocks, stored) if ok]
         keys = [b.key for b in blocks]
         self.blocks.update(zip(keys, blocks))
+        self.at.update({b.offset: b for b in blocks})
         self.order.extend(keys)
         self._reserved -= len(blocks)
         self.timed += sum(1 for b in blocks if b.expires)
@@ -190,6 +199,7 @@ class DramTier:
         """A block just taken out of the index: no longer live, its slot freed now, or at its last
         lease's end."""
         b.live = False
+        del self.at[b.offset]
         if b.expires:
             self.timed -= 1
         if b.leases == 0:
@@ -213,6 +223,7 @@ class DramTier:
     def clear(self) -> None:
         for k in list(self.blocks):
             self.drop(k)
+        self.at.clear()
 
     def view(self, b: DramBlock) -> memoryview:
         return self.arena.view(b.offset, b.size)
@@ -238,30 +249,49 @@ class DramTier:
     def victims_for(self, n: int) -> tuple[list[DramBlock], list[DramBlock]]:
         """Blocks to evict so that a slot for `n` bytes frees up, and the batch to demote with them.
 
-        The least recently used evictable block of `n`'s size class frees a slot; the next few of
-        that class go to SSD in the same transaction but stay in DRAM (their eviction later costs
-        no write). Failing that, every block of the least recently used slab whose blocks are all
-        evictable, so the slab returns to the free pool for any class."""
+        Among the `SCAN` least recently used blocks: the first evictable one of `n`'s size class frees
+        a slot, and the next few of that class go to SSD in the same transaction but stay in DRAM
+        (their eviction later costs no write). Failing that, every block of the least recently used
+        slab (of another class) among them whose blocks are all evictable, so the slab returns to the
+        free pool for any class: a class that finds its own blocks only among recent ones takes room
+        from old blocks of another, as a whole-cache LRU would. Only where the `SCAN` oldest give
+        neither is every block looked at (pins and leases everywhere)."""
         cls = self.arena.class_of(n)
+        found = self._victims_among(islice(self.order, SCAN), cls)
+        if found[0] or len(self.blocks) <= SCAN:
+            return found
+        return self._victims_among(iter(self.order), cls)
+
+    def _victims_among(self, keys: Iterator[bytes], cls: int) -> tuple[list[DramBlock], list[DramBlock]]:
+        """`victims_for` looking at the blocks of `keys` (least recently used first) only."""
+        class_of, slab_of, blocks = self.arena.class_of, self.arena.slab_of, self.blocks
         same: list[DramBlock] = []
         slabs: dict[int, None] = {}  # slabs of other classes, least recently used first
-        for k in self.order:
-            b = self.blocks[k]
+        for k in keys:
+            b = blocks[k]
             if not self.evictable(b):
                 continue
-            if self.arena.class_of(b.size) == cls:
+            if class_of(b.size) == cls:
                 same.append(b)
                 if len(same) >= 8:
                     break
             else:
-                slabs.setdefault(self.arena.slab_of(b.offset))
+                slabs.setdefault(slab_of(b.offset))
         if same:
             return same[:1], same
-        by_slab = self._blocks_by_slab()
         for slab in slabs:
-            if all(self.evictable(b) for b in by_slab[slab]):
-                return by_slab[slab], by_slab[slab]
+            whole = self._slab_blocks(slab)
+            if whole is not None:
+                return whole, whole
         return [], []
+
+    def _slab_blocks(self, slab: int) -> list[DramBlock] | None:
+        """The blocks of `slab` if every slot it has handed out holds an evictable indexed block (none
+        reserved for a put under way, none leased), else None."""
+        slots, handed_out = self.arena.slab_slots(slab)
+        at = self.at
+        out = [b for off in slots if (b := at.get(off)) is not None and self.evictable(b)]
+        return out if len(out) == handed_out else None
 
     def _blocks_by_slab(self) -> dict[int, list[DramBlock]]:
         by_slab: dict[int, list[DramBlock]] = {}
@@ -300,7 +330,9 @@ class DramTier:
             for b, dest in moved:
                 buf[dest:dest + b.size] = buf[b.offset:b.offset + b.size]
                 self.arena.free(b.offset)
+                del self.at[b.offset]
                 b.offset = dest
+                self.at[dest] = b
             self._counters.relocations += len(moved)
             rest = [b for b in blocks if not b.pinned]
             if rest:
@@ -337,6 +369,8 @@ class DramTier:
         if sum(1 for b in blocks.values() if b.expires) != self.timed:
             errors.append(f"{self.timed} DRAM blocks counted with a TTL; the index holds "
                           f"{sum(1 for b in blocks.values() if b.expires)}")
+        if self.at != {b.offset: b for b in blocks.values()}:
+            errors.append("the index by offset does not hold exactly the indexed blocks")
         if set(self.order) != blocks.keys():
             errors.append(f"eviction order holds {len(self.order)} keys, the index {len(blocks)}")
         for k, b in blocks.items():

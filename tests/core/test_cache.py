@@ -14,6 +14,7 @@ from kvpool.core import BlockTooLarge, BufferSizeError, CapacityError, InvalidKe
 from kvpool.core.blocks import BlockMeta, checksum
 from kvpool.core.errors import InvalidArgument
 from kvpool.core.stats import CacheStats
+from kvpool.core.tiers import dram_tier
 
 from corehelp import KiB, MiB, payload
 
@@ -296,6 +297,31 @@ def test_eviction_frees_a_slab_for_another_size_class(make_cache: Make) -> None:
     assert cache.stats().evictions == 16  # exactly one slab's worth, the least recently used
     assert not any(cache.batch_exists([f"s{i}" for i in range(16)]))
     assert all(cache.batch_exists([f"s{i}" for i in range(16, 64)]))
+
+
+def test_a_size_class_with_only_recent_blocks_takes_the_oldest_slab_of_another(
+        make_cache: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Room is looked for among the least recently used blocks only (`dram_tier.SCAN`, cut to 16 here):
+    a big block whose own class holds only a recent block takes the oldest slab of small blocks, as a
+    whole-cache LRU would, rather than walk every block to evict that recent one (with millions of
+    blocks the walk held the cache's lock for most of a second, once per slab). Where the oldest
+    blocks give no room (pinned), every block is looked at, as before."""
+    monkeypatch.setattr(dram_tier, "SCAN", 16)
+    cache = make_cache(dram_bytes=4 * MiB, dram_slab_size=1 * MiB, **SYNC_EVICTION)
+    for i in range(16):  # slab 0: the oldest blocks
+        cache.put(f"old{i}", payload(f"old{i}", 64 * KiB))
+    cache.put("big0", payload("big0", 900 * KiB))  # slab 1
+    for i in range(32):  # slabs 2 and 3: the arena is full
+        cache.put(f"new{i}", payload(f"new{i}", 64 * KiB))
+    cache.put("big1", payload("big1", 900 * KiB))
+    assert cache.get("big0") == payload("big0", 900 * KiB) and cache.get("big1") == payload("big1", 900 * KiB)
+    assert not any(cache.batch_exists([f"old{i}" for i in range(16)]))
+    assert all(cache.batch_exists([f"new{i}" for i in range(32)]))
+    assert cache.stats().evictions == 16 and cache.check() == []
+    cache.batch_pin([f"new{i}" for i in range(32)], 60)  # now the 16 oldest are pinned: all are looked at
+    cache.put("big2", payload("big2", 900 * KiB))
+    assert cache.batch_exists(["big0", "big1", "big2"]) == [False, True, True]  # the oldest of its class
+    assert cache.check() == []
 
 
 # ----- leases and pins ----------------------------------------------------------------------------
