@@ -7,7 +7,9 @@ flushed from DRAM, closed (its index saved beside LMDB) and reopened; its reopen
 raw LMDB key-only scan of the same environment, and timed again with the saved index removed (the
 scan after a crash). The close after the flush includes the fsync of what it wrote (ssd_sync off).
 Index bytes per key are tracemalloc's growth over the index of 20 000 blocks. `full_gc_ms_at_*`: one
-full collection of the cyclic garbage collector with that many blocks in DRAM.
+full collection of the cyclic garbage collector with that many blocks in DRAM. `class_shift_*`: puts of
+256 KiB blocks into a DRAM tier full of the largest level's count of 64-byte blocks, each taking a slab
+from their class, against the same puts into free room.
 """
 from __future__ import annotations
 
@@ -134,6 +136,38 @@ def _prefix_match(present: int, repeat: int) -> dict[str, float]:
     return {"prefix_match": t_pm * 1e6, "dict": t_dict * 1e6, "exists": t_exists * 1e6, "gc_ms": t_gc * 1e3}
 
 
+def _class_shift(present: int) -> dict[str, float]:
+    """Puts of 256 KiB blocks, one at a time, into a DRAM tier full of `present` 64-byte blocks whose
+    recency a read of half of them (at random) has shuffled: each takes a whole slab from the small
+    blocks' class. Microseconds, the median and the worst of 64 such puts, and the median of the same
+    puts into free room whose pages were touched before (the baseline)."""
+    small = [f"small-{i:09d}" for i in range(present)]
+    big = filled(256 << 10, 5)
+    slab = 1 << 20
+    with TieredCache(dram_bytes=-(-present * 64 // slab) * slab, dram_slab_size=slab, prefault=False,
+                     high_watermark=1.0, low_watermark=0.99) as cache:
+        for i in range(0, present, 4096):
+            cache.batch_put(small[i:i + 4096], [b"s" * 64] * len(small[i:i + 4096]))
+        for k in np.random.default_rng(3).choice(present, present // 2, replace=False).tolist():
+            cache.get(small[k])
+        shifted = []
+        for j in range(64):
+            t = time.perf_counter()
+            cache.put(f"big-{j}", big)
+            shifted.append(time.perf_counter() - t)
+        assert cache.get("big-63") == big.tobytes()
+    with TieredCache(dram_bytes=64 * slab, dram_slab_size=slab, prefault=False) as cache:
+        for j in range(64):  # the pages touched once, as the shifted puts' are
+            cache.put(f"big-{j}", big)
+        cache.batch_remove([f"big-{j}" for j in range(64)])
+        free = []
+        for j in range(64):
+            t = time.perf_counter()
+            cache.put(f"big-{j}", big)
+            free.append(time.perf_counter() - t)
+    return {"p50": float(np.median(shifted)) * 1e6, "max": max(shifted) * 1e6, "free_p50": float(np.median(free)) * 1e6}
+
+
 def _key_only_scan(path: str) -> float:
     """Seconds of a raw LMDB scan of every key (values not read) of the environment at `path`."""
     env = lmdb.open(path, subdir=True, readonly=True, lock=False, readahead=False)
@@ -212,6 +246,12 @@ def run(args: argparse.Namespace) -> int:
                         f"dict_loop_4096_us_at_{tag}": round(pm["dict"], 1),
                         f"full_gc_ms_at_{tag}": round(pm["gc_ms"], 1)})
         ratios[f"prefix_match_vs_dict_loop_at_{tag}"] = pm["dict"] / pm["prefix_match"]
+    shift = _class_shift(levels[-1])
+    tag = _label(levels[-1])
+    metrics.update({f"class_shift_put_256k_p50_us_at_{tag}": round(shift["p50"], 1),
+                    f"class_shift_put_256k_max_us_at_{tag}": round(shift["max"], 1),
+                    "put_256k_into_free_room_p50_us": round(shift["free_p50"], 1)})
+    ratios[f"class_shift_put_vs_free_room_at_{tag}"] = shift["free_p50"] / shift["p50"]
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="kvpool-bench-scale-") as root:
         per_key = _index_bytes_per_key(root)
         s = _ssd(n_ssd, root, repeat)

@@ -24,4 +24,5 @@ def test_quick_json_contract(bench, suite: str, argv: list[str], ratio: str) -> 
         m = ran.json["metrics"]
         assert m["reopen_s_per_million"] > 0 and m["ssd_keys"] == 20000 and not m["prefix_match_at_1m_measured"]
         assert m["prefix_match_4096_us_at_10k"] > 0 and m["ssd_index_bytes_per_key"] > 0 and m["full_gc_ms_at_100k"] > 0
+        assert ran.json["ratios"]["class_shift_put_vs_free_room_at_100k"] > 0
         assert ran.json["ratios"]["prefix_match_vs_dict_loop_at_100k"] > 0
