@@ -284,13 +284,10 @@ class DramArena:
         self.used_bytes += self.classes[cls]
         return offset
 
-    def slab_slots(self, slab_no: int) -> tuple[list[int], int]:
-        """The offsets of every slot of slab `slab_no` (one of a class's), and how many of them are
-        handed out now."""
-        slab = self._slabs[slab_no]
-        csize = self.classes[slab.cls]
-        base = self._base(slab_no)
-        return list(range(base, base + self.slab_size // csize * csize, csize)), slab.used
+    def slab_used(self, slab_no: int) -> int:
+        """How many slots of slab `slab_no` are handed out now (0: a free slab)."""
+        slab = self._slabs.get(slab_no)
+        return 0 if slab is None else slab.used
 
     def can_alloc(self, nbytes: int) -> bool:
         return bool(self._partial[self.class_of(nbytes)] or self._free_slabs)

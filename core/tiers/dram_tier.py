@@ -16,7 +16,7 @@ from ..blocks import BlockMeta, checksum
 from ..pins import Pins
 from ..policies import EVICTION_POLICY
 from ..stats import CacheCounters
-from .dram import DramArena
+from .dram import PHASE, DramArena
 
 __all__ = ["BlockRef", "DramBlock", "DramTier", "PyDramBlock", "block_meta", "new_blocks"]
 
@@ -87,9 +87,9 @@ def block_meta(b: DramBlock) -> BlockMeta:
 
 
 SCAN = 4096
-"""How many of the least recently used blocks a search for room looks at before it looks at all of them
-(`DramTier.victims_for`): with millions of blocks, a walk over every one held the cache's lock for
-0.4-0.8 s, once per slab taken from another size class."""
+"""How many of the least recently used evictable blocks a search for room looks at before it looks at
+all of them (`DramTier.victims_for`): with millions of blocks, a walk over every one held the cache's
+lock for 0.4-0.8 s, once per slab taken from another size class."""
 
 Evict = Callable[[list[DramBlock], list[DramBlock]], None]
 """The cache's eviction: demote a batch (second list, which includes the first) to SSD, then drop the
@@ -102,8 +102,9 @@ class DramTier:
     def __init__(self, arena: DramArena, policy: str, counters: CacheCounters) -> None:
         self.arena = arena
         self.blocks: dict[bytes, DramBlock] = {}
-        self.at: dict[int, DramBlock] = {}
-        """The indexed blocks by offset: a slab's blocks without a walk over every block (`victims_for`)."""
+        self.by_slab: dict[int, dict[int, DramBlock]] = {}
+        """The indexed blocks of each slab, by offset: a slab's blocks without a walk over every block
+        (`victims_for`, `free_a_slab_by_moving`)."""
         self.order = EVICTION_POLICY[policy]()
         self.pins = Pins(self.blocks)
         self._counters = counters
@@ -143,7 +144,7 @@ class DramTier:
         live pin on its key pins it."""
         self._reserved -= 1
         self.blocks[block.key] = block
-        self.at[block.offset] = block
+        self._place(block)
         self.order.add(block.key)
         if block.expires:
             self.timed += 1
@@ -170,11 +171,31 @@ class DramTier:
             blocks = [b for b, ok in zip(blocks, stored) if ok]
         keys = [b.key for b in blocks]
         self.blocks.update(zip(keys, blocks))
-        self.at.update({b.offset: b for b in blocks})
+        by_slab, slab_size = self.by_slab, self.arena.slab_size
+        for b in blocks:  # (`_place`, inlined: a batch's blocks mostly share a slab or two)
+            off = b.offset
+            placed = by_slab.get(slab_no := (off - PHASE) // slab_size)
+            if placed is None:
+                by_slab[slab_no] = {off: b}
+            else:
+                placed[off] = b
         self.order.extend(keys)
         self._reserved -= len(blocks)
         self.timed += sum(1 for b in blocks if b.expires)
         return stored
+
+    def _place(self, b: DramBlock) -> None:
+        placed = self.by_slab.get(slab_no := (b.offset - PHASE) // self.arena.slab_size)
+        if placed is None:
+            self.by_slab[slab_no] = {b.offset: b}
+        else:
+            placed[b.offset] = b
+
+    def _unplace(self, b: DramBlock) -> None:
+        placed = self.by_slab[slab_no := (b.offset - PHASE) // self.arena.slab_size]
+        del placed[b.offset]
+        if not placed:
+            del self.by_slab[slab_no]
 
     def _unlink(self, replaced: list[DramBlock]) -> None:
         """`drop` of each block, all indexed, whose key is about to get a new block (`insert_many`): the
@@ -199,7 +220,7 @@ class DramTier:
         """A block just taken out of the index: no longer live, its slot freed now, or at its last
         lease's end."""
         b.live = False
-        del self.at[b.offset]
+        self._unplace(b)
         if b.expires:
             self.timed -= 1
         if b.leases == 0:
@@ -223,7 +244,6 @@ class DramTier:
     def clear(self) -> None:
         for k in list(self.blocks):
             self.drop(k)
-        self.at.clear()
 
     def view(self, b: DramBlock) -> memoryview:
         return self.arena.view(b.offset, b.size)
@@ -249,7 +269,7 @@ class DramTier:
     def victims_for(self, n: int) -> tuple[list[DramBlock], list[DramBlock]]:
         """Blocks to evict so that a slot for `n` bytes frees up, and the batch to demote with them.
 
-        Among the `SCAN` least recently used blocks: the first evictable one of `n`'s size class frees
+        Among the `SCAN` least recently used evictable blocks: the first of `n`'s size class frees
         a slot, and the next few of that class go to SSD in the same transaction but stay in DRAM
         (their eviction later costs no write). Failing that, every block of the least recently used
         slab (of another class) among them whose blocks are all evictable, so the slab returns to the
@@ -257,7 +277,9 @@ class DramTier:
         from old blocks of another, as a whole-cache LRU would. Only where the `SCAN` oldest give
         neither is every block looked at (pins and leases everywhere)."""
         cls = self.arena.class_of(n)
-        found = self._victims_among(islice(self.order, SCAN), cls)
+        blocks, evictable = self.blocks, self.evictable
+        oldest = islice((k for k in self.order if evictable(blocks[k])), SCAN)  # (past pinned ones at the head)
+        found = self._victims_among(oldest, cls)
         if found[0] or len(self.blocks) <= SCAN:
             return found
         return self._victims_among(iter(self.order), cls)
@@ -287,17 +309,15 @@ class DramTier:
 
     def _slab_blocks(self, slab: int) -> list[DramBlock] | None:
         """The blocks of `slab` if every slot it has handed out holds an evictable indexed block (none
-        reserved for a put under way, none leased), else None."""
-        slots, handed_out = self.arena.slab_slots(slab)
-        at = self.at
-        out = [b for off in slots if (b := at.get(off)) is not None and self.evictable(b)]
-        return out if len(out) == handed_out else None
+        reserved for a put under way, none unlinked but leased, none leased or pinned), else None."""
+        placed = self.by_slab.get(slab, {})
+        if len(placed) != self.arena.slab_used(slab):
+            return None
+        out = list(placed.values())
+        return out if all(map(self.evictable, out)) else None
 
     def _blocks_by_slab(self) -> dict[int, list[DramBlock]]:
-        by_slab: dict[int, list[DramBlock]] = {}
-        for b in self.blocks.values():
-            by_slab.setdefault(self.arena.slab_of(b.offset), []).append(b)
-        return by_slab
+        return {slab: list(placed.values()) for slab, placed in self.by_slab.items()}
 
     def free_a_slab_by_moving(self, n: int, evict: Evict) -> bool:
         """Free a whole slab of another size class for a block of `n` bytes when every slab holds some
@@ -330,9 +350,9 @@ class DramTier:
             for b, dest in moved:
                 buf[dest:dest + b.size] = buf[b.offset:b.offset + b.size]
                 self.arena.free(b.offset)
-                del self.at[b.offset]
+                self._unplace(b)
                 b.offset = dest
-                self.at[dest] = b
+                self._place(b)
             self._counters.relocations += len(moved)
             rest = [b for b in blocks if not b.pinned]
             if rest:
@@ -369,8 +389,10 @@ class DramTier:
         if sum(1 for b in blocks.values() if b.expires) != self.timed:
             errors.append(f"{self.timed} DRAM blocks counted with a TTL; the index holds "
                           f"{sum(1 for b in blocks.values() if b.expires)}")
-        if self.at != {b.offset: b for b in blocks.values()}:
-            errors.append("the index by offset does not hold exactly the indexed blocks")
+        placed = {off: b for slab in self.by_slab.values() for off, b in slab.items()}
+        if placed != {b.offset: b for b in blocks.values()} or any(
+                self.arena.slab_of(off) != slab_no for slab_no, slab in self.by_slab.items() for off in slab):
+            errors.append("the index by slab does not hold exactly the indexed blocks, each in its slab")
         if set(self.order) != blocks.keys():
             errors.append(f"eviction order holds {len(self.order)} keys, the index {len(blocks)}")
         for k, b in blocks.items():
