@@ -324,6 +324,25 @@ def test_a_size_class_with_only_recent_blocks_takes_the_oldest_slab_of_another(
     assert cache.check() == []
 
 
+def test_pinned_blocks_at_the_head_of_the_order_do_not_send_the_search_for_room_over_every_block(
+        make_cache: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window is of evictable blocks: pins on the oldest blocks (pins do not refresh recency) leave
+    it the next oldest slab, not a walk over every block that ends at the class's own recent block."""
+    monkeypatch.setattr(dram_tier, "SCAN", 16)
+    cache = make_cache(dram_bytes=4 * MiB, dram_slab_size=1 * MiB, **SYNC_EVICTION)
+    for i in range(16):  # slab 0: the oldest blocks, pinned
+        cache.put(f"old{i}", payload(f"old{i}", 64 * KiB), pin_s=60)
+    cache.put("big0", payload("big0", 900 * KiB))  # slab 1
+    for i in range(32):  # slabs 2 and 3
+        cache.put(f"new{i}", payload(f"new{i}", 64 * KiB))
+    assert cache.get("big0") == payload("big0", 900 * KiB)  # now the most recently used
+    cache.put("big1", payload("big1", 900 * KiB))
+    assert cache.batch_exists(["big0", "big1"]) == [True, True]
+    assert cache.batch_exists([f"old{i}" for i in range(16)]) == [True] * 16
+    assert not any(cache.batch_exists([f"new{i}" for i in range(16)]))  # slab 2, the oldest evictable
+    assert all(cache.batch_exists([f"new{i}" for i in range(16, 32)])) and cache.check() == []
+
+
 # ----- leases and pins ----------------------------------------------------------------------------
 
 
