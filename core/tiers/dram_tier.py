@@ -278,9 +278,9 @@ class DramTier:
         neither is every block looked at (pins and leases everywhere)."""
         cls = self.arena.class_of(n)
         blocks, evictable = self.blocks, self.evictable
-        oldest = islice((k for k in self.order if evictable(blocks[k])), SCAN)  # (past pinned ones at the head)
-        found = self._victims_among(oldest, cls)
-        if found[0] or len(self.blocks) <= SCAN:
+        oldest = list(islice((k for k in self.order if evictable(blocks[k])), SCAN))  # (past pinned ones)
+        found = self._victims_among(iter(oldest), cls)
+        if found[0] or len(oldest) < SCAN:  # (fewer: those were every evictable block)
             return found
         return self._victims_among(iter(self.order), cls)
 
