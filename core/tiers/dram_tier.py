@@ -16,7 +16,7 @@ from ..blocks import BlockMeta, checksum
 from ..pins import Pins
 from ..policies import EVICTION_POLICY
 from ..stats import CacheCounters
-from .dram import PHASE, DramArena
+from .dram import DramArena
 
 __all__ = ["BlockRef", "DramBlock", "DramTier", "PyDramBlock", "block_meta", "new_blocks"]
 
@@ -171,28 +171,22 @@ class DramTier:
             blocks = [b for b, ok in zip(blocks, stored) if ok]
         keys = [b.key for b in blocks]
         self.blocks.update(zip(keys, blocks))
-        by_slab, slab_size = self.by_slab, self.arena.slab_size
-        for b in blocks:  # (`_place`, inlined: a batch's blocks mostly share a slab or two)
-            off = b.offset
-            placed = by_slab.get(slab_no := (off - PHASE) // slab_size)
-            if placed is None:
-                by_slab[slab_no] = {off: b}
-            else:
-                placed[off] = b
+        for b in blocks:
+            self._place(b)
         self.order.extend(keys)
         self._reserved -= len(blocks)
         self.timed += sum(1 for b in blocks if b.expires)
         return stored
 
     def _place(self, b: DramBlock) -> None:
-        placed = self.by_slab.get(slab_no := (b.offset - PHASE) // self.arena.slab_size)
+        placed = self.by_slab.get(slab_no := self.arena.slab_of(b.offset))
         if placed is None:
             self.by_slab[slab_no] = {b.offset: b}
         else:
             placed[b.offset] = b
 
     def _unplace(self, b: DramBlock) -> None:
-        placed = self.by_slab[slab_no := (b.offset - PHASE) // self.arena.slab_size]
+        placed = self.by_slab[slab_no := self.arena.slab_of(b.offset)]
         del placed[b.offset]
         if not placed:
             del self.by_slab[slab_no]
