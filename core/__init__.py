@@ -34,7 +34,7 @@ from .errors import (
 from .keys import MAX_KEY_BYTES, Key, block_keys, key_bytes, keys_bytes
 from .nats_creds import NatsCreds, Role, find_creds, redacted_url
 from .registry import AddParser, Subparsers
-from .shm_read import put_placed, read_placed
+from .shm_read import get_placed, put_placed, read_placed
 from .shm_refs import Place
 from .shm_stage import Stagers
 
@@ -47,5 +47,5 @@ __all__ = [
     # what the faces build on
     "ClientConfig", "load_config", "Key", "key_bytes", "checksum", "readable", "readable_all", "LoopThread",
     "nats_connect", "nats_failure", "nats_denied", "NatsCreds", "Role", "find_creds", "redacted_url", "AddParser",
-    "Subparsers", "Place", "put_placed", "read_placed", "Stagers", "keys_bytes",
+    "Subparsers", "Place", "put_placed", "read_placed", "get_placed", "Stagers", "keys_bytes",
 ]

@@ -30,9 +30,10 @@ from .records import PoolStats, WorkerInfo
 from .stall_watch import STALL_S
 from .transport import connect
 
-__all__ = ["MODES", "ClientConfig", "BACKENDS", "open_backend", "PoolClient"]
+__all__ = ["MODES", "PLACEMENTS", "ClientConfig", "BACKENDS", "open_backend", "PoolClient"]
 
 MODES = ("embedded", "local", "cluster")
+PLACEMENTS = ("hash", "local")
 
 
 @dataclasses.dataclass
@@ -62,8 +63,18 @@ class ClientConfig:
     node_id: str | None = None
     """this machine's id (workers with the same id are reached through shared memory); default
     `kvpool.core.config.default_node_id()`, as a worker's."""
+    placement: str = "hash"
+    """cluster mode: which workers own the keys this client writes and reads. `hash`: every member,
+    by rendezvous hashing, so any client finds a key by its name. `local`: the members on this client's
+    node (the same hashing among them; every member where the node has none), for a prefill instance's
+    handoff: its layers go to its own node's worker through shared memory, and a decode instance on
+    another node reads them from there over one TCP connection, named by the announcement's places
+    (`kvpool.core.get_placed`), where placing by hash would send each byte across the network twice.
+    A client placing by hash does not find such keys by their names."""
 
     def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"placement {self.placement!r} is not one of {', '.join(PLACEMENTS)}")
         if self.mode is None:
             self.mode = "cluster" if self.nats_url else "local" if self.worker else "embedded"
         if self.mode not in MODES:
@@ -90,7 +101,7 @@ def _cluster(cfg: ClientConfig, cache: CacheConfig | None, cache_options: Mappin
     if not cfg.nats_url:
         raise ConfigError("cluster mode needs nats_url (KVPOOL_NATS_URL)")
     return ClusterBackend(cfg.nats_url, token=cfg.token, replication=cfg.replication, timeout_s=cfg.timeout_s,
-                          node_id=cfg.node_id, tls_ca=cfg.tls_ca)
+                          node_id=cfg.node_id, tls_ca=cfg.tls_ca, local=cfg.placement == "local")
 
 
 BACKENDS: dict[str, Callable[[ClientConfig, CacheConfig | None, Mapping[str, Any]], PoolBackend]] = {

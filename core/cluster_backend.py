@@ -133,13 +133,16 @@ JOIN_TIMEOUT_S = 10.0  # the least a client waits for NATS at start: a JetStream
 
 class ClusterBackend:
     """Routing over the live workers of the cluster at `nats_url`. `node_id` is this machine's id
-    (workers with the same one are reached through shared memory; default as a worker's). Each call
-    is bounded by `timeout_s`; joining the cluster by `timeout_s` or `JOIN_TIMEOUT_S`, the longer."""
+    (workers with the same one are reached through shared memory; default as a worker's). `local`:
+    keys are placed over the members on this node only, where it has any (`ClientConfig.placement`).
+    Each call is bounded by `timeout_s`; joining the cluster by `timeout_s` or `JOIN_TIMEOUT_S`, the
+    longer."""
 
     def __init__(self, nats_url: str, *, token: str | None = None, replication: int = 1, timeout_s: float = 5.0,
-                 node_id: str | None = None, tls_ca: str | None = None) -> None:
+                 node_id: str | None = None, tls_ca: str | None = None, local: bool = False) -> None:
         self.nats_url = nats_url
         self.replication = replication
+        self.local = local
         self.timeout_s = timeout_s
         self.membership = Membership(nats_url, connect_timeout_s=max(timeout_s, JOIN_TIMEOUT_S))
         self.membership.watch()
@@ -155,8 +158,11 @@ class ClusterBackend:
     def _owners(self, keys: Sequence[bytes], live: dict[str, WorkerInfo],
                 next_in_line: bool = False) -> list[list[str]]:
         """Each key's owners (its first `replication` workers by rank); with `next_in_line`, followed by
-        the worker after them (where there is one): the key's owner if one of them left."""
+        the worker after them (where there is one): the key's owner if one of them left. With `local`
+        placement, the workers ranked are this node's (all of them where it has none)."""
         ids = list(live)
+        if self.local:
+            ids = [w for w in ids if live[w].node_id == self.fanout.node_id] or ids
         n = self.replication + next_in_line
         return [rank(k, ids)[:n] for k in keys]
 
@@ -326,16 +332,33 @@ class ClusterBackend:
         live = self._live()
         owners = self._owners(keys, live)
         if self.replication <= 1:
-            out = [-1] * len(keys)
-
-            def get(t: Transport, idx: list[int]) -> list[int]:
-                return t.batch_get_into([keys[i] for i in idx], [buffers[i] for i in idx])
-
-            for _, idx, sizes in self.fanout.each(live, self._replica_groups(owners), get, deadline):
-                for i, n in zip(idx, sizes):
-                    out[i] = n
-            return out
+            return self._ask_each(live, self._replica_groups(owners), keys, buffers, deadline)
         return self._read_newest(keys, buffers, live, owners, deadline)
+
+    def batch_get_into_at(self, workers: Sequence[str], keys: Sequence[bytes], buffers: Sequence[Any]) -> list[int]:
+        """Each block read from the worker named beside it (where its writer put it: a `Place`), whoever
+        placement says owns it; a miss (-1) where that worker is no member, does not answer in time or
+        does not hold the key. The caller checks what it read (a key's block there may be another
+        version than the one it was told of)."""
+        live = self._live()
+        groups: Groups = {}
+        for i, w in enumerate(workers):
+            if w in live:
+                groups.setdefault(w, []).append(i)
+        return self._ask_each(live, groups, keys, buffers, self._deadline())
+
+    def _ask_each(self, live: dict[str, WorkerInfo], groups: Groups, keys: Sequence[bytes], buffers: Sequence[Any],
+                  deadline: float) -> list[int]:
+        """Each key read from the one worker `groups` names for it, a miss where none answered by `deadline`."""
+        out = [-1] * len(keys)
+
+        def get(t: Transport, idx: list[int]) -> list[int]:
+            return t.batch_get_into([keys[i] for i in idx], [buffers[i] for i in idx])
+
+        for _, idx, sizes in self.fanout.each(live, groups, get, deadline):
+            for i, n in zip(idx, sizes):
+                out[i] = n
+        return out
 
     def _read_newest(self, keys: Sequence[bytes], buffers: Sequence[Any], live: dict[str, WorkerInfo],
                      owners: list[list[str]], deadline: float) -> list[int]:

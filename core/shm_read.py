@@ -2,7 +2,9 @@
 
 `put_placed` puts blocks as `PoolClient.batch_put` does and returns where the same-node ones were
 committed (`shm_refs.Place`); `read_placed` copies blocks from such places into the caller's buffers
-with no round trip to the worker, and checks each one's checksum over the copied bytes. A place is only
+with no round trip to the worker, and checks each one's checksum over the copied bytes; `get_placed`
+gets the others from the worker each place names (a reader on another node), where placement would
+look elsewhere (`ClientConfig.placement`). A place is only
 ever looked up among the arenas the client maps already, or would map for a get: those of its local
 worker (local mode) or of the live members on its node (cluster mode), matched by worker id and arena
 name; anything else (another node, a restarted worker, an embedded pool) reads nothing in place, and
@@ -22,7 +24,7 @@ from .shm_refs import ArenaLookup, Place, copy_placed, recording
 from .transport import ShmTransport
 from .versions import CLOCK
 
-__all__ = ["put_placed", "read_placed"]
+__all__ = ["put_placed", "read_placed", "get_placed"]
 
 
 def put_placed(pool: PoolClient, keys: Sequence[Key], buffers: Sequence[Any], *,
@@ -47,6 +49,28 @@ def read_placed(pool: PoolClient, places: Sequence[Place | None], views: Sequenc
     if newest:
         CLOCK.observe(newest)  # as a get would: this process's later writes are newer than what it read
     return ok
+
+
+def get_placed(pool: PoolClient, keys: Sequence[Key], views: Sequence[memoryview],
+               places: Sequence[Place | None]) -> list[int]:
+    """`pool.batch_get_into(keys, views)`, but in cluster mode a key with a place is asked of the worker
+    the place names first (one request per worker), and of its owners by placement only if that worker
+    misses: its writer may have placed it by another rule than this client's (a producer placing
+    locally). The caller checks what it got against what it was told."""
+    backend = pool.backend
+    named = [(i, p.worker) for i, p in enumerate(places) if p is not None]
+    if not isinstance(backend, ClusterBackend) or not named:
+        return pool.batch_get_into(keys, views)
+    names = keys_bytes(keys)
+    got = [-1] * len(keys)
+    at = backend.batch_get_into_at([w for _, w in named], [names[i] for i, _ in named], [views[i] for i, _ in named])
+    for (i, _), n in zip(named, at):
+        got[i] = n
+    rest = [i for i, n in enumerate(got) if n < 0]
+    if rest:
+        for i, n in zip(rest, pool.batch_get_into([keys[i] for i in rest], [views[i] for i in rest])):
+            got[i] = n
+    return got
 
 
 def _lookup(pool: PoolClient) -> ArenaLookup:

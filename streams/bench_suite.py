@@ -1,14 +1,15 @@
 """Streams: the prefill->decode KV handoff against the physical limits, and notification latency.
 
 One nats-server, one `kvpool worker`, a raw-socket server and a prefill process, all on loopback. The
-prefill process (its own PoolClients, as a prefill instance would have) puts 32 layers of one 1 MiB
-block each and publishes a reference per layer; this process, the decode side, receives every layer
-into its own buffer, each block checksum-verified, in the timed path. Paths, taking turns request by
+prefill process (its own PoolClient on the worker's node, placing locally as a prefill instance would:
+`ClientConfig.placement`) puts 32 layers of one 1 MiB block each and publishes a reference per layer;
+this process, the decode side, receives every layer into its own buffer, each block checksum-verified,
+in the timed path. Paths, taking turns request by
 request, every one comparing the bytes it received with the source after its clock stops:
 - `handoff`: same node (both sides reach the worker through its shared memory; the decode side copies
   each block from its own mapping of it, where the announcement says the producer committed it);
-- `handoff_tcp`: both sides reach the worker over TCP, as a prefill and a decode instance on other
-  nodes than the worker would;
+- `handoff_tcp`: the decode side reaches the worker over TCP, as a decode instance on another node than
+  the prefill's would (it reads each block from the worker the announcement names, over one connection);
 - `pool_puts`: the prefill process only putting the layers in the pool, as `publish_kv` does (staged:
   `kvpool.core.shm_stage`), one after the other, until the worker committed the last
   (`handoff_vs_pool_puts`: how close the handoff comes to the pool's own put rate);
@@ -54,7 +55,7 @@ from .wire import Wire
 
 _LAYERS, _BLOCK, _INLINE_CHUNK, _TINY = 32, 1 << 20, 512 << 10, 64
 _REMOTE = "kvpool-bench-remote-node"
-"""The node id the TCP path's clients claim, so that they reach the (local) worker over TCP."""
+"""The node id the TCP path's decode side claims, so that it reaches the (local) worker over TCP."""
 _SETTLE_S = 0.005
 """How long the prefill waits before a latency sample's layer 0, so that the decode side is waiting."""
 
@@ -121,22 +122,18 @@ class _Prefill:
 
 def _prefill_main(url: str) -> None:
     """Body of the prefill process: the same `layers` bytes as the parent (same seed). Its producers
-    connect on their first command (the untimed warm-up) and stay connected; stream `handoff_tcp`'s
-    producer puts over TCP."""
+    connect on their first command (the untimed warm-up) and stay connected."""
     layers = filled(_LAYERS * _BLOCK, 7).reshape(_LAYERS, _BLOCK)
     producers: dict[str, Producer] = {}
-    with PoolClient(mode="cluster", nats_url=url) as pool, \
-            PoolClient(mode="cluster", nats_url=url, node_id=_REMOTE) as tcp_pool, \
+    with PoolClient(mode="cluster", nats_url=url, placement="local") as pool, \
             contextlib.closing(Stagers(pool)) as stagers:
         wait_members(pool, 1)
-        wait_members(tcp_pool, 1)
         print("ready", flush=True)
         try:
             for line in sys.stdin:
                 what, stream, *rest = line.split()
                 if stream not in producers:
-                    producers[stream] = Producer(stream, url, pool=tcp_pool if stream.endswith("tcp") else pool,
-                                                 inline_max=_INLINE_CHUNK)
+                    producers[stream] = Producer(stream, url, pool=pool, inline_max=_INLINE_CHUNK)
                 p, times = producers[stream], []
                 if what == "kv":
                     for i in range(_LAYERS):
@@ -329,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
                               "handoff_vs_raw_socket": gb["handoff"] / gb["raw_socket"],
                               "handoff_vs_nats_inline": gb["handoff"] / gb["nats_inline"], **bench_yuanrong.ratios(gb)},
          args.json, notes="handoff: 32 layers x 1 MiB per request, bytes checked; raw socket: put + get back; "
-                          "handoff_tcp vs raw_socket_oneway: TCP both sides vs bytes only sent",
+                          "handoff_tcp vs raw_socket_oneway: the decode side on TCP vs bytes only sent",
          latencies={**latencies, "js_notify": js_notify})
     return 0
 

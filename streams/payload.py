@@ -21,6 +21,7 @@ from kvpool.core import (
     PoolClient,
     Stagers,
     checksum,
+    get_placed,
     keys_bytes,
     put_placed,
     read_placed,
@@ -98,7 +99,7 @@ def fetch_many(pool: PoolClient, refs: Sequence[Ref], intos: Sequence[Any], what
         counts["from_pool"] += len(rest)
     if rest:
         _get_verified(pool, [keys[i] for i in rest], [sizes[i] for i in rest], [sums[i] for i in rest],
-                      [views[i] for i in rest], [labels[i] for i in rest])
+                      [views[i] for i in rest], [labels[i] for i in rest], [places[i] for i in rest])
     out, at = [], 0
     for buf, ref in zip(bufs, refs):
         out.append((buf, views[at:at + len(ref.keys)]))
@@ -107,17 +108,19 @@ def fetch_many(pool: PoolClient, refs: Sequence[Ref], intos: Sequence[Any], what
 
 
 def _get_verified(pool: PoolClient, keys: list[Key], sizes: list[int], sums: list[int], views: list[memoryview],
-                  labels: list[str]) -> None:
-    """Get each block from the pool into its view, checking its size and checksum. A block the pool
+                  labels: list[str], places: list[Place | None]) -> None:
+    """Get each block from the pool into its view (from the worker its place names first: `get_placed`),
+    checking its size and checksum. A block the pool
     does not hold is asked for again for up to COMMITTING_S: its producer's put may not be committed
     yet (a producer's puts do not wait for the worker: `kvpool.core.shm_stage`)."""
-    got = _get(pool, keys, views, labels)
+    got = _get(pool, keys, views, labels, places)
     missing = [i for i, n in enumerate(got) if n < 0]
     deadline, pause = time.monotonic() + COMMITTING_S, 0.001
     while missing and time.monotonic() < deadline:
         time.sleep(pause)
         pause = min(2 * pause, 0.05)
-        for i, n in zip(missing, _get(pool, [keys[i] for i in missing], [views[i] for i in missing], labels)):
+        for i, n in zip(missing, _get(pool, [keys[i] for i in missing], [views[i] for i in missing], labels,
+                                      [places[i] for i in missing])):
             got[i] = n
         missing = [i for i in missing if got[i] < 0]
     for key, size, want, n, view, what in zip(keys, sizes, sums, got, views, labels):
@@ -130,9 +133,10 @@ def _get_verified(pool: PoolClient, keys: list[Key], sizes: list[int], sums: lis
             raise CorruptPayload(f"{what}: block {key!r} fails its checksum", key=key, size=size)
 
 
-def _get(pool: PoolClient, keys: list[Key], views: list[memoryview], labels: list[str]) -> list[int]:
+def _get(pool: PoolClient, keys: list[Key], views: list[memoryview], labels: list[str],
+         places: list[Place | None]) -> list[int]:
     try:
-        return pool.batch_get_into(keys, views)
+        return get_placed(pool, keys, views, places)
     except BufferSizeError as e:
         raise PayloadError(f"{labels[0]}: a block's size disagrees with its message: {e}", key=e.key, size=e.size,
                            limit=e.limit) from e

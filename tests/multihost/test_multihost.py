@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from mhcluster import CALL_TIMEOUT_S, MEMBER_TTL_S, TOKEN, WORKER_HOSTS, Agent, Cluster
 
@@ -153,7 +154,9 @@ def test_client_cut_from_one_worker_reads_nothing_stale(cluster: Cluster) -> Non
     assert set(versions) <= {1, 2}, versions  # nothing was lost: h2 kept its version 1
 
 
-def test_prefill_to_decode_handoff_across_hosts(cluster: Cluster) -> None:
+def _hand_off(cluster: Cluster, request: str, placement: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A prefill on h1 (beside a worker) and a decode instance on h4 (remote to every worker) hand one
+    request off through a stream of their own; what each printed."""
     lab, script = cluster.lab, str(Path(__file__).with_name("handoff.py"))
     # the cluster has settled from the tests before (a partition healed, a NATS node restarted)
     assert sorted(wait_members(cluster.agent("h4"), ALL, MEMBER_TTL_S + 10)) == ALL
@@ -162,15 +165,28 @@ def test_prefill_to_decode_handoff_across_hosts(cluster: Cluster) -> None:
         return ["ip", "netns", "exec", lab.ns(host), sys.executable, *argv]
 
     made = subprocess.run(on("h4", "-m", "kvpool.core.cli", "streams", "--nats-url", cluster.nats_url, "create",
-                             "handoff", "--replicas", "3"), capture_output=True, text=True, timeout=60,
+                             f"handoff-{placement}", "--replicas", "3"), capture_output=True, text=True, timeout=60,
                           env={**os.environ, **cluster.creds_env("admin")})
     assert made.returncode == 0, made.stderr
-    opts = json.dumps({"nats_url": cluster.nats_url, "token": TOKEN, "stream": "handoff", "request": "req-x"})
+    opts = json.dumps({"nats_url": cluster.nats_url, "token": TOKEN, "stream": f"handoff-{placement}",
+                       "request": request, "placement": placement})
     client = {**os.environ, **cluster.creds_env("client")}
     decode = subprocess.Popen(on("h4", script, "decode", opts), stdout=subprocess.PIPE, text=True, env=client)
     prefill = subprocess.run(on("h1", script, "prefill", opts), capture_output=True, text=True, timeout=90,
                              env=client)
     assert prefill.returncode == 0, prefill.stderr
     out, _ = decode.communicate(timeout=90)
-    got = json.loads(out.strip().splitlines()[-1])
-    assert got == {"layers": list(range(6)), "exact": True}
+    return json.loads(prefill.stdout.strip().splitlines()[-1]), json.loads(out.strip().splitlines()[-1])
+
+
+def test_prefill_to_decode_handoff_across_hosts(cluster: Cluster) -> None:
+    _, got = _hand_off(cluster, "req-x", "hash")
+    assert (got["layers"], got["exact"]) == (list(range(6)), True)
+    assert sum(got["holders"].values()) == 12
+
+
+def test_a_locally_placing_prefill_keeps_its_layers_on_its_host(cluster: Cluster) -> None:
+    prefill, got = _hand_off(cluster, "req-local", "local")
+    assert (got["layers"], got["exact"]) == (list(range(6)), True)  # read from h1's worker by their places
+    assert got["holders"] == {node: 12 if node == prefill["node"] else 0 for node in got["holders"]}
+    assert len(got["holders"]) == 3
