@@ -70,7 +70,10 @@ class ClientConfig:
     handoff: its layers go to its own node's worker through shared memory, and a decode instance on
     another node reads them from there over one TCP connection, named by the announcement's places
     (`kvpool.core.get_placed`), where placing by hash would send each byte across the network twice.
-    A client placing by hash does not find such keys by their names."""
+    A client placing by hash does not find such keys by their names, so a key should be written under
+    one placement (a handoff's request keys are its producer's own). One copy only (`replication` 1).
+    Workers that placing by hash gives a key are told of its newer versions all the same, so that a copy
+    they kept from before (written while the node had no worker) is not served again."""
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -81,6 +84,9 @@ class ClientConfig:
             raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
         if self.replication < 1:
             raise ConfigError(f"replication {self.replication} must be >= 1", limit=1)
+        if self.placement == "local" and self.replication > 1:
+            raise ConfigError(f"placement 'local' keeps one copy, on this node: replication {self.replication} "
+                              "would not be kept (a handoff's layers need none; place by hash for copies)", limit=1)
         if self.replication > 1 and self.timeout_s < STALL_S:
             raise ConfigError(f"timeout_s {self.timeout_s} with replication {self.replication}: at least {STALL_S} s "
                               "(a worker paused for less does not know it may have been left out of a write, and "

@@ -171,6 +171,7 @@ class ClusterBackend:
         it stamped before its version, or within the clock-skew bound after it (`Connection.supersede`,
         one way; `ReplicaState.supersede`). That worker owned the key before one ranked above it joined,
         and would serve the block again, though newer ones were written meanwhile, if that one left.
+        With `local` placement, the workers placing by hash would give it are told too (`_by_hash`).
         In the background (`supersedes`): a put never waits on a worker that owns none of its keys;
         here when 65,536 keys wait already. Best effort: a failure is logged, and the put or remove
         stands (the worker is then no member, or fenced, when it answers again)."""
@@ -179,6 +180,10 @@ class ClusterBackend:
         for i, ws in enumerate(ranked):
             if len(ws) > r:
                 groups.setdefault(ws[r], []).append(i)
+        if self.local:
+            for i, ws in enumerate(self._by_hash(keys, ranked)):
+                for w in ws:
+                    groups.setdefault(w, []).append(i)
         if not groups:
             return
         keys = list(keys)  # the caller may change its list once the put returns
@@ -196,6 +201,16 @@ class ClusterBackend:
 
         if not self.supersedes.submit(len(keys), send):
             send()
+
+    def _by_hash(self, keys: Sequence[bytes], ranked: list[list[str]]) -> list[list[str]]:
+        """With `local` placement: the workers that placing by hash gives each key, owners and the one
+        next in line, other than those of `ranked` (`_owners(next_in_line=True)`). They may hold a copy
+        of the key from before (written while this node had no worker, or when its workers were others),
+        which they would serve again once this node's workers leave: `_supersede` tells them too."""
+        live = self._live()
+        ids = list(live)
+        n = self.replication + 1
+        return [[w for w in rank(k, ids)[:n] if w not in ws] for k, ws in zip(keys, ranked)]
 
     def supersede_next_in_line(self, keys: Sequence[bytes]) -> None:
         """Before a put that goes another way (`shm_stage.Stagers`): each key's worker next in line is
@@ -335,17 +350,24 @@ class ClusterBackend:
             return self._ask_each(live, self._replica_groups(owners), keys, buffers, deadline)
         return self._read_newest(keys, buffers, live, owners, deadline)
 
-    def batch_get_into_at(self, workers: Sequence[str], keys: Sequence[bytes], buffers: Sequence[Any]) -> list[int]:
-        """Each block read from the worker named beside it (where its writer put it: a `Place`), whoever
-        placement says owns it; a miss (-1) where that worker is no member, does not answer in time or
-        does not hold the key. The caller checks what it read (a key's block there may be another
-        version than the one it was told of)."""
+    def batch_get_into_at(self, workers: Sequence[str | None], keys: Sequence[bytes],
+                          buffers: Sequence[Any]) -> list[int]:
+        """`batch_get_into`, but each key with a worker named beside it (where its writer put it: a
+        `Place`) is read from that worker first, whoever placement says owns it, and from its owners
+        only where that worker misses (no member, no answer, no such key); one deadline for both. The
+        caller checks what it read (a key's block there may be another version than it was told of)."""
+        deadline = self._deadline()
         live = self._live()
         groups: Groups = {}
         for i, w in enumerate(workers):
-            if w in live:
+            if w is not None and w in live:
                 groups.setdefault(w, []).append(i)
-        return self._ask_each(live, groups, keys, buffers, self._deadline())
+        out = self._ask_each(live, groups, keys, buffers, deadline) if groups else [-1] * len(keys)
+        rest = [i for i, n in enumerate(out) if n < 0]
+        if rest and time.monotonic() < deadline:
+            for i, n in zip(rest, self._get_into([keys[i] for i in rest], [buffers[i] for i in rest], deadline)):
+                out[i] = n
+        return out
 
     def _ask_each(self, live: dict[str, WorkerInfo], groups: Groups, keys: Sequence[bytes], buffers: Sequence[Any],
                   deadline: float) -> list[int]:

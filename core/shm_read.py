@@ -17,7 +17,7 @@ from typing import Any
 
 from .client import PoolClient
 from .cluster_backend import ClusterBackend
-from .errors import PoolUnavailable
+from .errors import InvalidArgument, PoolUnavailable
 from .keys import Key, keys_bytes
 from .records import WorkerInfo
 from .shm_refs import ArenaLookup, Place, copy_placed, recording
@@ -54,23 +54,15 @@ def read_placed(pool: PoolClient, places: Sequence[Place | None], views: Sequenc
 def get_placed(pool: PoolClient, keys: Sequence[Key], views: Sequence[memoryview],
                places: Sequence[Place | None]) -> list[int]:
     """`pool.batch_get_into(keys, views)`, but in cluster mode a key with a place is asked of the worker
-    the place names first (one request per worker), and of its owners by placement only if that worker
-    misses: its writer may have placed it by another rule than this client's (a producer placing
-    locally). The caller checks what it got against what it was told."""
+    the place names first, and of its owners by placement only if that worker misses
+    (`ClusterBackend.batch_get_into_at`): its writer may have placed it by another rule than this
+    client's (a producer placing locally). The caller checks what it got against what it was told."""
+    if not len(keys) == len(views) == len(places):
+        raise InvalidArgument(f"{len(keys)} keys, {len(views)} buffers and {len(places)} places: one of each per block")
     backend = pool.backend
-    named = [(i, p.worker) for i, p in enumerate(places) if p is not None]
-    if not isinstance(backend, ClusterBackend) or not named:
+    if not isinstance(backend, ClusterBackend) or all(p is None for p in places):
         return pool.batch_get_into(keys, views)
-    names = keys_bytes(keys)
-    got = [-1] * len(keys)
-    at = backend.batch_get_into_at([w for _, w in named], [names[i] for i, _ in named], [views[i] for i, _ in named])
-    for (i, _), n in zip(named, at):
-        got[i] = n
-    rest = [i for i, n in enumerate(got) if n < 0]
-    if rest:
-        for i, n in zip(rest, pool.batch_get_into([keys[i] for i in rest], [views[i] for i in rest])):
-            got[i] = n
-    return got
+    return backend.batch_get_into_at([p.worker if p is not None else None for p in places], keys_bytes(keys), views)
 
 
 def _lookup(pool: PoolClient) -> ArenaLookup:

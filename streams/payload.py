@@ -109,9 +109,9 @@ def fetch_many(pool: PoolClient, refs: Sequence[Ref], intos: Sequence[Any], what
 
 def _get_verified(pool: PoolClient, keys: list[Key], sizes: list[int], sums: list[int], views: list[memoryview],
                   labels: list[str], places: list[Place | None]) -> None:
-    """Get each block from the pool into its view (from the worker its place names first: `get_placed`),
-    checking its size and checksum. A block the pool
-    does not hold is asked for again for up to COMMITTING_S: its producer's put may not be committed
+    """Get each block from the pool into its view (from the worker its place names first: `get_placed`;
+    from its owners by placement where that worker held other bytes), checking its size and checksum.
+    A block the pool does not hold is asked for again for up to COMMITTING_S: its producer's put may not be committed
     yet (a producer's puts do not wait for the worker: `kvpool.core.shm_stage`)."""
     got = _get(pool, keys, views, labels, places)
     missing = [i for i, n in enumerate(got) if n < 0]
@@ -123,14 +123,21 @@ def _get_verified(pool: PoolClient, keys: list[Key], sizes: list[int], sums: lis
                                       [places[i] for i in missing])):
             got[i] = n
         missing = [i for i in missing if got[i] < 0]
-    for key, size, want, n, view, what in zip(keys, sizes, sums, got, views, labels):
+    good = [n == size and checksum(view) == want for n, size, want, view in zip(got, sizes, sums, views)]
+    again = [i for i, ok in enumerate(good) if not ok and got[i] >= 0 and places[i] is not None]
+    if again:  # the worker a place named held other bytes under the key: its owners by placement may not
+        for i, n in zip(again, _get(pool, [keys[i] for i in again], [views[i] for i in again], labels,
+                                    [None] * len(again))):
+            got[i], good[i] = n, n == sizes[i] and checksum(views[i]) == sums[i]
+    for key, size, n, what, ok in zip(keys, sizes, got, labels, good):
+        if ok:
+            continue
         if n < 0:
             raise PayloadError(f"{what}: block {key!r} ({size} bytes) is missing from the pool", key=key, size=size)
         if n != size:
             raise PayloadError(f"{what}: block {key!r} is {n} bytes; the message says {size}", key=key, size=n,
                                limit=size)
-        if checksum(view) != want:
-            raise CorruptPayload(f"{what}: block {key!r} fails its checksum", key=key, size=size)
+        raise CorruptPayload(f"{what}: block {key!r} fails its checksum", key=key, size=size)
 
 
 def _get(pool: PoolClient, keys: list[Key], views: list[memoryview], labels: list[str],

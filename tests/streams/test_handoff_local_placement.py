@@ -4,14 +4,17 @@ though placement by hash would look for some of them elsewhere. Real nats-server
 claiming two nodes."""
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from kvpool.core import ConfigError, PoolClient
+from kvpool.core import ConfigError, InvalidArgument, Place, PoolClient, checksum, get_placed
 from kvpool.core.cluster import rank
 from kvpool.streams import HandoffReceiver, Producer
+from kvpool.streams.envelope import Ref
+from kvpool.streams.payload import fetch
 
 LAYERS, BLOCKS, BLOCK = 4, 4, 64 << 10
 PREFILL, DECODE = "prefill-node", "decode-node"
@@ -78,3 +81,61 @@ def test_local_placement_without_a_worker_on_the_node_places_by_hash(nats, spawn
 def test_an_unknown_placement_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="placement 'nearby'"):
         PoolClient(mode="cluster", nats_url="nats://127.0.0.1:1", placement="nearby")
+
+
+@pytest.mark.parametrize("op", ["put", "remove"])
+def test_a_key_written_while_the_node_had_no_worker_is_not_served_old_once_its_worker_leaves(nats, spawn,
+                                                                                            op) -> None:
+    """A locally placing client on a node without a worker places by hash; once its node has a worker,
+    its writes go there, and the workers that took the key by hash are told of them: when the node's
+    worker leaves again, they serve no old bytes (a removal stays removed)."""
+    spawn(nats_url=nats.url, node_id="X")
+    spawn(nats_url=nats.url, node_id="Y")
+    keys = [f"k{i}" for i in range(48)]
+    with PoolClient(mode="cluster", nats_url=nats.url, node_id="P", placement="local") as c, \
+            PoolClient(mode="cluster", nats_url=nats.url, node_id="D") as by_hash:
+        assert c.wait_for_members(lambda m: len(m) == 2, 15)
+        c.batch_put(keys, [b"old-" + k.encode() for k in keys])  # no worker on P: by hash, to X and Y
+        here = spawn(nats_url=nats.url, node_id="P")
+        for client in (c, by_hash):
+            assert client.wait_for_members(lambda m: len(m) == 3, 15)
+        if op == "put":
+            c.batch_put(keys, [b"new-" + k.encode() for k in keys])
+        else:
+            c.batch_remove(keys)
+        deadline = time.monotonic() + 10  # X and Y are told in the background
+        while any(by_hash.batch_exists([k for k in keys if rank(k.encode(), list(c.members()))[0] != _id(c, "P")]))\
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        here.stop()
+        assert c.wait_for_members(lambda m: len(m) == 2, 20)
+        got = [c.get(k) for k in keys]
+    assert [g for g in got if g is not None and g.startswith(b"old-")] == []
+
+
+def _id(c: PoolClient, node: str) -> str:
+    return next(w for w, info in c.members().items() if info.node_id == node)
+
+
+def test_local_placement_refuses_copies() -> None:
+    with pytest.raises(ConfigError, match="placement 'local' keeps one copy"):
+        PoolClient(mode="cluster", nats_url="nats://127.0.0.1:1", placement="local", replication=2)
+
+
+def test_get_placed_wants_one_place_per_block(two_nodes) -> None:
+    *_, decode = two_nodes
+    with pytest.raises(InvalidArgument, match="1 keys, 1 buffers and 2 places"):
+        get_placed(decode, ["k"], [memoryview(bytearray(8))], [None, None])
+
+
+def test_a_place_naming_a_worker_with_other_bytes_falls_back_to_the_owners(two_nodes) -> None:
+    prefill_id, decode_id, _, decode = two_nodes
+    key = next(f"k{i}" for i in range(100) if rank(f"k{i}".encode(), [prefill_id, decode_id])[0] == decode_id)
+    block = np.arange(4096, dtype=np.uint8)
+    decode.put(key, block)  # to its owner by hash: the decode node's worker
+    info = decode.members()[prefill_id]
+    with PoolClient(mode="local", worker=info.tcp) as other:
+        other.put(key, np.zeros(4096, dtype=np.uint8))  # other bytes under the key where the place points
+    ref = Ref([key], [block.size], [checksum(block)], places=[Place(prefill_id, info.arena, 0, block.size, 1)])
+    whole, _ = fetch(decode, ref)
+    assert bytes(whole) == block.tobytes()
