@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from kvpool.core import Subparsers
@@ -19,6 +20,8 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     """Add the `streams` command (with its subcommands) to the `kvpool` command line."""
     top = subparsers.add_parser("streams", help="publish/subscribe streams of notifications and KV blocks")
     top.add_argument("--nats-url", default=os.environ.get("KVPOOL_NATS_URL", "nats://127.0.0.1:4222"))
+    top.add_argument("--nats-creds", help="NATS credentials file: nkey seed or user/password (or KVPOOL_NATS_CREDS; "
+                                          "default: in the state dir; `create` and `rm` need the admin's)")
     sub = top.add_subparsers(dest="streams_command", required=True)
 
     c = sub.add_parser("create", help="create a stream (or update its limits)")
@@ -31,26 +34,26 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     c.add_argument("--retention", choices=("limits", "interest", "workqueue"), default="limits")
     c.add_argument("--memory", action="store_true", help="keep messages in memory, not on disk")
     c.add_argument("--replicas", type=int, default=1, help="copies on a NATS cluster (3 survives losing a node)")
-    c.set_defaults(func=_create)
+    c.set_defaults(func=_with_creds(_create))
 
     ls = sub.add_parser("ls", help="list kvpool streams")
     ls.add_argument("--json", action="store_true")
-    ls.set_defaults(func=_ls)
+    ls.set_defaults(func=_with_creds(_ls))
 
     i = sub.add_parser("info", help="messages, bytes, sequences and limits of a stream")
     i.add_argument("name")
-    i.set_defaults(func=_info)
+    i.set_defaults(func=_with_creds(_info))
 
     r = sub.add_parser("rm", help="delete a stream and its consumers")
     r.add_argument("name")
-    r.set_defaults(func=_rm)
+    r.set_defaults(func=_with_creds(_rm))
 
     t = sub.add_parser("tail", help="print messages as they arrive, with payload sizes")
     t.add_argument("name")
     t.add_argument("--start", default="new", help="all, new, last, or a sequence number (default new)")
     t.add_argument("--count", type=int, default=0, help="stop after this many messages (0 = never)")
     t.add_argument("--idle-s", type=float, default=0.0, help="stop after this many idle seconds (0 = never)")
-    t.set_defaults(func=_tail)
+    t.set_defaults(func=_with_creds(_tail))
 
     p = sub.add_parser("pub", help="publish one message: text, JSON (--json) or a file's bytes (--file)")
     p.add_argument("name")
@@ -58,8 +61,17 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="DATA is JSON: publish it as a notification")
     p.add_argument("--file", help="publish this file's bytes (by reference through the pool if large)")
     p.add_argument("--topic", default="msg")
-    p.set_defaults(func=_pub)
+    p.set_defaults(func=_with_creds(_pub))
     return top
+
+
+def _with_creds(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """`command` with `--nats-creds`, if given, for every NATS connection it makes."""
+    def run(args: argparse.Namespace) -> int:
+        if args.nats_creds:
+            os.environ["KVPOOL_NATS_CREDS"] = args.nats_creds
+        return command(args)
+    return run
 
 
 def _create(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """Prefill -> decode KV handoff, layer by layer: the two sides of a disaggregated deployment.
 
-    kvpool streams --nats-url nats://10.0.0.1:4222 create kv-handoff        # once, with admin credentials
+    kvpool streams --nats-url nats://10.0.0.1:4222 create kv-handoff --max-age-s 600  # once, as admin
     python examples/streams/pd_handoff.py decode  --nats-url nats://10.0.0.1:4222 --stream kv-handoff --request r1
     python examples/streams/pd_handoff.py prefill --nats-url nats://10.0.0.1:4222 --stream kv-handoff --request r1
 
@@ -11,6 +11,11 @@ waits for the request's layers and copies each into its own KV buffer as soon as
 block checked against the checksum its announcement carries; it prints one JSON line: the layers in
 order, whether every byte is the prefill's, and how its blocks came (`in_place`: from shared memory on
 the prefill's node; `from_pool`: over the network).
+
+On a node other than the one that ran `kvpool up`, each side needs what any client there needs (README,
+"NATS access"): the client's NATS credentials (`KVPOOL_NATS_CREDS=/path/client.json`) and the pool token
+(`KVPOOL_TOKEN_FILE`), and workers and NATS listening on addresses that node can reach (`kvpool up`
+listens on 127.0.0.1). `--max-age-s` drops the messages of a request whose decode side never came.
 
 The KV here is synthetic (float16, seeded by the request id), so that the decode side can tell the bytes
 are right; an engine would pass its own per-layer tensors (numpy or torch, CPU or CUDA).

@@ -300,3 +300,24 @@ def test_a_client_that_trusts_only_tls_sends_no_credentials_to_a_server_that_off
         fake.close()
     assert firsts and not firsts[0].startswith(b"CONNECT")  # a TLS handshake (0x16 ...), not our credentials
     assert str(creds.password).encode() not in firsts[0]
+
+
+def test_streams_command_takes_the_credentials_it_is_given(secured: NatsServer, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvpool streams --nats-creds FILE`: every connection of the command uses FILE, not what the state
+    dir holds (there, `create` finds the admin's): a client's may not create a stream, the admin's may."""
+    import argparse
+
+    from kvpool.streams.cli import add_parser
+
+    def run(*argv: str) -> int:
+        parser = argparse.ArgumentParser(prog="kvpool")
+        add_parser(parser.add_subparsers(dest="command", required=True))
+        args = parser.parse_args(["streams", "--nats-url", secured.url, *argv])
+        return int(args.func(args))
+
+    monkeypatch.delenv("KVPOOL_NATS_CREDS", raising=False)  # the option sets it (for this process)
+    with pytest.raises(StreamRefused, match="may not"):
+        run("--nats-creds", str(creds_path("client")), "create", "by-client")
+    assert run("--nats-creds", str(creds_path("admin")), "create", "by-admin") == 0
+    assert json.loads(capsys.readouterr().out)["name"] == "by-admin"

@@ -61,3 +61,4 @@ def test_pub_of_a_large_json_document_goes_by_reference(nats, spawn, capsys):
     assert _run(nats, "tail", "docs", "--start", "1", "--idle-s", "0.3") == 0
     (line,) = capsys.readouterr().out.splitlines()
     assert json.loads(line)["kind"] == "ref"
+
