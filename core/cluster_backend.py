@@ -173,8 +173,10 @@ class ClusterBackend:
         and would serve the block again, though newer ones were written meanwhile, if that one left.
         With `local` placement, the workers placing by hash would give it are told too (`_by_hash`).
         In the background (`supersedes`): a put never waits on a worker that owns none of its keys;
-        here when 65,536 keys wait already. Best effort: a failure is logged, and the put or remove
-        stands (the worker is then no member, or fenced, when it answers again)."""
+        here when 65,536 keys wait already. A worker this client takes as down (suspect), or that fails
+        the call, is owed it as a removal below the version (`missed`), sent once it answers again (it
+        would otherwise keep the old block, and serve it once the owners above it left). The put or
+        remove stands whatever happens here."""
         r = self.replication
         groups: Groups = {}
         for i, ws in enumerate(ranked):
@@ -194,8 +196,11 @@ class ClusterBackend:
         def send() -> None:
             try:
                 live = self._live()  # as it is now (`live_groups`)
-                for _ in self.fanout.each(live, live_groups(live, groups), tell, self._deadline()):
-                    pass
+                told = live_groups(live, groups)
+                answered = {w for w, _, _ in self.fanout.each(live, told, tell, self._deadline())}
+                for w, idx in told.items():  # suspect, or failed now: owed until it answers (`missed`)
+                    if w not in answered:
+                        self.missed.missed(w, [keys[i] for i in idx], [versions[i] - 1 for i in idx])
             except KVPoolError as e:
                 log.debug("the workers next in line of %d keys not told: %s", len(keys), e)
 
@@ -583,7 +588,7 @@ class ClusterBackend:
 
     def close(self) -> None:
         self.supersedes.close(flush=True)  # first: what the puts made owe the workers next in line
+        self.missed.close()  # then what is owed to owners that missed writes, tried once more
         self.fanout.close()  # then: a repair under way fails fast, and connects nowhere new
         self.repairs.close()
-        self.missed.close()
         self.membership.close()

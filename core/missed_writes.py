@@ -17,9 +17,10 @@ paused finds the request waiting as it resumes, not seconds later (meanwhile a r
 that found the newest copy evicted took its older one: an adversarial check, 20 of 20 stale reads 0.1 s
 after the resume). Until it is delivered, reads outvote it as before.
 
-What is owed lives in this client: one that closes or dies before the owner answers again leaves it
-untold. A worker that was paused finds out by itself (`kvpool.core.stall_watch`) and catches up from its
-peers; one that only this client could not reach (a partition) is then left with its older copies.
+What is owed lives in this client: one that closes tries once more (within its timeout), and one that
+dies before the owner answers again leaves it untold. A worker that was paused finds out by itself
+(`kvpool.core.stall_watch`) and catches up from its peers; one that only this client could not reach
+(a partition) is then left with its older copies.
 
 A worker that leaves the cluster has its missed writes dropped: one that comes back after the member
 TTL is fenced and catches up from its peers' change logs, which hold them. At most `MAX_PENDING` keys
@@ -143,14 +144,23 @@ class MissedWrites:
                     self._owed.pop(w, None)
 
     def close(self) -> None:
-        """Stop the thread (after the delivery under way, which the closed fan-out fails fast); what is
-        still owed is dropped."""
+        """Stop the thread (after the delivery under way), then try once more to deliver what is owed,
+        within the client's timeout (the fan-out is still open: `ClusterBackend.close`), so that a client
+        that closes normally leaves nothing untold to an owner that answers; what is still owed after
+        that is dropped."""
         with self._cond:
             self._closed = True
             self._cond.notify()
             thread = self._thread
         if thread is not None:
             thread.join()
+        with self._cond:
+            owed = {w: dict(ks) for w, ks in self._owed.items()}
+        if owed:
+            try:
+                self._deliver(owed)
+            except KVPoolError as e:
+                log.debug("removals owed to workers that missed writes not sent at close: %s", e)
         with self._cond:
             if self._owed:
                 log.debug("client closed with removals owed to %d workers that missed writes", len(self._owed))
