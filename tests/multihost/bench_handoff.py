@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import IO, Any, cast
@@ -142,41 +140,21 @@ def main() -> int:
         print(json.dumps(measure(*args.measure, args.quick)), flush=True)
         return 0
     sys.path.insert(0, str(Path(__file__).parent))
+    from labbench import bench_main, start_workers
+
     from kvpool.core.nats_server import binary
 
-    from netlab import Lab, can_build
+    def setup(lab: Any, work: str) -> list[str] | None:  # no NATS users: this lab's server takes anyone
+        a = lab.addr("h1")
+        url = f"nats://{a}:4222"
+        lab.spawn("h1", [binary(), "-a", a, "-p", "4222", "-js", "-sd", f"{work}/js"], log="nats.log")
+        lab.spawn("h1", [sys.executable, "-m", "kvpool.core.bench.raw_socket", "7470", a], log="raw.log")
+        if not start_workers(lab, ["h1", "h2", "h3"], work, TOKEN, "--nats-url", url, "--dram-bytes", "512MiB"):
+            return None
+        return ["ip", "netns", "exec", lab.ns("h4"), sys.executable, __file__, "--measure", url, f"{a}:7470",
+                lab.ns("h1"), *(["--quick"] if args.quick else [])]
 
-    why_not = can_build()
-    if why_not:
-        print(f"bench_handoff: {why_not}", file=sys.stderr)
-        return 2
-    with tempfile.TemporaryDirectory(prefix="kvpool-mh-handoff-") as work:
-        lab = Lab(4, Path(work))
-        env = {"KVPOOL_STATE_DIR": f"{work}/state"}  # no NATS users: this lab's server takes anyone
-        try:
-            a = lab.addr("h1")
-            url = f"nats://{a}:4222"
-            lab.spawn("h1", [binary(), "-a", a, "-p", "4222", "-js", "-sd", f"{work}/js"], log="nats.log")
-            lab.spawn("h1", [sys.executable, "-m", "kvpool.core.bench.raw_socket", "7470", a], log="raw.log")
-            for h in ("h1", "h2", "h3"):
-                lab.spawn(h, [sys.executable, "-m", "kvpool.core.cli", "worker", "--host", lab.addr(h), "--port",
-                              "7461", "--token", TOKEN, "--nats-url", url, "--dram-bytes", "512MiB"],
-                          log=f"worker-{h}.log", env={"KVPOOL_STATE_DIR": f"{work}/state-{h}"})
-            deadline = time.monotonic() + 60
-            while not all("kvpool worker " in lab.log(f"worker-{h}.log") for h in ("h1", "h2", "h3")):
-                if time.monotonic() > deadline:
-                    print(*(lab.log(f"worker-{h}.log") for h in ("h1", "h2", "h3")), file=sys.stderr)
-                    return 1
-                time.sleep(0.2)
-            cmd = ["ip", "netns", "exec", lab.ns("h4"), sys.executable, __file__, "--measure", url, f"{a}:7470",
-                   lab.ns("h1"), *(["--quick"] if args.quick else [])]
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, **env})
-            sys.stderr.write(out.stderr)
-            print(out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "", flush=True)
-            return out.returncode
-        finally:
-            lab.close()
-
+    return bench_main("bench_handoff", 4, setup)
 
 if __name__ == "__main__":
     sys.exit(main())

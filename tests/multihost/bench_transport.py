@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
+from typing import Any
 
 TOKEN = "multihost-bench-token"
 
@@ -62,35 +60,17 @@ def main() -> int:
         print(json.dumps(measure(*args.measure, args.quick)), flush=True)
         return 0
     sys.path.insert(0, str(Path(__file__).parent))
-    from netlab import Lab, can_build
+    from labbench import bench_main, start_workers
 
-    why_not = can_build()
-    if why_not:
-        print(f"bench_transport: {why_not}", file=sys.stderr)
-        return 2
-    with tempfile.TemporaryDirectory(prefix="kvpool-mh-bench-") as work:
-        lab = Lab(2, Path(work))
-        try:
-            a = lab.addr("h1")
-            lab.spawn("h1", [sys.executable, "-m", "kvpool.core.bench.raw_socket", "7470", a], log="raw.log")
-            lab.spawn("h1", [sys.executable, "-m", "kvpool.core.cli", "worker", "--host", a, "--port", "7461",
-                             "--token", TOKEN, "--dram-bytes", "1200MiB" if not args.quick else "512MiB"],
-                      log="worker.log", env={"KVPOOL_STATE_DIR": f"{work}/state"})
-            deadline = time.monotonic() + 60
-            while "kvpool worker " not in lab.log("worker.log"):
-                if time.monotonic() > deadline:
-                    print(lab.log("worker.log"), file=sys.stderr)
-                    return 1
-                time.sleep(0.2)
-            cmd = ["ip", "netns", "exec", lab.ns("h2"), sys.executable, __file__, "--measure", f"{a}:7461",
-                   f"{a}:7470", *(["--quick"] if args.quick else [])]
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            sys.stderr.write(out.stderr)
-            print(out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "", flush=True)
-            return out.returncode
-        finally:
-            lab.close()
+    def setup(lab: Any, work: str) -> list[str] | None:
+        a = lab.addr("h1")
+        lab.spawn("h1", [sys.executable, "-m", "kvpool.core.bench.raw_socket", "7470", a], log="raw.log")
+        if not start_workers(lab, ["h1"], work, TOKEN, "--dram-bytes", "512MiB" if args.quick else "1200MiB"):
+            return None
+        return ["ip", "netns", "exec", lab.ns("h2"), sys.executable, __file__, "--measure", f"{a}:7461",
+                f"{a}:7470", *(["--quick"] if args.quick else [])]
 
+    return bench_main("bench_transport", 2, setup)
 
 if __name__ == "__main__":
     sys.exit(main())
