@@ -1,5 +1,5 @@
 """`Background`: one thread for work a caller need not wait for (a cluster client's read repairs, its
-notes to the workers next in line), with a bound on what may wait."""
+notes to the workers below a key's owners), with a bound on what may wait."""
 from __future__ import annotations
 
 import threading

@@ -137,6 +137,7 @@ class TieredCache:
         removal: then its slot is freed and False returned). Version 0 is stamped now."""
         with self._lock:
             stored = self._admit(block)
+            self._stack.delete_replaced()
             if stored and pin_s > 0:
                 self._dram.pins.pin((block.key,), pin_s)
         return stored
@@ -175,6 +176,7 @@ class TieredCache:
             if any(stored):
                 kept = [b for b, ok in zip(blocks, stored) if ok]
                 self._stack.changes.record([b.key for b in kept], [b.version for b in kept], False)
+                self._stack.delete_replaced()
         return stored
 
     def _enter(self, block: DramBlock) -> bool:

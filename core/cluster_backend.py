@@ -28,6 +28,7 @@ from .missed_writes import MissedWrites
 from .nats_creds import redacted_url
 from .pool_backend import MembersPredicate, copies
 from .records import PoolStats, WorkerInfo, WorkerStats
+from .succession import told_below
 from .transport import ShmTransport
 from .versions import CLOCK, REMOVED, SUPERSEDED
 
@@ -151,41 +152,43 @@ class ClusterBackend:
         self.missed = MissedWrites(self.fanout, self._live, timeout_s)
         """Removals owed to owners that a put or remove went on without (`kvpool.core.missed_writes`)."""
         self.supersedes = Background("kvpool-supersede", 1 << 16)
-        """Where puts and removes tell the workers next in line (`_supersede`)."""
+        """Where puts and removes tell the workers below the owners (`_supersede`)."""
 
     # ----- placement --------------------------------------------------------------------------
 
-    def _owners(self, keys: Sequence[bytes], live: dict[str, WorkerInfo],
-                next_in_line: bool = False) -> list[list[str]]:
-        """Each key's owners (its first `replication` workers by rank); with `next_in_line`, followed by
-        the worker after them (where there is one): the key's owner if one of them left. With `local`
-        placement, the workers ranked are this node's (all of them where it has none)."""
+    def _owners(self, keys: Sequence[bytes], live: dict[str, WorkerInfo], whole: bool = False) -> list[list[str]]:
+        """Each key's owners (its first `replication` workers by rank); with `whole`, every worker, the
+        owners first (whom a put tells below them: `_supersede`). With `local` placement, the workers
+        ranked are this node's (all of them where it has none)."""
         ids = list(live)
         if self.local:
             ids = [w for w in ids if live[w].node_id == self.fanout.node_id] or ids
-        n = self.replication + next_in_line
-        return [rank(k, ids)[:n] for k in keys]
+        if whole:
+            return [rank(k, ids) for k in keys]
+        return [rank(k, ids)[:self.replication] for k in keys]
 
-    def _supersede(self, ranked: list[list[str]], keys: Sequence[bytes], versions: list[int]) -> None:
-        """Tell each key's worker next in line (`ranked`: `_owners(next_in_line=True)`) to drop a block of
-        it stamped before its version, or within the clock-skew bound after it (`Connection.supersede`,
-        one way; `ReplicaState.supersede`). That worker owned the key before one ranked above it joined,
-        and would serve the block again, though newer ones were written meanwhile, if that one left.
-        With `local` placement, the workers placing by hash would give it are told too (`_by_hash`).
+    def _supersede(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
+                   versions: list[int]) -> None:
+        """Tell the workers below each key's owners that may hold an older copy (`ranked`:
+        `_owners(whole=True)`; `succession.told_below`) to drop a block of it stamped before its version,
+        or within the clock-skew bound after it (`Connection.supersede`, one way;
+        `ReplicaState.supersede`). Such a worker owned the key before one ranked above it joined, and
+        would serve the block again, though newer ones were written meanwhile, if that one left. With
+        `local` placement, the workers placing by hash would give it are told too (`_by_hash`).
         In the background (`supersedes`): a put never waits on a worker that owns none of its keys;
         here when 65,536 keys wait already. A worker this client takes as down (suspect), or that fails
         the call, is owed it as a removal below the version (`missed`), sent once it answers again (it
         would otherwise keep the old block, and serve it once the owners above it left). The put or
         remove stands whatever happens here."""
         r = self.replication
+        hashed = self._by_hash(live, keys, ranked) if self.local else None
         groups: Groups = {}
         for i, ws in enumerate(ranked):
-            if len(ws) > r:
-                groups.setdefault(ws[r], []).append(i)
-        if self.local:
-            for i, ws in enumerate(self._by_hash(keys, ranked)):
-                for w in ws:
-                    groups.setdefault(w, []).append(i)
+            told = told_below(ws, r, live)
+            if hashed is not None:
+                told = list(dict.fromkeys(told + hashed[i]))
+            for w in told:
+                groups.setdefault(w, []).append(i)
         if not groups:
             return
         keys = list(keys)  # the caller may change its list once the put returns
@@ -202,27 +205,31 @@ class ClusterBackend:
                     if w not in answered:
                         self.missed.missed(w, [keys[i] for i in idx], [versions[i] - 1 for i in idx])
             except KVPoolError as e:
-                log.debug("the workers next in line of %d keys not told: %s", len(keys), e)
+                log.debug("the workers below the owners of %d keys not told: %s", len(keys), e)
 
         if not self.supersedes.submit(len(keys), send):
             send()
 
-    def _by_hash(self, keys: Sequence[bytes], ranked: list[list[str]]) -> list[list[str]]:
-        """With `local` placement: the workers that placing by hash gives each key, owners and the one
-        next in line, other than those of `ranked` (`_owners(next_in_line=True)`). They may hold a copy
-        of the key from before (written while this node had no worker, or when its workers were others),
-        which they would serve again once this node's workers leave: `_supersede` tells them too."""
-        live = self._live()
-        ids = list(live)
-        n = self.replication + 1
-        return [[w for w in rank(k, ids)[:n] if w not in ws] for k, ws in zip(keys, ranked)]
+    def _by_hash(self, live: dict[str, WorkerInfo], keys: Sequence[bytes],
+                 ranked: list[list[str]]) -> list[list[str]]:
+        """With `local` placement: the workers that placing by hash gives each key, owners and those
+        below them that may hold a copy (`told_below`), other than the owners of `ranked`
+        (`_owners(whole=True)`). They may hold a copy of the key from before (written while this node
+        had no worker, or when its workers were others), which they would serve again once this node's
+        workers leave: `_supersede` tells them too."""
+        r = self.replication
+        out = []
+        for k, ws in zip(keys, ranked):
+            hashed = rank(k, list(live))
+            out.append([w for w in hashed[:r] + told_below(hashed, r, live) if w not in ws[:r]])
+        return out
 
-    def supersede_next_in_line(self, keys: Sequence[bytes]) -> None:
-        """Before a put that goes another way (`shm_stage.Stagers`): each key's worker next in line is
-        told, as of now, what an ordinary put tells it (`_supersede`)."""
+    def supersede_below_owners(self, keys: Sequence[bytes]) -> None:
+        """Before a put that goes another way (`shm_stage.Stagers`): the workers below each key's owners
+        are told, as of now, what an ordinary put tells them (`_supersede`)."""
         live = self._live()
         if len(live) > self.replication:
-            self._supersede(self._owners(keys, live, next_in_line=True), keys, CLOCK.batch(len(keys)))
+            self._supersede(live, self._owners(keys, live, whole=True), keys, CLOCK.batch(len(keys)))
 
     def sole_owner(self, keys: Sequence[bytes]) -> WorkerInfo | None:
         """The live member that placement gives every key of `keys` to, as their only copy; None when
@@ -276,7 +283,7 @@ class ClusterBackend:
         live = self._live()
         if not live:
             raise PoolUnavailable(f"no live workers in the cluster at {redacted_url(self.nats_url)}")
-        ranked = self._owners(keys, live, next_in_line=True)
+        ranked = self._owners(keys, live, whole=True)
         self._refuse_too_large(live, ranked, keys, buffers)
         if self.replication > 1:  # CUDA tensors to the host once, not once per owner (R=1: the transport's)
             buffers = readable_all(buffers)
@@ -288,7 +295,7 @@ class ClusterBackend:
                 self._put_as_of(live, [ranked[i] for i in superseded], again, [buffers[i] for i in superseded],
                                 pin_s, self._restamp(live, again, superseded, versions))
         finally:  # (a put that failed may have reached an owner: the older copies go too)
-            self._supersede(ranked, keys, versions)
+            self._supersede(live, ranked, keys, versions)
 
     def _refuse_too_large(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
                           buffers: Sequence[Any]) -> None:
@@ -329,7 +336,7 @@ class ClusterBackend:
     def _restamp(self, live: dict[str, WorkerInfo], again: Sequence[bytes], idx: list[int],
                  versions: list[int]) -> list[int]:
         """Fresh versions for the keys `again` (the batch's at `idx`), above the newest any of their live
-        owners knows of each: written into `versions` at `idx` (what the workers next in line are told)
+        owners knows of each: written into `versions` at `idx` (what the workers below the owners are told)
         and returned."""
         def ask(t: Transport, sub: list[int]) -> tuple[list[bool], list[int]]:
             return t.batch_versions([again[j] for j in sub])  # merged into this process's clock
@@ -477,7 +484,7 @@ class ClusterBackend:
         """Remove from every live owner, as of one version per key (the same on every replica); a key an
         owner holds a block as new or newer of is removed again as of a version above its owners' newest."""
         live = self._live()
-        ranked = self._owners(keys, live, next_in_line=True)
+        ranked = self._owners(keys, live, whole=True)
         versions = CLOCK.batch(len(keys))
         try:
             removed, superseded = self._remove_as_of(live, ranked, keys, versions)
@@ -488,7 +495,7 @@ class ClusterBackend:
                                                                   stamps)[0]):
                     removed[i] = removed[i] or done
         finally:
-            self._supersede(ranked, keys, versions)
+            self._supersede(live, ranked, keys, versions)
         return removed
 
     def _remove_as_of(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
@@ -587,7 +594,7 @@ class ClusterBackend:
         return self.membership.wait_for(predicate, timeout_s)
 
     def close(self) -> None:
-        self.supersedes.close(flush=True)  # first: what the puts made owe the workers next in line
+        self.supersedes.close(flush=True)  # first: what the puts made owe the workers below the owners
         self.missed.close()  # then what is owed to owners that missed writes, tried once more
         self.fanout.close()  # then: a repair under way fails fast, and connects nowhere new
         self.repairs.close()

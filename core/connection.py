@@ -394,9 +394,9 @@ class Connection:
         self.call(P.Op.CLEAR, P.pack_batch([prefix]) if prefix is not None else b"")
 
     def supersede(self, keys: Sequence[bytes], versions: Sequence[int]) -> None:
-        """Tell the worker, next in line for `keys`, that their owners took a put or remove as of
-        `versions`: it drops its older blocks of them (`ReplicaState.supersede`). One way: nothing waits
-        for the worker; the requests sent after it on this connection are handled after it."""
+        """Tell a worker below the owners of `keys` (`kvpool.core.succession`) that they took a put or
+        remove as of `versions`: it drops its older blocks of them (`ReplicaState.supersede`). One way:
+        nothing waits for the worker; the requests sent after it on this connection are handled after it."""
         stamps = np.asarray(versions, dtype="<u8")
         with self._session() as sock:
             for f in P.frames(len(keys)):

@@ -60,6 +60,10 @@ class WorkerInfo:
     transports: tuple[str, ...] = ()
     ts: float = 0.0
     """Wall-clock time of the heartbeat that carried this entry (member entries only)."""
+    member_since: float | None = None
+    """Wall time since which it has been a member without a break (member entries; None: unknown)."""
+    held_since: float = 0.0
+    """Wall time since which it may hold the blocks it holds (`kvpool.core.held_since`; unknown: ever)."""
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], worker_id: str | None = None) -> WorkerInfo:

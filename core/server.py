@@ -23,6 +23,7 @@ from .cache import TieredCache
 from .catch_up import AliveStamp, catch_up
 from .config import CacheConfig, WorkerConfig, default_node_id, default_state_dir
 from .errors import ConfigError, ListenError, PoolUnavailable, StorageError
+from .held_since import HeldSince
 from .metrics import WorkerMetrics
 from .stall_watch import StallWatch
 from .tenants import Tenant, TenantUsage, load_tenants
@@ -156,6 +157,10 @@ class Worker(RequestHandlers):
             self._catching_up = threading.Lock()
             self._beats = 0  # heartbeats that got through: a catch-up waits for one after the outage
             self.cache = TieredCache(cache_cfg, share_arena=True)
+            held = self.cache.stats()
+            self._held = HeldSince(_id_file(cache_cfg, self.port).with_suffix(".held"),
+                                   held.dram_blocks + held.ssd_blocks > 0)
+            self._member_since = time.time()  # since when it has been a member without a break (`info`)
         except BaseException:
             self._close_listeners()
             raise
@@ -177,7 +182,8 @@ class Worker(RequestHandlers):
         return f"{self.config.advertise_host or self.config.host}:{self.port}"
 
     def info(self) -> dict[str, Any]:
-        """What the worker registers in the cluster and answers to HELLO."""
+        """What the worker registers in the cluster and answers to HELLO. `member_since` and `held_since`
+        say whom a put tells to drop older copies (`kvpool.core.succession`)."""
         s = self.cache.stats()
         return {"worker_id": self.worker_id, "node_id": self.node_id, "tcp": self.address,
                 "unix": self.unix_path, "arena": self.cache.arena.name, "arena_size": self.cache.arena.length,
@@ -185,7 +191,8 @@ class Worker(RequestHandlers):
                 "ssd_bytes": s.ssd_bytes, "hits": s.hits_dram + s.hits_ssd + s.hits_device,
                 "misses": s.misses, "max_block": self.cache.max_block, "max_reserve": self.max_reserve,
                 "transports": ["tcp", "shm"],
-                "auth": bool(self.token), "pid": os.getpid()}
+                "auth": bool(self.token), "pid": os.getpid(), "member_since": self._member_since,
+                "held_since": self._held.now(s.dram_blocks + s.ssd_blocks > 0)}
 
     def start(self) -> Worker:
         """Serve in background threads and join the cluster. If any of it fails (metrics port in use,
@@ -200,6 +207,7 @@ class Worker(RequestHandlers):
                                              replicas=self.config.nats_replicas, role="worker",
                                              creds=self.config.nats_credentials())
                 self._catch_up_at_start()
+                self._member_since = time.time()
                 self.membership.register(self.worker_id, self.info, self.config.heartbeat_s,
                                          on_rejoin=self._left_cluster, on_beat=self._beat)
                 self.membership.watch()  # the peers it hears from: whom it asks after an absence
@@ -302,6 +310,7 @@ class Worker(RequestHandlers):
         """Reads are misses (but for what it accepts from now on) until a catch-up from its peers of what
         they accepted in the last `gap_s` seconds has ended (`_rejoin`, in a thread of its own)."""
         self.cache.replicas.fence(True)
+        self._member_since = time.time()  # clients took it as gone: a member again only from now
         since_ms = int((time.time() - gap_s) * 1000)
         left = time.monotonic() - gap_s
         threading.Thread(target=self._rejoin, args=(since_ms, left, self._beats), name="kvpool-catch-up",

@@ -443,8 +443,8 @@ class Stagers:
     """A producer's stagers, one per same-node worker its puts went to: `for_keys` picks the one for a
     put, or None where the put must go the ordinary way (another node, several owners or copies, an
     embedded pool, blocks too large to keep spare slots for). In a cluster, picking one first has the
-    keys' worker next in line drop older copies of them, as an ordinary put does
-    (`ClusterBackend.supersede_next_in_line`)."""
+    workers below the keys' owners drop older copies of them, as an ordinary put does
+    (`ClusterBackend.supersede_below_owners`)."""
 
     def __init__(self, pool: PoolClient) -> None:
         self.pool = pool
@@ -478,7 +478,7 @@ class Stagers:
         if not stager.fits(sizes):
             return None
         if isinstance(backend, ClusterBackend):
-            backend.supersede_next_in_line(keys)  # as the ordinary put does
+            backend.supersede_below_owners(keys)  # as the ordinary put does
         return stager
 
     def send_held(self) -> None:

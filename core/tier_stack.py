@@ -48,6 +48,7 @@ class TierStack:
         self.clears = Clears()
         self.changes = ChangeLog()
         """Versioned puts and removes accepted, for peers that catch up (`kvpool.core.catch_up`)."""
+        self._replaced = False  # a commit replaced an SSD copy since `delete_replaced`
         self._fence_floor = 0  # while fenced: the oldest version a read may serve (accepted since)
         self.fence_at = math.inf
         """Monotonic seconds after which reads are misses until pushed back (a worker's heartbeat
@@ -108,12 +109,21 @@ class TierStack:
         if ssd is not None and key in ssd and not block.on_ssd:
             ssd.forget(key)
             ssd.mark_stale((key,))
-            self.demote_due.notify()  # the demoter deletes the old copy now: a kill -9 must not find it
+            self._replaced = True  # deleted before the put returns (`delete_replaced`)
         self.dram.insert(block)
         for listener in self.listeners:  # on_ssd: a promotion, the same bytes as the SSD copy
             (listener.copied if block.on_ssd else listener.stored)(key, "dram")
         if self.dram.arena.used_bytes > self._high_bytes:
             self.demote_due.notify()
+
+    def delete_replaced(self) -> None:
+        """Delete the SSD copies that commits replaced since the last call, in one transaction, as
+        `remove` does: the put that replaced one returns after it, so a kill -9 cannot leave the older
+        copy to be served after a restart. A full disk leaves them queued: the demoter retries."""
+        if self._replaced and self.ssd is not None:
+            self._replaced = False
+            if not self.ssd.delete_stale():
+                self.demote_due.notify()
 
     def commit_many(self, blocks: list[DramBlock]) -> list[bool] | None:
         """`commit` of each block in bulk where nothing but DRAM can know their keys (no device tier

@@ -1,7 +1,8 @@
 """A key's owner changes as workers join and leave (rendezvous placement). The worker that owned it
 before a newcomer keeps its copy; were that copy served again once the newcomer leaves, a reader would
-get an older version than the one written meanwhile. Every put and remove therefore tells the worker
-next in line to drop an older block of the key (`Op.SUPERSEDE`)."""
+get an older version than the one written meanwhile. Every put and remove therefore tells the workers
+below the key's owners that may hold it to drop an older block of the key (`Op.SUPERSEDE`,
+`kvpool.core.succession`)."""
 from __future__ import annotations
 
 import contextlib
@@ -74,6 +75,37 @@ def test_a_key_written_while_a_newcomer_owned_it_is_never_served_older_after_it_
             assert {k: got[k] for k in moved if got[k] != 2} == {}, "a replica's newest copy was not served"
         assert all(got[k] == 1 for k in keys if k not in moved), "keys that never moved are still served"
     assert first
+
+
+@pytest.mark.parametrize("change", ["overwritten", "removed"])
+def test_a_key_two_newcomers_both_took_is_never_served_older_after_both_leave(
+        nats, spawn: Callable[..., WorkerProcess], change: str) -> None:
+    """R=1: two workers join and both rank above a key's old owner, two places down. A write then goes
+    to the first; the old owner is told too (it held blocks before either joined), so once both leave
+    it serves nothing older. (An adversarial check found 66 of 66 such keys served old when only the
+    worker next in line was told.)"""
+    spawn(nats_url=nats.url, extra=["--worker-id", "w-0"])
+    keys = [f"twice/{i}" for i in range(4 * N)]
+    with PoolClient(mode="cluster", nats_url=nats.url, timeout_s=5) as pool:
+        assert pool.wait_for_members(lambda m: len(m) == 1, 15)
+        pool.batch_put(keys, [block(k, 1) for k in keys])
+        newcomers = [spawn(nats_url=nats.url, extra=["--worker-id", w]) for w in ("w-a", "w-b")]
+        assert pool.wait_for_members(lambda m: len(m) == 3, 15)
+        moved = [k for k in keys if rank(k.encode(), ["w-0", "w-a", "w-b"])[2] == "w-0"]
+        assert moved, "some keys move two places"
+        if change == "overwritten":
+            pool.batch_put(moved, [block(k, 2) for k in moved])
+            assert read(pool, moved) == [2] * len(moved)
+        else:
+            pool.batch_remove(moved)
+        pool.backend.supersedes.wait()
+        for w in newcomers:
+            w.stop(timeout=10)
+        assert pool.wait_for_members(lambda m: len(m) == 1, 15)
+        got = dict(zip(keys, read(pool, keys)))
+    stale = {k: got[k] for k in moved if got[k] != -1}
+    assert not stale, f"served older than what was {change} while the newcomers owned them: {stale}"
+    assert all(got[k] == 1 for k in keys if k not in moved), "keys that never moved are still served"
 
 
 def test_a_block_stamped_by_a_clock_ahead_does_not_outlive_a_later_write(
