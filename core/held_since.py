@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from pathlib import Path
 
@@ -30,17 +31,19 @@ class HeldSince:
         self.path = path
         self._since: float | None = self._read() if holds else None  # None while it holds nothing
         self._empty_at = time.time()  # the last time told while nothing was held
+        self._lock = threading.Lock()  # (heartbeats and HELLO replies call `now` from their threads)
 
     def now(self, holds: bool) -> float:
         """The time to tell (each heartbeat): now while nothing is held; else the last such time."""
-        t = time.time()
-        if not holds:
-            self._since, self._empty_at = None, t
-            return t
-        if self._since is None:  # held nothing at the last call: what it holds came after it
-            self._since = self._empty_at
-            self._write(self._since)
-        return self._since
+        with self._lock:
+            t = time.time()
+            if not holds:
+                self._since, self._empty_at = None, t
+                return t
+            if self._since is None:  # held nothing at the last call: what it holds came after it
+                self._since = self._empty_at
+                self._write(self._since)
+            return self._since
 
     def _read(self) -> float:
         try:

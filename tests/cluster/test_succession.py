@@ -6,9 +6,10 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpool.core.cluster import rank
 from kvpool.core.held_since import HeldSince
 from kvpool.core.records import WorkerInfo
 from kvpool.core.succession import MARGIN_S, told_below
@@ -61,6 +62,51 @@ def test_told_below_is_its_definition(times: list[tuple[int, int]], r: int) -> N
     want = ids[r:r + 1] + [w for i, w in enumerate(ids) if i > r and sum(
         live[v].member_since + MARGIN_S < live[w].held_since for v in ids[:i]) < r]  # type: ignore[operator]
     assert told_below(ids, r, live) == want
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["join", "join", "leave", "restart", "write", "write", "evict"]),
+                         st.integers(0, 3), st.integers(0, 2), st.integers(0, 4)), max_size=30)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(OPS, st.integers(1, 2))
+def test_no_member_keeps_an_older_copy_whatever_the_joins_and_leaves(ops: list[tuple[str, int, int, int]],
+                                                                      r: int) -> None:
+    """A model of a cluster: workers join, leave (their blocks gone), restart on their blocks (a catch-up
+    drops what changed while they were away) and evict everything; each write goes to the key's owners
+    and is told to `told_below` of them. No member ever holds an older copy of a key than its newest
+    write, so none can serve one, whichever workers leave later."""
+    now = 0.0
+    member_since: dict[str, float] = {}
+    held: dict[str, dict[bytes, int]] = {f"w{i}": {} for i in range(4)}
+    held_since: dict[str, float | None] = dict.fromkeys(held)
+    newest: dict[bytes, int] = {}
+    for version, (op, wi, key, dt) in enumerate(ops, 1):
+        now += dt
+        w, k = f"w{wi}", f"k{key}".encode()
+        if op in ("leave", "restart") and w in member_since:
+            del member_since[w]
+            if op == "leave":
+                held[w], held_since[w] = {}, None
+        elif op in ("join", "restart") and w not in member_since:
+            member_since[w] = now
+            held[w] = {k: v for k, v in held[w].items() if v == newest[k]}  # the catch-up
+        elif op == "evict":
+            held[w], held_since[w] = {}, None
+        elif op == "write" and member_since:
+            live = {m: WorkerInfo(worker_id=m, member_since=since, held_since=now if held_since[m] is None
+                                  else held_since[m]) for m, since in member_since.items()}
+            ranking = rank(k, list(live))
+            for o in ranking[:r]:
+                held[o][k] = version
+                held_since[o] = now if held_since[o] is None else held_since[o]
+            for b in told_below(ranking, r, live):
+                if held[b].get(k, version) < version:
+                    del held[b][k]
+            newest[k] = version
+        for m in member_since:
+            stale = {key: v for key, v in held[m].items() if v < newest[key]}
+            assert not stale, f"{m} holds older copies {stale} (newest {newest})"
 
 
 def test_held_since_is_the_last_time_nothing_was_held_and_outlives_a_restart(tmp_path: Path) -> None:
