@@ -90,12 +90,12 @@ class ReplicaState:
             return sum(stack.remove(list(dict.fromkeys(doomed)))) if doomed else 0
 
     def supersede(self, keys: Sequence[bytes], versions: Sequence[int]) -> int:
-        """Each key was written (or removed) at its owners as of its version, after this worker, now next
-        in line, stopped owning it: a block held of it goes, if stamped before that version or up to
-        `CLOCK_SKEW_MS` after it (another writer's clock may run that far ahead of this one's), with a
-        tombstone just below the version (that version itself is still welcome: a replica answering
-        with its block wins a read). A key not held is left alone (most are: no tombstone). Returns
-        blocks dropped."""
+        """Each key was written (or removed) at its owners as of its version, after this worker, now below
+        them, stopped owning it (`kvpool.core.succession`): a block held of it goes, if stamped before
+        that version or up to `CLOCK_SKEW_MS` after it (another writer's clock may run that far ahead of
+        this one's), with a tombstone just below the version (that version itself is still welcome: a
+        replica answering with its block wins a read). A key not held is left alone (most are: no
+        tombstone). Returns blocks dropped."""
         margin = CLOCK_SKEW_MS << COUNTER_BITS
         with self._lock:
             stack = self._stack
