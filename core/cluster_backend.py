@@ -175,8 +175,10 @@ class ClusterBackend:
         `ReplicaState.supersede`). Such a worker owned the key before one ranked above it joined, and
         would serve the block again, though newer ones were written meanwhile, if that one left. With
         `local` placement, the workers placing by hash would give it are told too (`_by_hash`).
-        In the background (`supersedes`): a put never waits on a worker that owns none of its keys;
-        here when 65,536 keys wait already. A worker this client takes as down (suspect), or that fails
+        At once where this client's connection to the worker is open and unused (a one-way message:
+        sent before the put returns, so a writer killed right after still told it), else in the
+        background (`supersedes`): a put never waits on a worker that owns none of its keys; here
+        when 65,536 keys wait already. A worker this client takes as down (suspect), or that fails
         the call, is owed it as a removal below the version (`missed`), sent once it answers again (it
         would otherwise keep the old block, and serve it once the owners above it left). The put or
         remove stands whatever happens here."""
@@ -189,6 +191,14 @@ class ClusterBackend:
                 told = list(dict.fromkeys(told + hashed[i]))
             for w in told:
                 groups.setdefault(w, []).append(i)
+        if not groups:
+            return
+
+        def tell_now(t: Transport, idx: list[int]) -> None:
+            t.supersede([keys[i] for i in idx], [versions[i] for i in idx], idle=True)
+
+        sent = self.fanout.send_idle(live, groups, tell_now)
+        groups = {w: idx for w, idx in groups.items() if w not in sent}
         if not groups:
             return
         keys = list(keys)  # the caller may change its list once the put returns

@@ -39,7 +39,7 @@ from .records import PoolStats, WorkerInfo, WorkerStats
 from .tls import ca_file, client_context, server_name
 from .versions import CLOCK, Change
 
-__all__ = ["put_outcome", "DEFAULT_MAX_BLOCK", "Connection", "raise_item", "refuse_too_large", "send_pin",
+__all__ = ["put_outcome", "DEFAULT_MAX_BLOCK", "Busy", "Connection", "raise_item", "refuse_too_large", "send_pin",
            "pin_request"]
 
 log = logging.getLogger("kvpool.transport")
@@ -48,6 +48,11 @@ DEFAULT_MAX_BLOCK = 16 << 20
 """What `max_block` assumes of a worker whose HELLO does not say (an older worker)."""
 GATE_WAIT_S = 1.0
 """The longest `close` or `abort` waits for a copy into reserved slots under way (`Connection._gate`)."""
+
+
+class Busy(Exception):
+    """A message meant to go only on an idle connection (`Connection._session(idle=True)`) was not sent:
+    the connection is in use, or not open. Not the pool's error: the caller sends it another way."""
 
 
 class Connection:
@@ -176,8 +181,9 @@ class Connection:
         return info
 
     @contextmanager
-    def _session(self, generation: int | None = None) -> Iterator[socket.socket]:
-        """Hold the connection for one exchange; any transport failure drops it and is typed.
+    def _session(self, generation: int | None = None, *, idle: bool = False) -> Iterator[socket.socket]:
+        """Hold the connection for one exchange; any transport failure drops it and is typed. `idle`:
+        only if nothing else holds it and it is open (else `Busy`, and nothing is sent or opened).
         `generation`: the exchange belongs to that connection (e.g. the RELEASE of its leases): if it
         has closed since, PoolUnavailable, and no other connection is made or touched. A `close` from
         another thread during the exchange fails it too (PoolUnavailable), even where the shut-down
@@ -191,7 +197,11 @@ class Connection:
         block, a destination too small, a stager's earlier failure), or close it above (a refused
         request's AuthError, a ProtocolError), or by the code that raised them with replies still due
         (`ShmTransport._put_frame`, `_get_frame`)."""
-        with self._lock:
+        if not self._lock.acquire(blocking=not idle):
+            raise Busy(f"the connection to worker {self.address} is in use")
+        try:
+            if idle and (self._sock is None or self._aborted):
+                raise Busy(f"no open connection to worker {self.address}")
             if generation is not None and generation != self.generation:
                 raise PoolUnavailable(f"the connection to worker {self.address} closed meanwhile: the worker "
                                       "ended what this process held on it (leases, reserved slots)")
@@ -218,7 +228,7 @@ class Connection:
             except (ConnectionError, OSError, ProtocolError) as e:
                 self.close()
                 raise PoolUnavailable(f"worker {self.address}: {e}") from e
-            except KVPoolError:
+            except (KVPoolError, Busy):
                 raise  # the pool's own: raised where the exchange is whole (or by code that closed it)
             except BaseException:
                 self.close()
@@ -229,6 +239,8 @@ class Connection:
                     unclosed, self._unclosed = self._unclosed, []
                 for s in unclosed:
                     s.close()
+        finally:
+            self._lock.release()
 
     @staticmethod
     def _roundtrip(sock: socket.socket, op: int, meta: bytes = b"", data: list[memoryview] | None = None) -> P.Frame:
@@ -393,12 +405,13 @@ class Connection:
     def clear(self, prefix: bytes | None = None) -> None:
         self.call(P.Op.CLEAR, P.pack_batch([prefix]) if prefix is not None else b"")
 
-    def supersede(self, keys: Sequence[bytes], versions: Sequence[int]) -> None:
+    def supersede(self, keys: Sequence[bytes], versions: Sequence[int], *, idle: bool = False) -> None:
         """Tell a worker below the owners of `keys` (`kvpool.core.succession`) that they took a put or
         remove as of `versions`: it drops its older blocks of them (`ReplicaState.supersede`). One way:
-        nothing waits for the worker; the requests sent after it on this connection are handled after it."""
+        nothing waits for the worker; the requests sent after it on this connection are handled after it.
+        `idle`: only on this connection open and unused now (else `Busy`, nothing sent)."""
         stamps = np.asarray(versions, dtype="<u8")
-        with self._session() as sock:
+        with self._session(idle=idle) as sock:
             for f in P.frames(len(keys)):
                 P.send_frame(sock, P.Op.SUPERSEDE, P.pack_batch(list(keys[f]), stamps[f]))
 

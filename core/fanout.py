@@ -14,7 +14,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from .auth import unix_socket_usable
-from .errors import PoolTimeout, PoolUnavailable
+from .connection import Busy
+from .errors import KVPoolError, PoolTimeout, PoolUnavailable
 from .records import WorkerInfo
 from .transport import ShmTransport, TcpTransport, connect
 
@@ -77,6 +78,23 @@ class FanOut:
         with self._lock:
             suspect = {w: inc for w, (until, inc) in self._suspect.items() if until > now}
         return {w: idx for w, idx in groups.items() if suspect.get(w) != live[w].incarnation}
+
+    def send_idle(self, live: Mapping[str, WorkerInfo], groups: Mapping[str, list[int]],
+                  call: Callable[[Transport, list[int]], None]) -> set[str]:
+        """`call(transport, idx)` at once, in this thread, for each worker of `groups` whose connection
+        is open and unused now and that is not suspect (a one-way message: nothing is awaited, and no
+        connection is opened or waited for; `call` raises `Busy` where its connection is no longer
+        so). The workers it went to: the rest are the caller's to send another way."""
+        with self._lock:
+            ready = {w: t for w, (inc, t) in self._transports.items() if w in groups and inc == live[w].incarnation}
+        sent = set()
+        for w, idx in self._askable(live, {w: groups[w] for w in ready}).items():
+            try:
+                call(ready[w], idx)
+            except (Busy, KVPoolError):  # (a failed connection closed itself: the other way reconnects)
+                continue
+            sent.add(w)
+        return sent
 
     def drop_departed(self, live: Mapping[str, WorkerInfo]) -> None:
         """Close the connections to workers that have not been members for `DEPARTED_S` (one to a

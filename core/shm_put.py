@@ -197,6 +197,11 @@ class SpareSlots:
             P.send_frame(sock, P.Op.ALLOC, P.pack_batch(list(keys), sizes))
             self._asked = (shape, generation)
 
+    @property
+    def unread(self) -> bool:
+        """Whether an answer to `ask` is still to be read (`read_answer`)."""
+        return self._asked is not None
+
     def read_answer(self, sock: socket.socket, generation: int) -> None:
         """Read the answer to the ALLOC `ask` sent on this connection, if one is due (before anything
         else is read from it); slots granted for only part of the shape go back at once."""

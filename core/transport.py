@@ -29,7 +29,7 @@ from . import protocol as P
 from .arena_pages import ArenaPages
 from .blocks import checksum
 from .buffers import Destination, destination_views, destinations, finish_all, readable_all
-from .connection import Connection, put_outcome, refuse_too_large, send_pin
+from .connection import Busy, Connection, put_outcome, refuse_too_large, send_pin
 from .errors import BufferSizeError, PoolUnavailable, ProtocolError
 from .fastcopy import copy_from
 from .pool_backend import leases_by_copy
@@ -168,9 +168,12 @@ class ShmTransport(Connection):
         """Slots reserved for the next put of the last one's shape (`kvpool.core.shm_put`)."""
 
     @contextmanager
-    def _session(self, generation: int | None = None) -> Iterator[socket.socket]:
-        """`Connection._session`, the answer a put left unread read first (`SpareSlots`)."""
-        with super()._session(generation) as sock:
+    def _session(self, generation: int | None = None, *, idle: bool = False) -> Iterator[socket.socket]:
+        """`Connection._session`, the answer a put left unread read first (`SpareSlots`); with `idle`,
+        `Busy` while one is unread (reading it may wait on the worker)."""
+        with super()._session(generation, idle=idle) as sock:
+            if idle and self._spare.unread:
+                raise Busy(f"an answer of worker {self.address} is still to be read")
             self._spare.read_answer(sock, self.generation)
             yield sock
 

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 from kvpool.core import PoolClient, missed_writes
 from kvpool.core.cluster import rank
@@ -61,3 +65,53 @@ def test_a_client_that_closes_delivers_the_removals_it_owes(nats, spawn, monkeyp
         assert c.backend.missed.pending() == len(keys)
     with PoolClient(mode="local", worker=w1.address) as direct:
         assert direct.batch_exists(keys) == [False] * len(keys)  # removed at the close, as owed
+
+
+# A writer (R=1) that puts every key, then, once told a newcomer joined, rewrites the keys that moved to
+# it and is killed the moment that put returns. Its background thread never sends anything (as if the
+# kill came first): what reaches the old owner is what the put sent before returning.
+WRITER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[2])
+    from faulthelp import block
+    from kvpool.core import PoolClient
+    from kvpool.core.background import Background
+    from kvpool.core.cluster import rank
+    Background.submit = lambda self, n, job: True  # queued, never run
+    keys = [f"k{i}" for i in range(200)]
+    with PoolClient(mode="cluster", nats_url=sys.argv[1], timeout_s=5, node_id="writer") as c:
+        assert c.wait_for_members(lambda m: len(m) == 1, 15)
+        c.batch_put(keys, [block(k, 16 << 10, 0) for k in keys])
+        print("written", flush=True)
+        sys.stdin.readline()
+        assert c.wait_for_members(lambda m: len(m) == 2, 15)
+        moved = [k for k in keys if rank(k.encode(), list(c.members()))[0] == "w-new"]
+        c.batch_put(moved, [block(k, 16 << 10, 1) for k in moved])
+        print(" ".join(moved), flush=True)
+        sys.stdin.readline()  # killed here
+""")
+
+
+def test_a_writer_killed_right_after_its_put_has_told_the_old_owner(nats, spawn) -> None:
+    """The old owner, next in line below the newcomer, is told before the put returns (its connection
+    was open and idle), so once the newcomer leaves it serves no older block. (An adversarial check
+    found 127 of 127 keys served old when only a background thread told it.)"""
+    spawn(nats_url=nats.url, extra=["--worker-id", "w-0"])
+    with subprocess.Popen([sys.executable, "-c", WRITER, nats.url, str(Path(__file__).parent)],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as child:
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            assert child.stdout.readline().strip() == "written"
+            newcomer = spawn(nats_url=nats.url, extra=["--worker-id", "w-new"])
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            moved = child.stdout.readline().split()
+        finally:
+            child.kill()
+    assert moved
+    newcomer.stop(timeout=10)
+    with PoolClient(mode="cluster", nats_url=nats.url, timeout_s=5, node_id="reader") as c:
+        assert c.wait_for_members(lambda m: len(m) == 1, 15)
+        got = [c.get(k) for k in moved]
+    old = [k for k, g in zip(moved, got) if g is not None]
+    assert old == [], f"{len(old)} of {len(moved)} keys served at the version before the writer's last put"
