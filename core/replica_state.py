@@ -100,10 +100,12 @@ class ReplicaState:
         with self._lock:
             stack = self._stack
             stack.check_open()
+            if versions:
+                CLOCK.observe(max(versions))  # (the clock only moves: observing the newest is observing each)
             doomed: list[bytes] = []
+            version_of = stack.version_of
             for k, v in zip(keys, versions):
-                CLOCK.observe(v)
-                held = stack.version_of(k)
+                held = version_of(k)
                 if held and held < v + margin:
                     stack.tombstones.add(k, v - 1)
                     doomed.append(k)
