@@ -230,7 +230,8 @@ class Membership:
         self._io.spawn(beat())
 
     def peers(self, timeout_s: float = 5.0) -> dict[str, WorkerInfo]:
-        """The members registered now (heard from within `ttl_s`), read from the bucket once.
+        """The members registered now (heard from within `ttl_s`, or their own longer `member_ttl_s`),
+        read from the bucket once.
         Raises PoolUnavailable if NATS does not answer within `timeout_s`."""
         async def read() -> dict[str, WorkerInfo]:
             from nats.js.errors import NoKeysError
@@ -249,7 +250,7 @@ class Membership:
                 try:
                     entry = await self._kv.get(name)
                     fields = json.loads(entry.value)
-                    if now - float(fields.get("ts", now)) <= self.ttl_s:
+                    if now - float(fields.get("ts", now)) <= max(self.ttl_s, float(fields.get("member_ttl_s", 0))):
                         out[name] = WorkerInfo.from_dict(fields, name)
                 except (ValueError, TypeError, AttributeError) as e:
                     log.warning("ignoring member entry %r: %s", name, e)
@@ -307,11 +308,14 @@ class Membership:
             self._changed.notify_all()
 
     def members(self) -> dict[str, WorkerInfo]:
-        """Live workers (heard from within `ttl_s`) by worker id. While NATS is unreachable this is the
-        last list seen: silence then says nothing about the workers, and data does not go through NATS."""
+        """Live workers (heard from within `ttl_s`, or within its own `member_ttl_s` where a worker's is
+        longer: it fences itself only then, so its keys are not written elsewhere before) by worker id.
+        While NATS is unreachable this is the last list seen: silence then says nothing about the
+        workers, and data does not go through NATS."""
         with self._lock:
             now = self._lost_at if self._lost_at is not None else time.monotonic()
-            return {w: info for w, (seen, info) in self._members.items() if now - seen <= self.ttl_s}
+            return {w: info for w, (seen, info) in self._members.items()
+                    if now - seen <= max(self.ttl_s, info.member_ttl_s)}
 
     def heard_since(self, since: float) -> dict[str, WorkerInfo]:
         """Every worker whose entry came in at or after `since` (time.monotonic()) while watching,

@@ -62,6 +62,9 @@ class WorkerInfo:
     """Wall-clock time of the heartbeat that carried this entry (member entries only)."""
     member_since: float | None = None
     """Wall time since which it has been a member without a break (member entries; None: unknown)."""
+    member_ttl_s: float = 0.0
+    """How long it counts as a member after its last heartbeat got through (it fences itself then):
+    clients keep it as long (`Membership.members`)."""
     held_since: float = 0.0
     """Wall time since which it may hold the blocks it holds (`kvpool.core.held_since`; unknown: ever)."""
 

@@ -160,7 +160,7 @@ class Worker(RequestHandlers):
             held = self.cache.stats()
             self._held = HeldSince(_id_file(cache_cfg, self.port).with_suffix(".held"),
                                    held.dram_blocks + held.ssd_blocks > 0)
-            self._member_since = time.time()  # since when it has been a member without a break (`info`)
+            self._member_since: float | None = None  # since when a member without a break; None: not yet
         except BaseException:
             self._close_listeners()
             raise
@@ -191,7 +191,9 @@ class Worker(RequestHandlers):
                 "ssd_bytes": s.ssd_bytes, "hits": s.hits_dram + s.hits_ssd + s.hits_device,
                 "misses": s.misses, "max_block": self.cache.max_block, "max_reserve": self.max_reserve,
                 "transports": ["tcp", "shm"],
-                "auth": bool(self.token), "pid": os.getpid(), "member_since": self._member_since,
+                "auth": bool(self.token), "pid": os.getpid(),
+                "member_since": time.time() if self._member_since is None else self._member_since,
+                "member_ttl_s": self.config.member_ttl_s,
                 "held_since": self._held.now(s.dram_blocks + s.ssd_blocks > 0)}
 
     def start(self) -> Worker:
@@ -207,7 +209,6 @@ class Worker(RequestHandlers):
                                              replicas=self.config.nats_replicas, role="worker",
                                              creds=self.config.nats_credentials())
                 self._catch_up_at_start()
-                self._member_since = time.time()
                 self.membership.register(self.worker_id, self.info, self.config.heartbeat_s,
                                          on_rejoin=self._left_cluster, on_beat=self._beat)
                 self.membership.watch()  # the peers it hears from: whom it asks after an absence
@@ -278,8 +279,12 @@ class Worker(RequestHandlers):
             self.cache.drop_all()
 
     def _beat(self) -> None:
-        """A heartbeat got through: reads stay open for one member TTL (less a beat) from now."""
+        """A heartbeat got through: reads stay open for one member TTL (less a beat) from now. The first
+        after the start or an outage makes it a member again from now (`member_since`: clients hear of
+        it from then; a registration or heartbeat may be retried for many seconds before that)."""
         self._beats += 1  # only the NATS thread writes it
+        if self._member_since is None:
+            self._member_since = time.time()
         self.cache.replicas.fence_after(self.config.member_ttl_s - self.config.heartbeat_s)
 
     def _keep_alive_stamp(self) -> None:
@@ -310,7 +315,7 @@ class Worker(RequestHandlers):
         """Reads are misses (but for what it accepts from now on) until a catch-up from its peers of what
         they accepted in the last `gap_s` seconds has ended (`_rejoin`, in a thread of its own)."""
         self.cache.replicas.fence(True)
-        self._member_since = time.time()  # clients took it as gone: a member again only from now
+        self._member_since = None  # clients took it as gone: a member again from its next heartbeat (`_beat`)
         since_ms = int((time.time() - gap_s) * 1000)
         left = time.monotonic() - gap_s
         threading.Thread(target=self._rejoin, args=(since_ms, left, self._beats), name="kvpool-catch-up",
