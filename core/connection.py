@@ -50,9 +50,9 @@ GATE_WAIT_S = 1.0
 """The longest `close` or `abort` waits for a copy into reserved slots under way (`Connection._gate`)."""
 
 
-class Busy(Exception):
+class Busy(KVPoolError):
     """A message meant to go only on an idle connection (`Connection._session(idle=True)`) was not sent:
-    the connection is in use, or not open. Not the pool's error: the caller sends it another way."""
+    the connection is in use, or not open (the caller sends it another way; no call of the API raises it)."""
 
 
 class Connection:
@@ -228,7 +228,7 @@ class Connection:
             except (ConnectionError, OSError, ProtocolError) as e:
                 self.close()
                 raise PoolUnavailable(f"worker {self.address}: {e}") from e
-            except (KVPoolError, Busy):
+            except KVPoolError:
                 raise  # the pool's own: raised where the exchange is whole (or by code that closed it)
             except BaseException:
                 self.close()

@@ -14,7 +14,6 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from .auth import unix_socket_usable
-from .connection import Busy
 from .errors import KVPoolError, PoolTimeout, PoolUnavailable
 from .records import WorkerInfo
 from .transport import ShmTransport, TcpTransport, connect
@@ -91,7 +90,7 @@ class FanOut:
         for w, idx in self._askable(live, {w: groups[w] for w in ready}).items():
             try:
                 call(ready[w], idx)
-            except (Busy, KVPoolError):  # (a failed connection closed itself: the other way reconnects)
+            except KVPoolError:  # Busy; or a failed connection, closed: the other way reconnects
                 continue
             sent.add(w)
         return sent
