@@ -12,7 +12,7 @@ from kvpool.core import PoolClient
 from kvpool.core.cluster import rank
 
 from faulthelp import block, is_block_of
-from natscut import NatsCut
+from tcpproxy import TcpProxy
 
 SIZE = 4096
 FAST = {"KVPOOL_HEARTBEAT_S": "0.5", "KVPOOL_MEMBER_TTL_S": "3"}
@@ -26,8 +26,8 @@ def test_a_worker_back_from_a_lapse_is_a_member_again_from_its_return(nats, spaw
     """A and B lapse; newcomer W, ranked below both, takes their keys; once A and B are back and own
     them again, a put tells W too (A and B have been members only since their return), so with A and
     B gone W serves nothing older."""
-    cut = NatsCut((nats.host, nats.port))
-    old = [spawn(nats_url=cut.url, env=FAST, extra=["--worker-id", w]) for w in ("A", "B")]
+    cut = TcpProxy((nats.host, nats.port))
+    old = [spawn(nats_url=f"nats://{cut.address}", env=FAST, extra=["--worker-id", w]) for w in ("A", "B")]
     try:
         with PoolClient(mode="cluster", nats_url=nats.url, timeout_s=3, node_id="client") as pool:
             pool.backend.membership.ttl_s = 3.0  # (as the workers': it drops them soon after they lapse)
@@ -61,9 +61,9 @@ def test_a_worker_back_from_a_lapse_is_a_member_again_from_its_return(nats, spaw
 def test_clients_keep_a_worker_as_long_as_its_own_member_ttl(nats, spawn) -> None:
     """A worker with a member TTL longer than a client's is kept by the client that long: its keys are
     not written elsewhere while it has not fenced itself, and it serves the newest version when back."""
-    cut = NatsCut((nats.host, nats.port))
+    cut = TcpProxy((nats.host, nats.port))
     slow = {"KVPOOL_HEARTBEAT_S": "0.5", "KVPOOL_MEMBER_TTL_S": "8"}
-    spawn(nats_url=cut.url, env=slow, extra=["--worker-id", "A"])
+    spawn(nats_url=f"nats://{cut.address}", env=slow, extra=["--worker-id", "A"])
     spawn(nats_url=nats.url, env=slow, extra=["--worker-id", "B"])
     try:
         with PoolClient(mode="cluster", nats_url=nats.url, timeout_s=3, node_id="client") as pool:
