@@ -26,6 +26,7 @@ from .errors import ConfigError, ListenError, PoolUnavailable, StorageError
 from .held_since import HeldSince
 from .metrics import WorkerMetrics
 from .stall_watch import StallWatch
+from .stats import CacheStats
 from .tenants import Tenant, TenantUsage, load_tenants
 from .worker_ops import RESERVE_SHARE, RequestHandlers
 
@@ -56,6 +57,11 @@ def _unix_listener(path: str) -> socket.socket:
     finally:
         os.umask(old)
     return sock
+
+
+def _holds(stats: CacheStats) -> bool:
+    """Whether a cache holds any block, in any tier."""
+    return stats.dram_blocks + stats.ssd_blocks + stats.device_blocks > 0
 
 
 def _id_file(cache: CacheConfig, port: int) -> Path:
@@ -157,9 +163,7 @@ class Worker(RequestHandlers):
             self._catching_up = threading.Lock()
             self._beats = 0  # heartbeats that got through: a catch-up waits for one after the outage
             self.cache = TieredCache(cache_cfg, share_arena=True)
-            held = self.cache.stats()
-            self._held = HeldSince(_id_file(cache_cfg, self.port).with_suffix(".held"),
-                                   held.dram_blocks + held.ssd_blocks > 0)
+            self._held = HeldSince(_id_file(cache_cfg, self.port).with_suffix(".held"), _holds(self.cache.stats()))
             self._member_since: float | None = None  # since when a member without a break; None: not yet
         except BaseException:
             self._close_listeners()
@@ -194,7 +198,7 @@ class Worker(RequestHandlers):
                 "auth": bool(self.token), "pid": os.getpid(),
                 "member_since": time.time() if self._member_since is None else self._member_since,
                 "member_ttl_s": self.config.member_ttl_s,
-                "held_since": self._held.now(s.dram_blocks + s.ssd_blocks > 0)}
+                "held_since": self._held.now(_holds(s))}
 
     def start(self) -> Worker:
         """Serve in background threads and join the cluster. If any of it fails (metrics port in use,
