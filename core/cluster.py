@@ -137,10 +137,16 @@ class Membership:
                 return None
             return await js.create_key_value(KeyValueConfig(bucket=BUCKET, history=1, ttl=self.ttl_s,
                                                             replicas=self.replicas))
-        if self.replicas > 1:  # a bucket made by a client (1 replica) is raised to the workers' setting
-            info = await js.stream_info(f"KV_{BUCKET}")
-            if (info.config.num_replicas or 1) < self.replicas:
-                await js.update_stream(dataclasses.replace(info.config, num_replicas=self.replicas))
+        if self.role == "worker" or self.replicas > 1:
+            # a bucket made by a client (1 replica; its own TTL) is raised to the workers' settings: an
+            # entry that aged out of it before the worker's TTL would hide a worker that has not fenced
+            # itself from every client that starts meanwhile
+            cfg = (await js.stream_info(f"KV_{BUCKET}")).config
+            raised = dataclasses.replace(cfg, num_replicas=max(cfg.num_replicas or 1, self.replicas))
+            if self.role == "worker" and cfg.max_age and cfg.max_age < self.ttl_s:  # (0: entries never age out)
+                raised = dataclasses.replace(raised, max_age=self.ttl_s)
+            if raised != cfg:
+                await js.update_stream(raised)
         return kv
 
     async def _reopen_bucket(self) -> None:

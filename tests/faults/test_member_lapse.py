@@ -3,13 +3,15 @@ Found by an adversarial check: a worker back from such a lapse said it had been 
 noticed the lapse, long before clients heard of it again, so a put did not tell a newcomer below it that
 had taken its keys meanwhile (200 of 200 keys served old once the old owners left); and clients dropped
 a worker after their own 10 s TTL where the worker's was longer, writing its keys elsewhere while it
-never fenced itself (200 of 200 served old once it was back). Real nats-server and `kvpool worker`s."""
+never fenced itself (200 of 200 served old once it was back), and so did a client that started while
+the worker had aged out of a member bucket a client had made with its own TTL. Real nats-server and
+`kvpool worker`s."""
 from __future__ import annotations
 
 import time
 
 from kvpool.core import PoolClient
-from kvpool.core.cluster import rank
+from kvpool.core.cluster import Membership, rank
 
 from faulthelp import block, is_block_of
 from tcpproxy import TcpProxy
@@ -83,3 +85,24 @@ def test_clients_keep_a_worker_as_long_as_its_own_member_ttl(nats, spawn) -> Non
         cut.close()
     stale = [k for k, g in zip(keys, got) if g is not None and not is_block_of(k, g, 2)]
     assert stale == [], f"{len(stale)} of {len(keys)} keys served older than the last put"
+
+
+def test_a_bucket_a_client_made_keeps_entries_as_long_as_the_workers_ttl(nats, spawn) -> None:
+    """A client that makes the member bucket first gives it its own TTL; the workers raise it to theirs.
+    Otherwise a worker cut from NATS would age out of the bucket before it fences itself, and a client
+    that starts meanwhile would write its keys elsewhere (an adversarial check: 200 of 200 served old)."""
+    first = Membership(nats.url, ttl_s=3.0)  # a client's: it makes the bucket, entries kept 3 s
+    try:
+        cut = TcpProxy((nats.host, nats.port))
+        slow = {"KVPOOL_HEARTBEAT_S": "0.5", "KVPOOL_MEMBER_TTL_S": "8"}
+        spawn(nats_url=f"nats://{cut.address}", env=slow, extra=["--worker-id", "A"])
+        spawn(nats_url=nats.url, env=slow, extra=["--worker-id", "B"])
+        try:
+            cut.cut()
+            time.sleep(5.0)  # past the bucket's first TTL, within A's
+            with PoolClient(mode="cluster", nats_url=nats.url, timeout_s=3, node_id="late") as late:
+                assert late.wait_for_members(lambda m: {"A", "B"} <= set(m), 5), sorted(late.members())
+        finally:
+            cut.close()
+    finally:
+        first.close()
