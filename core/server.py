@@ -263,7 +263,7 @@ class Worker(RequestHandlers):
         # this run's change log starts now; the last run accepted nothing after its last stamp plus a tick
         self.cache.replicas.covered_since(last + int((2 * cfg.heartbeat_s + 1) * 1000) if last is not None else 0)
         held = self.cache.stats()
-        if held.dram_blocks + held.ssd_blocks == 0:
+        if not _holds(held):
             return
         if last is None:
             log.warning("worker %s: %d blocks from a run that left no alive stamp; dropping them (their age "

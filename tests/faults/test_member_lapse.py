@@ -24,6 +24,12 @@ def _members(pool: PoolClient, ids: set[str], timeout_s: float = 20) -> None:
     assert pool.wait_for_members(lambda m: set(m) == ids, timeout_s), f"members {sorted(pool.members())}"
 
 
+def _none_older(keys: list[str], got: list[bytes | None], version: int) -> None:
+    """Each key read is a miss or its block number `version` (the last put)."""
+    stale = [k for k, g in zip(keys, got) if g is not None and not is_block_of(k, g, version)]
+    assert stale == [], f"{len(stale)} of {len(keys)} keys served older than the last put"
+
+
 def test_a_worker_back_from_a_lapse_is_a_member_again_from_its_return(nats, spawn) -> None:
     """A and B lapse; newcomer W, ranked below both, takes their keys; once A and B are back and own
     them again, a put tells W too (A and B have been members only since their return), so with A and
@@ -56,8 +62,7 @@ def test_a_worker_back_from_a_lapse_is_a_member_again_from_its_return(nats, spaw
             got = [pool.get(k) for k in keys]
     finally:
         cut.close()
-    stale = [k for k, g in zip(keys, got) if g is not None and not is_block_of(k, g, 3)]
-    assert stale == [], f"{len(stale)} of {len(keys)} keys served older than the last put"
+    _none_older(keys, got, 3)
 
 
 def test_clients_keep_a_worker_as_long_as_its_own_member_ttl(nats, spawn) -> None:
@@ -83,8 +88,7 @@ def test_clients_keep_a_worker_as_long_as_its_own_member_ttl(nats, spawn) -> Non
             got = [pool.get(k) for k in keys]
     finally:
         cut.close()
-    stale = [k for k, g in zip(keys, got) if g is not None and not is_block_of(k, g, 2)]
-    assert stale == [], f"{len(stale)} of {len(keys)} keys served older than the last put"
+    _none_older(keys, got, 2)
 
 
 def test_a_bucket_a_client_made_keeps_entries_as_long_as_the_workers_ttl(nats, spawn) -> None:
