@@ -256,7 +256,7 @@ class Membership:
                 try:
                     entry = await self._kv.get(name)
                     fields = json.loads(entry.value)
-                    if now - float(fields.get("ts", now)) <= max(self.ttl_s, float(fields.get("member_ttl_s", 0))):
+                    if now - float(fields.get("ts", now)) <= self._kept_s(float(fields.get("member_ttl_s", 0))):
                         out[name] = WorkerInfo.from_dict(fields, name)
                 except (ValueError, TypeError, AttributeError) as e:
                     log.warning("ignoring member entry %r: %s", name, e)
@@ -321,7 +321,12 @@ class Membership:
         with self._lock:
             now = self._lost_at if self._lost_at is not None else time.monotonic()
             return {w: info for w, (seen, info) in self._members.items()
-                    if now - seen <= max(self.ttl_s, info.member_ttl_s)}
+                    if now - seen <= self._kept_s(info.member_ttl_s)}
+
+    def _kept_s(self, member_ttl_s: float) -> float:
+        """How long after its last heartbeat a worker whose own TTL is `member_ttl_s` counts as a member
+        here: the longer of the two (it fences itself only after its own)."""
+        return max(self.ttl_s, member_ttl_s)
 
     def heard_since(self, since: float) -> dict[str, WorkerInfo]:
         """Every worker whose entry came in at or after `since` (time.monotonic()) while watching,

@@ -228,9 +228,10 @@ class ClusterBackend:
         had no worker, or when its workers were others), which they would serve again once this node's
         workers leave: `_supersede` tells them too."""
         r = self.replication
+        ids = list(live)
         out = []
         for k, ws in zip(keys, ranked):
-            hashed = rank(k, list(live))
+            hashed = rank(k, ids)
             out.append([w for w in hashed[:r] + told_below(hashed, r, live) if w not in ws[:r]])
         return out
 

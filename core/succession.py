@@ -22,12 +22,13 @@ import bisect
 from collections.abc import Mapping, Sequence
 
 from .records import WorkerInfo
+from .versions import CLOCK_SKEW_MS
 
 __all__ = ["MARGIN_S", "told_below"]
 
-MARGIN_S = 3.0
+MARGIN_S = CLOCK_SKEW_MS / 1000 + 1.0
 """How much earlier than a worker began to hold its blocks another must have become a member to count
-as above it all along: the clock-skew bound between workers (2 s, `versions.CLOCK_SKEW_MS`) and a
+as above it all along (3 s): the clock-skew bound between workers (`versions.CLOCK_SKEW_MS`) and a
 writer's member view lagging a join (under a second)."""
 
 
