@@ -95,13 +95,18 @@ class ReplicaState:
         that version or up to `CLOCK_SKEW_MS` after it (another writer's clock may run that far ahead of
         this one's), with a tombstone just below the version (that version itself is still welcome: a
         replica answering with its block wins a read). A key not held is left alone (most are: no
-        tombstone). Returns blocks dropped."""
+        tombstone). Returns blocks dropped.
+
+        Each also goes into the change log, as a put of that version: a worker that held the key before
+        and was away meanwhile learns of it when it catches up here, though the owners that took the
+        write may have left by then (with R=1 the newer version's only copy went with them)."""
         margin = CLOCK_SKEW_MS << COUNTER_BITS
         with self._lock:
             stack = self._stack
             stack.check_open()
             if versions:
                 CLOCK.observe(max(versions))  # (the clock only moves: observing the newest is observing each)
+            stack.changes.record(keys, versions, False)
             doomed: list[bytes] = []
             version_of = stack.version_of
             for k, v in zip(keys, versions):

@@ -15,6 +15,7 @@ from kvpool.core.versions import (
     CLEAR,
     CLOCK_SKEW_MS,
     COUNTER_BITS,
+    PUT,
     REMOVE,
     ChangeLog,
     HybridClock,
@@ -177,11 +178,12 @@ def test_a_removal_leaves_a_tombstone_that_stops_older_puts(cache: TieredCache) 
     assert cache.get("j") == b"v1"
 
 
-def test_a_supersede_drops_only_older_blocks_held_and_remembers_nothing_else(cache: TieredCache) -> None:
+def test_a_supersede_drops_only_older_blocks_held_and_is_logged_for_peers(cache: TieredCache) -> None:
     """What the worker next in line hears after a put or remove elsewhere (`Op.SUPERSEDE`): a block
     stamped before the version elsewhere, or less than the clock skew after it, goes, with a tombstone
     just below the version (a replica answering with that version's block still wins a read: a removal
-    would win the tie); a block stamped later stays; a key not held is left alone."""
+    would win the tie); a block stamped later stays; a key not held gets no tombstone. Each is in the
+    change log as a put of its version, for a peer catching up (its owner may have left by then)."""
     skew = CLOCK_SKEW_MS << COUNTER_BITS
     cache.batch_put(["old", "ahead", "new"], [b"v1", b"v2", b"v3"], versions=[100, 200 + skew - 1, 200 + skew])
     assert cache.replicas.supersede([b"old", b"ahead", b"new", b"none"], [200, 200, 200, 200]) == 2
@@ -189,6 +191,9 @@ def test_a_supersede_drops_only_older_blocks_held_and_remembers_nothing_else(cac
     assert cache.replicas.removed_versions([b"old", b"none"]) == [199, 0]
     cache.batch_put(["old", "none"], [b"v2", b"v1"], versions=[200, 100])  # that version itself is welcome;
     assert [cache.get(k) for k in ("old", "none")] == [b"v2", b"v1"]      # a key not held: any put
+    changes, _, _ = cache.replicas.changes_since(0)
+    told = [(c.key, c.version, c.kind) for c in changes if c.version == 200]  # (the last: the put of "old")
+    assert told == [(k, 200, PUT) for k in (b"old", b"ahead", b"new", b"none", b"old")]
 
 
 def test_a_clear_stops_older_puts_under_it_and_is_told_to_peers(cache: TieredCache) -> None:
@@ -224,7 +229,7 @@ def test_a_worker_dropping_its_own_blocks_remembers_no_clear(cache: TieredCache)
 def test_clears_go_over_the_wire_whatever_their_prefix() -> None:
     from kvpool.core import protocol as P
     from kvpool.core.keys import MAX_KEY_BYTES
-    from kvpool.core.versions import PUT, Change, Clears
+    from kvpool.core.versions import Change, Clears
 
     longest = b"p" * MAX_KEY_BYTES  # covers one key: it goes as that key's removal
     sent = [Change(b"", 5, CLEAR, 0), Change(b"ns/", 6, CLEAR, 0), Change(longest, 7, CLEAR, 0),
