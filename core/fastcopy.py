@@ -32,7 +32,7 @@ import numpy as np
 from .blocks import checksum
 from .errors import InvalidArgument
 
-__all__ = ["copy_hash", "copy", "copy_from", "copy_into", "hash_at", "SIMD"]
+__all__ = ["copy_hash", "copy", "copy_from", "copy_into", "hash_at", "writable_all", "SIMD"]
 
 _native: ModuleType | None
 try:
@@ -98,6 +98,13 @@ def copy_from(dsts: Sequence[Any], src: Any, offsets: np.ndarray, sizes: np.ndar
             return i
         out[:n] = view[off:off + n]
     return -1
+
+
+def writable_all(buffers: Sequence[Any]) -> bool:
+    """Whether `copy_from` can copy into each of `buffers` as it is (a writable C-contiguous buffer: a
+    numpy array, a bytearray, a writable memoryview), asked of each in one native call; False without
+    the extension (the caller then makes flat byte views first: `buffers.destination_views`)."""
+    return _native is not None and _native.writable_all(buffers)
 
 
 def copy_into(dst: Any, offsets: np.ndarray, srcs: Sequence[Any]) -> np.ndarray:

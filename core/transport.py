@@ -31,7 +31,7 @@ from .blocks import checksum
 from .buffers import Destination, destination_views, destinations, finish_all, readable_all
 from .connection import Busy, Connection, put_outcome, refuse_too_large, send_pin
 from .errors import BufferSizeError, PoolUnavailable, ProtocolError
-from .fastcopy import copy_from
+from .fastcopy import copy_from, writable_all
 from .pool_backend import leases_by_copy
 from .shm_put import PartedPut, SpareSlots
 from .shm_refs import committed
@@ -319,7 +319,11 @@ class ShmTransport(Connection):
 
     def batch_get_versions_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> tuple[list[int], list[int]]:
         """`batch_get_into`, and each key's version as the worker knows it (a miss: its removal's, or 0)."""
-        views, dests = destination_views(buffers)
+        views: Sequence[Any]
+        if writable_all(buffers):  # the usual batch (numpy arrays, bytearrays): copied into as they are
+            views, dests = buffers, None
+        else:
+            views, dests = destination_views(buffers)
         out: list[int] = []
         versions: list[int] = []
         for f in P.frames(len(keys)):
@@ -328,7 +332,7 @@ class ShmTransport(Connection):
             finish_all(dests, out)
         return out, _observed(versions)
 
-    def _get_frame(self, keys: Sequence[bytes], views: list[memoryview], versions: list[int]) -> list[int]:
+    def _get_frame(self, keys: Sequence[bytes], views: Sequence[Any], versions: list[int]) -> list[int]:
         """LEASE a frame's blocks in two requests sent back to back (a quarter of them, then the rest),
         copy each part out as its reply arrives (the first while the worker serves the second), and
         RELEASE them together."""
@@ -396,13 +400,13 @@ class ShmTransport(Connection):
 
 
 def _copy_out(arena: memoryview, keys: Sequence[bytes], offsets: np.ndarray, sizes: np.ndarray,
-              views: list[memoryview]) -> list[int]:
-    """Copy each leased block (offset < 0: a miss) from the arena into its view; the sizes copied, -1
-    for each miss (the slots were checked against the arena as the reply came: `ArenaPages.ready`). A
-    view too small for its block raises BufferSizeError."""
+              views: Sequence[Any]) -> list[int]:
+    """Copy each leased block (offset < 0: a miss) from the arena into its view (a writable C-contiguous
+    buffer); the sizes copied, -1 for each miss (the slots were checked against the arena as the reply
+    came: `ArenaPages.ready`). A view too small for its block raises BufferSizeError."""
     short = copy_from(views, arena, offsets, sizes)
     if short >= 0:
-        key, size, room = keys[short], int(sizes[short]), views[short].nbytes
+        key, size, room = keys[short], int(sizes[short]), memoryview(views[short]).nbytes
         raise BufferSizeError(f"block {key[:24]!r} is {size} bytes; the destination holds {room}",
                               key=key, size=size, limit=room)
     copied: list[int] = np.where(offsets < 0, -1, sizes).tolist()

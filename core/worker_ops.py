@@ -28,6 +28,7 @@ from .auth import NONCE_BYTES, proof
 from .errors import ProtocolError
 from .fastcopy import hash_at
 from .tenants import Tenant, TenantUsage, outside
+from .tiers.dram_tier import block_columns
 from .worker_serving import Conn, ConnectionServing
 
 __all__ = ["RESERVE_SHARE", "RequestHandlers"]
@@ -432,14 +433,18 @@ class RequestHandlers(ConnectionServing):
         conn.next_lease += count
         conn.leases.update(zip(range(first, first + count), held))
         ids = np.arange(first, first + count, dtype="<i8")
-        offsets = np.fromiter(map(_OFFSET, held), dtype="<i8", count=count)
-        sizes = np.fromiter(map(_SIZE, held), dtype="<i8", count=count)
-        csums = np.fromiter(map(_CHECKSUM, held), dtype="<u8", count=count)
+        columns = block_columns(held)  # offsets, sizes, checksums, versions
+        sizes = np.frombuffer(columns, dtype="<i8", count=count, offset=8 * count)
         self._bytes_out.inc(int(sizes.sum()))
-        if count < n:  # misses: lease id 0, offset and size ITEM_MISS
-            hit = np.fromiter((b is not None for b in blocks), dtype=bool, count=n)
-            ids, offsets, sizes, csums = (_scatter(col, hit, fill) for col, fill in
-                                          ((ids, 0), (offsets, P.ITEM_MISS), (sizes, P.ITEM_MISS), (csums, 0)))
+        if count == n:  # every key a hit (the usual batch)
+            self._reply(conn, frame, ids.tobytes() + columns)
+            return
+        # misses: lease id 0, offset and size ITEM_MISS, checksum 0, the version of the key's removal
+        offsets = np.frombuffer(columns, dtype="<i8", count=count)
+        csums = np.frombuffer(columns, dtype="<u8", count=count, offset=16 * count)
+        hit = np.fromiter((b is not None for b in blocks), dtype=bool, count=n)
+        ids, offsets, sizes, csums = (_scatter(col, hit, fill) for col, fill in
+                                      ((ids, 0), (offsets, P.ITEM_MISS), (sizes, P.ITEM_MISS), (csums, 0)))
         self._reply(conn, frame, ids.tobytes() + offsets.tobytes() + sizes.tobytes() + csums.tobytes()
                     + _versions(self.cache, keys, blocks).tobytes())
 

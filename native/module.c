@@ -14,7 +14,9 @@
  *                              XXH3-64 of the bytes written (out: uint64s; offsets: int64s; ValueError for a
  *                              slot outside dst, which stops the copies there)
  *
+ * slot_span, writable_all     a same-node read's checks of a batch (batch_checks.c)
  * DramBlock                    the DRAM tier's index entry, untracked by the cyclic GC (dram_block.c)
+ * block_columns(blocks) -> bytes   DramBlocks' offsets, sizes, checksums and versions as a LEASE reply's columns
  *
  * dst: a writable, src: a readable C-contiguous buffer of the same length. See kernel.h for how a copy
  * is made. copy, copy_hash, copy_from and copy_into hold the GIL throughout, as a memoryview slice assignment
@@ -31,6 +33,9 @@
 #include <unistd.h>
 
 int kv_add_dram_block(PyObject *module);
+PyObject *kv_block_columns(PyObject *self, PyObject *blocks);
+PyObject *kv_slot_span(PyObject *self, PyObject *args);
+PyObject *kv_writable_all(PyObject *self, PyObject *buffers);
 uint64_t kv_copy_hash_base(char *dst, const char *src, size_t n);
 void kv_copy_base(char *dst, const char *src, size_t n);
 uint64_t kv_hash_base(const char *src, size_t n);
@@ -299,6 +304,9 @@ static PyMethodDef methods[] = {
     {"copy_into", py_copy_into, METH_VARARGS, "copy_into(out, dst, offsets, srcs): dst[offsets[i]:][:len(srcs[i])] = srcs[i]; out[i] its XXH3-64"},
     {"advise", py_advise, METH_VARARGS, "advise(buf, advice): madvise(2) of buf (page-aligned), without the GIL"},
     {"resident", py_resident, METH_VARARGS, "resident(buf) -> bool: whether every page of buf (page-aligned) has its memory"},
+    {"block_columns", kv_block_columns, METH_O, "block_columns(blocks) -> bytes: the DramBlocks' offsets, sizes (int64), checksums, versions (uint64), column after column"},
+    {"slot_span", kv_slot_span, METH_VARARGS, "slot_span(offsets, sizes, limit) -> (low, high) | None: the span of the slots named (offset >= 0), each checked within [0, limit)"},
+    {"writable_all", kv_writable_all, METH_O, "writable_all(buffers) -> bool: whether each exports a writable C-contiguous buffer"},
     {"simd", py_simd, METH_NOARGS, "simd() -> str: the kernels in use (avx2 or base)"},
     {NULL, NULL, 0, NULL},
 };

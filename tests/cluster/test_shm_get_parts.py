@@ -136,3 +136,30 @@ def test_a_lease_reply_naming_a_slot_outside_the_arena_drops_the_connection(
         assert all((o == i).all() for i, o in enumerate(out))
     finally:
         t.close()
+
+
+def test_every_kind_of_destination_gets_the_same_bytes(worker: Worker) -> None:
+    """Writable C-contiguous buffers of any dtype or shape are copied into as they are (`writable_all`);
+    a torch tensor through a flat byte view as before; a read-only or strided one is refused, as before,
+    before a byte moves."""
+    import torch
+
+    keys = [f"d{i}".encode() for i in range(6)]
+    blocks = [np.frombuffer(bytes([i + 1]) * 4096, dtype=np.uint8) for i in range(6)]
+    t = ShmTransport(worker.unix_path)
+    try:
+        t.batch_put(keys, blocks)
+        out = [np.zeros(4096, np.uint8), np.zeros(1024, np.float32), np.zeros((64, 64), np.uint8), bytearray(4096),
+               memoryview(bytearray(4096)), torch.zeros(4096, dtype=torch.uint8)]
+        assert t.batch_get_into(keys, out) == [4096] * 6
+        got = [bytes(memoryview(np.ascontiguousarray(o.numpy() if isinstance(o, torch.Tensor) else o)).cast("B"))
+               for o in out]
+        assert got == [b.tobytes() for b in blocks]
+        frozen = np.zeros(4096, np.uint8)
+        frozen.flags.writeable = False
+        for refused in (frozen, np.zeros(8192, np.uint8)[::2]):
+            with pytest.raises(BufferSizeError):
+                t.batch_get_into(keys[:2], [np.zeros(4096, np.uint8), refused])
+        assert t.batch_get_into(keys[:1], [frozen.copy()]) == [4096]  # in step
+    finally:
+        t.close()

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvpool.core import arena_pages
 from kvpool.core.arena_pages import REGION_BYTES, ArenaPages
 from kvpool.core.client import PoolClient
 from kvpool.core.config import CacheConfig, WorkerConfig
@@ -154,9 +155,14 @@ def test_the_background_reader_allocates_nothing_of_an_arena_not_prefaulted() ->
         sparse.close()
 
 
-def test_a_slot_outside_the_mapping_is_the_workers_protocol_error(arena: DramArena) -> None:
+@pytest.mark.parametrize("impl", ["native", "python"])
+def test_a_slot_outside_the_mapping_is_the_workers_protocol_error(arena: DramArena, impl: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Every slot a worker names (ALLOC and LEASE replies) passes `ready` before a byte moves: one that
-    ends past the mapping, or has a negative size, is refused; misses (offset and size < 0) are not."""
+    ends past the mapping, or has a negative size, is refused; misses (offset and size < 0) are not.
+    The same with the extension's one pass (`slot_span`) and without."""
+    if impl == "python":
+        monkeypatch.setattr(arena_pages, "_native", None)
     view = DramArena.attach(arena.name, arena.length, writable=True)
     pages = ArenaPages(view, writable=True)
     try:

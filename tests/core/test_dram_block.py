@@ -101,3 +101,19 @@ def test_new_blocks_builds_the_batch_as_committed() -> None:
     assert [b.version for b in dram_tier.new_blocks([b"c"], [0], [1], [2], None, True)] == [0]
     meta = dram_tier.block_meta(got[1])
     assert (meta.size, meta.checksum, meta.expires, meta.version) == (20, 6, 0.0, 8)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_block_columns_are_a_lease_replys_columns_of_either_type(kind: str) -> None:
+    """Offsets and sizes as int64, checksums and versions as uint64, column after column (the native
+    entry's in one pass; the dataclass's, or a mix, through numpy)."""
+    cls = TYPES[kind]
+    blocks = [cls(b"a", 4096, 100, 2**64 - 1, 0.0, version=2**63 + 1), cls(b"b", 0, 7, 5, 1.0, version=3),
+              PyDramBlock(b"c", 8192, 1, 0, 0.0)]
+    raw = dram_tier.block_columns(blocks)
+    assert len(raw) == 32 * 3
+    assert np.frombuffer(raw, "<i8", 3).tolist() == [4096, 0, 8192]
+    assert np.frombuffer(raw, "<i8", 3, 24).tolist() == [100, 7, 1]
+    assert np.frombuffer(raw, "<u8", 3, 48).tolist() == [2**64 - 1, 5, 0]
+    assert np.frombuffer(raw, "<u8", 3, 72).tolist() == [2**63 + 1, 3, 0]
+    assert dram_tier.block_columns([]) == b""

@@ -182,3 +182,19 @@ def test_copy_into_copies_each_source_into_its_slot_and_hashes_what_landed(
     with pytest.raises((TypeError, BufferError)):  # a destination that cannot be written
         fastcopy.copy_into(b"readonly", np.array([0], "<i8"), [b"x"])
     assert fastcopy.copy_into(dst, np.array([], "<i8"), []).size == 0
+
+
+def test_writable_all_says_whether_copy_from_can_write_each_buffer_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writable C-contiguous buffers of any dtype and shape, yes; read-only, strided or not buffers at all,
+    no (the caller makes flat byte views of those); without the extension, never (the same views)."""
+    frozen = np.zeros(8, np.uint8)
+    frozen.flags.writeable = False
+    yes = [np.zeros(8, np.uint8), np.zeros((2, 3), np.float32), bytearray(3), memoryview(bytearray(4)), bytearray(0),
+           mmap.mmap(-1, 4096)]
+    assert fastcopy.writable_all(yes) and fastcopy.writable_all([])
+    for bad in (b"bytes", frozen, np.zeros(8, np.uint8)[::2], memoryview(b"ro"), "text", None, 3):
+        assert not fastcopy.writable_all([*yes, bad]), bad
+    with pytest.raises(TypeError):
+        fastcopy.writable_all(5)  # not a sequence
+    monkeypatch.setattr(fastcopy, "_native", None)
+    assert not fastcopy.writable_all(yes)
