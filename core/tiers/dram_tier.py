@@ -18,7 +18,7 @@ from ..blocks import BlockMeta, checksum
 from ..pins import Pins
 from ..policies import EVICTION_POLICY
 from ..stats import CacheCounters
-from .dram import DramArena
+from .dram import PHASE, DramArena
 
 __all__ = ["BlockRef", "DramBlock", "DramTier", "PyDramBlock", "block_columns", "block_meta", "new_blocks"]
 
@@ -162,7 +162,7 @@ class DramTier:
         live pin on its key pins it."""
         self._reserved -= 1
         self.blocks[block.key] = block
-        self._place(block)
+        self._place_many((block,))
         self.order.add(block.key)
         if block.expires:
             self.timed += 1
@@ -189,32 +189,38 @@ class DramTier:
             blocks = [b for b, ok in zip(blocks, stored) if ok]
         keys = [b.key for b in blocks]
         self.blocks.update(zip(keys, blocks))
-        for b in blocks:
-            self._place(b)
+        self._place_many(blocks)
         self.order.extend(keys)
         self._reserved -= len(blocks)
         self.timed += sum(1 for b in blocks if b.expires)
         return stored
 
-    def _place(self, b: DramBlock) -> None:
-        placed = self.by_slab.get(slab_no := self.arena.slab_of(b.offset))
-        if placed is None:
-            self.by_slab[slab_no] = {b.offset: b}
-        else:
-            placed[b.offset] = b
+    def _place_many(self, blocks: Iterable[DramBlock]) -> None:
+        """Each block in its slab's table (a loop with its names bound once: a same-node put's hottest)."""
+        by_slab, slab_size = self.by_slab, self.arena.slab_size
+        for b in blocks:
+            offset = b.offset
+            placed = by_slab.get(slab_no := (offset - PHASE) // slab_size)
+            if placed is None:
+                by_slab[slab_no] = {offset: b}
+            else:
+                placed[offset] = b
 
-    def _unplace(self, b: DramBlock) -> None:
-        placed = self.by_slab[slab_no := self.arena.slab_of(b.offset)]
-        del placed[b.offset]
-        if not placed:
-            del self.by_slab[slab_no]
+    def _unplace_many(self, blocks: Iterable[DramBlock]) -> None:
+        """Each block out of its slab's table."""
+        by_slab, slab_size = self.by_slab, self.arena.slab_size
+        for b in blocks:
+            offset = b.offset
+            placed = by_slab[slab_no := (offset - PHASE) // slab_size]
+            del placed[offset]
+            if not placed:
+                del by_slab[slab_no]
 
     def _unlink(self, replaced: list[DramBlock]) -> None:
         """`drop` of each block, all indexed, whose key is about to get a new block (`insert_many`): the
         index entries are overwritten then, the rest happens here."""
         self.order.discard_many([b.key for b in replaced])
-        for b in replaced:
-            self._let_go(b)
+        self._let_go_many(replaced)
 
     def drop(self, key: bytes) -> DramBlock | None:
         """Unlink the block of `key` (None if there is none); its slot is freed now, or when its last
@@ -229,16 +235,22 @@ class DramTier:
         return b
 
     def _let_go(self, b: DramBlock) -> None:
-        """A block just taken out of the index: no longer live, its slot freed now, or at its last
-        lease's end."""
-        b.live = False
-        self._unplace(b)
-        if b.expires:
-            self.timed -= 1
-        if b.leases == 0:
-            self.arena.free(b.offset)
-        else:
-            self._unlinked.add(b)
+        self._let_go_many((b,))
+
+    def _let_go_many(self, blocks: Sequence[DramBlock]) -> None:
+        """Blocks just taken out of the index: no longer live, out of their slabs' tables, their slots
+        freed now (together), or each at its last lease's end."""
+        self._unplace_many(blocks)
+        free: list[int] = []
+        for b in blocks:
+            b.live = False
+            if b.expires:
+                self.timed -= 1
+            if b.leases == 0:
+                free.append(b.offset)
+            else:
+                self._unlinked.add(b)
+        self.arena.free_many(free)
 
     def lease(self, b: DramBlock) -> None:
         """One more lease of `b`: it is neither evicted nor freed until `release`."""
@@ -362,9 +374,9 @@ class DramTier:
             for b, dest in moved:
                 buf[dest:dest + b.size] = buf[b.offset:b.offset + b.size]
                 self.arena.free(b.offset)
-                self._unplace(b)
+                self._unplace_many((b,))
                 b.offset = dest
-                self._place(b)
+                self._place_many((b,))
             self._counters.relocations += len(moved)
             rest = [b for b in blocks if not b.pinned]
             if rest:
