@@ -37,6 +37,17 @@ def read(pool: PoolClient, keys: list[str]) -> list[int | str]:
     return out
 
 
+def change_and_tell(pool: PoolClient, keys: list[str], change: str) -> None:
+    """Overwrite `keys` with version 2 (read back) or remove them; then wait until the workers below
+    their owners are told (`Op.SUPERSEDE` goes in the background)."""
+    if change == "overwritten":
+        pool.batch_put(keys, [block(k, 2) for k in keys])
+        assert read(pool, keys) == [2] * len(keys)
+    else:
+        pool.batch_remove(keys)
+    pool.backend.supersedes.wait()
+
+
 @pytest.mark.parametrize(("change", "replication"), [("overwritten", 1), ("staged", 1), ("removed", 1),
                                                      ("overwritten", 2), ("removed", 2)])  # (staged: one copy only)
 def test_a_key_written_while_a_newcomer_owned_it_is_never_served_older_after_it_leaves(
@@ -93,12 +104,7 @@ def test_a_key_two_newcomers_both_took_is_never_served_older_after_both_leave(
         assert pool.wait_for_members(lambda m: len(m) == 3, 15)
         moved = [k for k in keys if rank(k.encode(), ["w-0", "w-a", "w-b"])[2] == "w-0"]
         assert moved, "some keys move two places"
-        if change == "overwritten":
-            pool.batch_put(moved, [block(k, 2) for k in moved])
-            assert read(pool, moved) == [2] * len(moved)
-        else:
-            pool.batch_remove(moved)
-        pool.backend.supersedes.wait()
+        change_and_tell(pool, moved, change)
         for w in newcomers:
             w.stop(timeout=10)
         assert pool.wait_for_members(lambda m: len(m) == 1, 15)
@@ -176,12 +182,7 @@ def test_a_worker_back_on_its_ssd_serves_nothing_older_than_a_write_whose_owner_
             assert pool.wait_for_members(lambda m: len(m) == 3, 15)
             w2.stop(timeout=10)  # (its DRAM blocks go to SSD as it stops)
             assert pool.wait_for_members(lambda m: set(m) == {"w-0", "w-1"}, 15)
-            if change == "overwritten":
-                pool.batch_put(moved, [block(k, 2) for k in moved])
-                assert read(pool, moved) == [2] * len(moved)
-            else:
-                pool.batch_remove(moved)
-            pool.backend.supersedes.wait()
+            change_and_tell(pool, moved, change)
             newcomer.stop(timeout=10)
             assert pool.wait_for_members(lambda m: set(m) == {"w-0"}, 15)
             w2 = start_w2()
