@@ -18,7 +18,6 @@ import logging
 import time
 from collections.abc import Sequence
 from itertools import repeat
-from operator import attrgetter
 from typing import Any, cast
 
 import numpy as np
@@ -260,16 +259,19 @@ class RequestHandlers(ConnectionServing):
         try:
             held = [b for b in blocks if b is not None]
             count = len(held)
-            sizes = np.fromiter(map(_SIZE, held), dtype="<i8", count=count)
-            csums = np.fromiter(map(_CHECKSUM, held), dtype="<u8", count=count)
-            if count < len(keys):  # misses: size ITEM_MISS
-                hit = np.fromiter((b is not None for b in blocks), dtype=bool, count=len(keys))
-                sizes, csums = _scatter(sizes, hit, P.ITEM_MISS), _scatter(csums, hit, 0)
+            columns = block_columns(held)  # offsets, sizes, checksums, versions
+            offsets, sizes = (np.frombuffer(columns, dtype="<i8", count=count, offset=8 * count * j) for j in (0, 1))
             view = self.cache.arena.view
-            data = list(map(view, map(_OFFSET, held), map(_SIZE, held)))
-            self._reply(conn, frame, sizes.tobytes() + csums.tobytes() + _versions(self.cache, keys, blocks).tobytes(),
-                        data)
-            self._bytes_out.inc(int(sizes[sizes > 0].sum()))
+            data = list(map(view, offsets.tolist(), sizes.tolist()))
+            self._bytes_out.inc(int(sizes.sum()))
+            if count == len(keys):  # every key a hit (the usual batch): sizes, checksums, versions as they are
+                meta = columns[8 * count:]
+            else:  # misses: size ITEM_MISS, checksum 0, the version of the key's removal
+                csums = np.frombuffer(columns, dtype="<u8", count=count, offset=16 * count)
+                hit = np.fromiter((b is not None for b in blocks), dtype=bool, count=len(keys))
+                meta = (_scatter(sizes, hit, P.ITEM_MISS).tobytes() + _scatter(csums, hit, 0).tobytes()
+                        + _versions(self.cache, keys, blocks).tobytes())
+            self._reply(conn, frame, meta, data)
             del data
         finally:
             self.cache.release_many([b for b in blocks if b is not None])
@@ -451,9 +453,6 @@ class RequestHandlers(ConnectionServing):
     def _release(self, conn: Conn, frame: P.Frame) -> None:
         ended = map(conn.leases.pop, P.unpack_ids(frame.meta).tolist(), repeat(None))
         self.cache.release_many([b for b in ended if b is not None])
-
-
-_OFFSET, _SIZE, _CHECKSUM = attrgetter("offset"), attrgetter("size"), attrgetter("checksum")
 
 
 def _scatter(values: np.ndarray, where: np.ndarray, fill: int) -> np.ndarray:
