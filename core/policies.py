@@ -7,6 +7,7 @@ OrderedDict per key and twice as fast to build for a tier of a million blocks re
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 __all__ = ["LruOrder", "FifoOrder", "EVICTION_POLICY"]
 
@@ -15,7 +16,7 @@ class LruOrder:
     """Least recently used first: an access moves a key to the back."""
 
     def __init__(self) -> None:
-        self._keys: dict[bytes, None] = {}
+        self._keys: dict[bytes, Any] = {}  # (values unused: None, or an adopted index's)
 
     def add(self, key: bytes) -> None:
         keys = self._keys
@@ -28,6 +29,12 @@ class LruOrder:
             self._keys.update(dict.fromkeys(keys))
         else:
             self._keys = dict.fromkeys(keys)
+
+    def adopt(self, keys: dict[bytes, Any]) -> None:
+        """Track the keys of `keys` (a tier's index reopened), in its order, in place of any tracked now:
+        a copy of the dict, its table copied whole (a million keys: ~0.04 s, against ~0.11 s to insert
+        them one by one); its values are never read."""
+        self._keys = keys.copy()
 
     def touch(self, key: bytes) -> None:
         keys = self._keys

@@ -163,32 +163,35 @@ def _parse(raw: bytes) -> Snapshot | None:
     off += 8 * n
     versions = np.frombuffer(raw, dtype="<u8", count=n, offset=off)
     off += 8 * n
-    blob = raw[off:]
     if total and (int(lengths.min()) < 1 or int(lengths.max()) > MAX_KEY_BYTES):
         return None
-    if int(lengths.sum(dtype=np.int64)) != len(blob):
+    if int(lengths.sum(dtype=np.int64)) != len(raw) - off:
         return None
-    every = _split(blob, lengths)
+    every = _split(raw, off, lengths)
     keys, stale = every[:n], every[n:]
-    by_key = dict(zip(keys, sizes.tolist()))
-    if len(by_key) != n or n + len(set(stale).difference(by_key)) != entries:
+    by_version = dict(zip(keys, versions.tolist()))  # (each key hashed here, once)
+    if len(by_version) != n or n + len(set(stale).difference(by_version)) != entries:
         return None  # duplicates, or keys LMDB does not hold (or holds more of)
+    if n and (sizes == sizes[0]).all():  # blocks of one size (the usual tier): one int for all, and the
+        by_key = dict.fromkeys(by_version, int(sizes[0]))  # table made at its size from the first one's
+    else:
+        by_key = dict(zip(keys, sizes.tolist()))
     timed = np.flatnonzero(expires).tolist()
     return Snapshot(by_key, dict(zip([keys[i] for i in timed], expires[timed].tolist())),
-                    stale, dict(zip(keys, versions.tolist())), source="index")
+                    stale, by_version, source="index")
 
 
-def _split(blob: bytes, lengths: np.ndarray) -> list[bytes]:
-    """`blob` cut into keys of `lengths` bytes."""
+def _split(raw: bytes, off: int, lengths: np.ndarray) -> list[bytes]:
+    """`raw[off:]` cut into keys of `lengths` bytes (which add up to its length)."""
     if not len(lengths):
         return []
     width = int(lengths[0])
     if (lengths == width).all():
-        cells = np.frombuffer(blob, dtype=np.uint8).reshape(-1, width)
+        cells = np.frombuffer(raw, dtype=np.uint8, offset=off).reshape(-1, width)
         if cells[:, -1].all():  # fixed-width bytes strip trailing NULs: only without them
-            return list(np.frombuffer(blob, dtype=f"S{width}").tolist())
-    ends = np.cumsum(lengths, dtype=np.int64)
-    return [blob[a:b] for a, b in zip((ends - lengths).tolist(), ends.tolist())]
+            return list(np.frombuffer(raw, dtype=f"S{width}", offset=off).tolist())
+    ends = np.cumsum(lengths, dtype=np.int64) + off
+    return [raw[a:b] for a, b in zip((ends - lengths).tolist(), ends.tolist())]
 
 
 def scan(store: SsdStore) -> Snapshot:

@@ -58,7 +58,7 @@ class SsdTier:
         self._expires: dict[bytes, float] = snap.expires  # of the blocks that have a TTL
         self._versions: dict[bytes, int] = snap.versions
         self._order = EVICTION_POLICY[policy]()
-        self._order.extend(snap.sizes)
+        self._order.adopt(snap.sizes)
         self.nbytes = sum(snap.sizes.values())
         """Payload bytes of the indexed blocks."""
         self._psize = int(store.env.stat()["psize"])

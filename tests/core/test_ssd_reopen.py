@@ -72,6 +72,29 @@ def test_the_eviction_order_survives_the_reopen(make_cache: Callable[..., Tiered
     assert order[-10:] == [k.encode() for k in reversed(KEYS[:10])]
 
 
+def test_blocks_of_one_size_under_keys_of_one_length_reopen_with_their_sizes_versions_and_order(
+        make_cache: Callable[..., TieredCache], ssd_dir: str) -> None:
+    """The usual tier (its index read with one shared size and the keys cut as fixed-width cells) gives
+    each block back exactly, with its version, in its eviction order, as the scan does."""
+    keys = [f"{i:064x}" for i in range(300)]
+    cache = make_cache(ssd_path=ssd_dir)
+    fill(cache, keys, 4096)
+    assert cache.ssd is not None
+    versions, order = [cache.ssd.version_of(k.encode()) for k in keys], list(cache.ssd._order)
+    cache.close()
+    for source in ("index", "scan"):
+        if source == "scan":
+            index_file(ssd_dir).unlink()
+        again = make_cache(ssd_path=ssd_dir)
+        assert again.ssd is not None and again.ssd.opened_from == source
+        assert [again.ssd.version_of(k.encode()) for k in keys] == versions and all(versions)
+        assert [again.ssd.size_of(k.encode()) for k in keys] == [4096] * len(keys)
+        if source == "index":
+            assert list(again.ssd._order) == order
+        assert_serves(again, {k: payload(k, 4096) for k in keys})
+        again.close()
+
+
 @pytest.mark.parametrize("damage", ["missing", "truncated", "flipped body", "flipped header", "flipped count",
                                     "garbage", "empty"])
 def test_a_missing_or_corrupt_index_falls_back_to_a_scan(make_cache: Callable[..., TieredCache], ssd_dir: str,
