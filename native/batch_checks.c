@@ -1,6 +1,6 @@
 /* kvpool.core._native: the checks a same-node read makes of each batch before a byte moves, in one pass
- * each instead of a Python or numpy call per check (a get of 64 blocks of 16 KiB made ~10 such calls;
- * kvpool bench transport's 16 KiB gets went ~23 -> ~20 ms a round without them, docs/BENCHMARKS.md).
+ * each instead of a Python or numpy call per check (a get of 64 blocks of 16 KiB made ~10 such calls; a
+ * loop of such gets went ~23 -> ~21 ms per 64 MiB without them: docs/BENCHMARKS.md, run AO).
  *
  * slot_span(offsets, sizes, limit) -> (low, high) | None
  *     offsets and sizes: int64 buffers of one length; an offset < 0 is a miss and names no slot. Every
@@ -14,6 +14,8 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "slots.h"
 
 PyObject *kv_slot_span(PyObject *self, PyObject *args) {
     Py_buffer offs, sizes;
@@ -31,7 +33,7 @@ PyObject *kv_slot_span(PyObject *self, PyObject *args) {
         memcpy(&b, (const char *)sizes.buf + 8 * i, 8);
         if (a < 0)
             continue;
-        if (b < 0 || a > (int64_t)limit || b > (int64_t)limit - a) {
+        if (!slot_inside(a, b, limit)) {
             err = "a slot outside the mapping";
             break;
         }

@@ -24,6 +24,10 @@
 #include <string.h>
 #include <structmember.h>
 
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "block_columns writes the wire's little-endian columns with the host's byte order"
+#endif
+
 typedef struct {
     PyObject_HEAD
     PyObject *key;       /* bytes, exactly */
@@ -185,7 +189,7 @@ PyObject *kv_block_columns(PyObject *self, PyObject *blocks) {
         uint64_t checksum = PyLong_AsUnsignedLongLong(b->checksum), version = PyLong_AsUnsignedLongLong(b->version);
         if (PyErr_Occurred())
             goto fail;
-        memcpy(col + 8 * i, &offset, 8); /* (x86-64 and aarch64 Linux: little-endian, as the wire is) */
+        memcpy(col + 8 * i, &offset, 8); /* (little-endian hosts only: see the top) */
         memcpy(col + 8 * (n + i), &size, 8);
         memcpy(col + 8 * (2 * n + i), &checksum, 8);
         memcpy(col + 8 * (3 * n + i), &version, 8);

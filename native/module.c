@@ -32,6 +32,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "slots.h"
+
 int kv_add_dram_block(PyObject *module);
 PyObject *kv_block_columns(PyObject *self, PyObject *blocks);
 PyObject *kv_slot_span(PyObject *self, PyObject *args);
@@ -73,11 +75,6 @@ static uint64_t copy_hash_any(char *dst, const char *src, size_t n) {
         return copy_hash_fn(dst, src, n);
     memmove(dst, src, n);
     return hash_fn(dst, n);
-}
-
-/* Whether the slot of b bytes at offset a lies within a buffer of len bytes. */
-static int slot_inside(int64_t a, int64_t b, Py_ssize_t len) {
-    return a >= 0 && b >= 0 && a <= len && b <= len - a;
 }
 
 /* Parses (dst, src); -1 with an exception set (and nothing held) if they are not a writable and a
