@@ -209,6 +209,37 @@ def test_fast_puts_commit_together_and_the_stager_sends_them_if_its_producer_doe
     reader.close()
 
 
+def test_a_producer_putting_at_a_steady_pace_sends_its_held_commits_itself_in_time(
+        worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm_stage, "HOLD_S", 0.2)
+    stager, reader = stager_for(worker), ShmTransport(worker.unix_path)
+    by_thread = []
+    real_send = stager._send_held
+
+    def send_held(sock: socket.socket) -> None:
+        if stager._held.puts:
+            by_thread.append((threading.current_thread().name, time.monotonic() - stager._held.since))
+        real_send(sock)
+    stager._send_held = send_held  # type: ignore[method-assign]
+    try:
+        assert stager.fits([64 << 10])
+        for i in range(16):
+            stager.put([f"paced{i}".encode()], [memoryview(make_blocks(50 + i, 64 << 10)[0])])
+            time.sleep(0.03)  # a layer every 30 ms: several within HOLD_S, never HOLD_S apart
+        sent, held = list(by_thread), stager._held.puts
+        assert 3 <= len(sent) < 16  # together, not one by one (the first at once: it came after a pause)
+        assert all(name == threading.current_thread().name for name, _ in sent)  # none by the stager's thread
+        assert all(age < shm_stage.HOLD_S for _, age in sent)  # ... sent before HOLD_S old
+        if held:  # the producer stopped: the stager's thread sends the rest
+            wait_for(lambda: len(by_thread) > len(sent))
+            assert by_thread[-1][0] == "kvpool-stage-flush"
+        assert stored(reader, [f"paced{i}".encode() for i in range(16)],
+                      [make_blocks(50 + i, 64 << 10)[0] for i in range(16)])
+    finally:
+        stager.close()
+        reader.close()
+
+
 def test_a_put_after_a_pause_is_committed_at_once(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm_stage, "HOLD_S", 0.002)
     stager, reader = stager_for(worker), ShmTransport(worker.unix_path)
