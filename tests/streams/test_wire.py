@@ -282,3 +282,43 @@ def test_a_wire_whose_socket_is_past_file_descriptor_1024_still_reads(nats):
     finally:
         for fd in hold:
             os.close(fd)
+
+
+def test_announcements_coming_fast_are_held_to_go_together_and_none_waits_past_its_bound(nats, make_stream,
+                                                                                      monkeypatch):
+    from kvpool.streams import announcer
+
+    monkeypatch.setattr(announcer, "CORK_S", 0.3)
+    s = make_stream()
+    subj = f"kvpool.stream.{s}.req.r"
+    wire, sub = Wire(nats.url, 5), Wire(nats.url, 5)
+    sid = sub.subscribe(subj)
+    stored: list[int] = []
+    ann = Announcer(wire, s, lambda seq, subj, keys, nbytes: stored.append(seq), lambda keys: None)
+    try:
+        def arrives(within: float) -> bytes | None:
+            got = sub.next(sid, within)
+            return None if got is None else got.data
+
+        ann.send(subj, b"m0", {}, ["k0"], group=True)  # the first of a burst: at once
+        assert arrives(0.2) == b"m0"
+        ann.send(subj, b"m1", {}, ["k1"], group=True)  # right after it: held for the next ...
+        assert arrives(0.1) is None
+        t = time.monotonic()
+        assert arrives(5) == b"m1"  # ... and sent by the announcer's thread, the caller not back
+        assert 0.1 < time.monotonic() - t < 2.5
+        time.sleep(0.4)  # a pause past CORK_S: the next goes at once again
+        ann.send(subj, b"m2", {}, ["k2"], group=True)
+        assert arrives(0.2) == b"m2"
+        ann.send(subj, b"m3", {}, ["k3"], group=True)  # held ...
+        ann.send(subj, b"m4", {}, ["k4"])  # ... goes with one that is not (in order)
+        assert [arrives(0.2), arrives(0.2)] == [b"m3", b"m4"]
+        ann.send(subj, b"m5", {}, ["k5"], group=True)
+        ann.send(subj, b"m6", {}, ["k6"], group=True)  # held too: the next, as far behind, is within CORK_S
+        assert arrives(0.1) is None
+        ann.flush()  # sends what is held at once, and waits for all to be stored
+        assert [arrives(0.2), arrives(0.2)] == [b"m5", b"m6"]
+        assert len(stored) == 7 and stored == sorted(stored)
+    finally:
+        ann.close()
+        sub.close()
