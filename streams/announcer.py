@@ -7,39 +7,24 @@ our own; acknowledgements are taken as they arrive, whenever the caller comes ba
 `flush` waits until everything sent is stored. An announcement the stream refused (e.g. StreamFull)
 is raised by the caller's next `ready` or `flush`. Each carries a message id (`Nats-Msg-Id`), so that
 after a broken connection the unacknowledged ones are sent again and JetStream stores each once.
-
-Announcements that come fast go out together (`send(..., group=True)`): one that follows the one
-before by less than `CORK_S` is held to go with the next, where that one, as far behind, would come
-within `CORK_S` of the first held; the announcer's own thread sends what is held `CORK_S` after the
-last send, should the caller not come back by then, and `send_held` and `flush` send it at once (a
-producer's `end_request` calls `send_held` first, before it waits for anything). So
-no announcement waits `2 * CORK_S`, the first of a burst goes at once, and while layers come faster
-than `CORK_S`, the producer, nats-server and the receiver each wake once for two or more of them
-instead of once each.
 """
 from __future__ import annotations
 
 import collections
 import itertools
 import json
-import logging
-import threading
 import time
 import uuid
-import weakref
 from collections.abc import Callable, Sequence
 
 import nats.js.errors
 from nats.js import api
 
 from kvpool.core import Key
-from kvpool.core.flusher import Flusher
 
 from ._link import translate
-from .errors import StreamError, StreamNotFound, StreamRefused, StreamTimeout
+from .errors import StreamNotFound, StreamRefused, StreamTimeout
 from .wire import Msg, Wire
-
-log = logging.getLogger("kvpool.streams")
 
 _EXPECTED_STREAM, _MSG_ID = api.Header.EXPECTED_STREAM.value, api.Header.MSG_ID.value
 """Header names (the enum's values: an enum member in an f-string is its qualified name)."""
@@ -47,8 +32,6 @@ _DENIED = "permissions violation"
 """How nats-server's -ERR for a publish it denies begins (lowercased)."""
 WINDOW = 256
 """Announcements a caller may have unacknowledged before `ready` waits for them all to be stored."""
-CORK_S = 0.001
-"""How long an announcement may be held to go with the next (less than twice this: see the module's doc)."""
 
 
 class Announcer:
@@ -67,10 +50,6 @@ class Announcer:
         self._seqs: dict[str, int] = {}  # tokens whose sequence `send(..., want_seq=True)` asked to keep
         self._refused: collections.deque[tuple[BaseException, Sequence[Key]]] = collections.deque()
         self._reconnects = wire.reconnects
-        self._lock = threading.Lock()  # the caller's sends against the flusher's
-        self._last_send = 0.0  # (time.monotonic)
-        self._held_since: float | None = None  # when the oldest announcement held was sent
-        self._flusher: Flusher | None = None  # made at the first announcement held
 
     def ready(self) -> None:
         """Call before putting the blocks of the next announcement: takes the acknowledgements that
@@ -81,57 +60,20 @@ class Announcer:
             self._take(self._wire.pending(self._sid))
         self._raise_refused()
 
-    def send(self, subj: str, body: bytes, headers: dict[str, str], keys: Sequence[Key], nbytes: int = 0, *,
-             group: bool = False) -> str:
+    def send(self, subj: str, body: bytes, headers: dict[str, str], keys: Sequence[Key], nbytes: int = 0) -> str:
         """Publish an announcement naming blocks `keys` (`nbytes` of them); returns its token without
         waiting for the ack. One that raises was not sent, and is not sent later: the caller may send it
-        again. `group`: it may wait to go with the next (see the module's doc)."""
+        again."""
         self._resend_if_reconnected()  # (before this one is listed: it goes out once, below)
         token = str(next(self._tokens))
         headers = {**headers, _EXPECTED_STREAM: self.stream, _MSG_ID: f"{self._id}.{token}"}
         self._unacked[token] = (subj, body, headers, keys, nbytes)
-        with self._lock:
-            now = time.monotonic()
-            gap, self._last_send = now - self._last_send, now
-            since = self._held_since if self._held_since is not None else now
-            hold = group and gap < CORK_S and now + gap <= since + CORK_S
-            try:
-                self._wire.publish(subj, body, headers, reply=f"{self._inbox}.{token}", hold=hold)
-            except BaseException:
-                del self._unacked[token]  # not sent (a send that fails leaves no whole message): nor resent later
-                raise
-            self._held_since = since if hold else None
-        if hold:
-            self._uncork_by(now + CORK_S)
+        try:
+            self._wire.publish(subj, body, headers, reply=f"{self._inbox}.{token}")
+        except BaseException:
+            del self._unacked[token]  # not sent (a send that fails leaves no whole message): nor resent later
+            raise
         return token
-
-    def _uncork_by(self, when: float) -> None:
-        if self._flusher is None:
-            self._flusher = Flusher(weakref.WeakMethod(self._uncork_late), "kvpool-announce-flush")
-            weakref.finalize(self, self._flusher.stop, False)  # an announcer dropped unclosed takes it along
-        self._flusher.arm(when)
-
-    def _uncork_late(self) -> None:
-        """The flusher's turn: send what is held, `CORK_S` after the last send. One that fails now is sent
-        again after the reconnect, or raised by `flush` as not acknowledged."""
-        with self._lock:
-            if self._held_since is None:
-                return
-            due = self._last_send + CORK_S
-            if due > time.monotonic():  # (armed for earlier ones, sent meanwhile)
-                self._uncork_by(due)
-                return
-            self._held_since = None
-            try:
-                self._wire.uncork()
-            except (StreamError, OSError) as e:
-                log.debug("stream %r: held announcements not sent: %s", self.stream, e)
-
-    def send_held(self) -> None:
-        """Send what is held now."""
-        with self._lock:
-            self._held_since = None
-            self._wire.uncork()
 
     def publish(self, subj: str, body: bytes, headers: dict[str, str]) -> int:
         """Publish a message after every announcement before it is stored; its stream sequence."""
@@ -146,7 +88,6 @@ class Announcer:
         One still unanswered after the wire's timeout counts as refused (StreamTimeout); all unanswered
         ones are refused at once (StreamRefused) when the server says this user may not publish."""
         wire = self._wire
-        self.send_held()
         deadline, errors = time.monotonic() + wire.timeout_s, wire.error_count
         while self._unacked and time.monotonic() < deadline:
             self._resend_if_reconnected()
@@ -217,12 +158,5 @@ class Announcer:
         raise refused[0][0]
 
     def close(self) -> None:
-        """Close the wire (the announcer's own), once what is held is sent."""
-        if self._flusher is not None:
-            self._flusher.stop()
-        try:
-            self.send_held()
-        except (StreamError, OSError):
-            pass  # (closing: what was held is as lost as what was in flight)
-        finally:
-            self._wire.close()
+        """Close the wire (the announcer's own)."""
+        self._wire.close()

@@ -119,8 +119,7 @@ class Producer:
             chain = self._chain(request_id)
             body = dataclasses.replace(ref, seal=chain.next()).encode()
             try:
-                announcer.send(subj, body, self._signed(subj, {env.KIND: env.KV}, body), ref.keys, ref.total,
-                               group=True)
+                announcer.send(subj, body, self._signed(subj, {env.KIND: env.KV}, body), ref.keys, ref.total)
             except BaseException:  # not announced: a retry of this layer takes its place in the chain
                 chain.take_back()
                 raise
@@ -169,8 +168,6 @@ class Producer:
         made again: the receiver takes the end once."""
         subj = subject(self.stream, "req", check_token(request_id, "request id"))
         published = self._chains[request_id].layers if request_id in self._chains else 0
-        if self._announcer is not None:
-            self._announcer.send_held()  # the last layers' announcements, while the stagers settle
         if self._stagers is not None:
             self._stagers.settle()  # a layer's put the worker refused fails the request here, not its end
         if layers is not None and layers != published:

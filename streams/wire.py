@@ -117,7 +117,6 @@ class Wire:
         """-ERR lines so far (a waiter in `next` wakes at one)."""
         self.reconnects = 0
         self._closed = False
-        self._corked: list[bytes] = []  # messages held to go with the next write (`publish(hold=True)`)
         with self._io:
             self._connect()
 
@@ -219,18 +218,11 @@ class Wire:
             self._drop()
             raise
 
-    def _write(self, data: bytes, hold: bool = False) -> None:
-        """Send `data` after the messages held (or hold it too), reconnecting (once) first if the
-        connection broke."""
+    def _write(self, data: bytes) -> None:
+        """Send `data`, reconnecting (once) first if the connection broke."""
         with self._io:
             if self._closed:
                 raise StreamUnavailable(f"the connection to {redacted_url(self.url)} is closed")
-            if hold:
-                self._corked.append(data)
-                return
-            if self._corked:
-                data = b"".join((*self._corked, data))
-                self._corked.clear()
             if self._sock is None:
                 self._reconnect()
             try:
@@ -243,7 +235,6 @@ class Wire:
                     raise StreamUnavailable(f"NATS at {redacted_url(self.url)}: sending failed twice: {e!r}") from e
 
     def _reconnect(self) -> None:
-        self._corked.clear()  # (held for the connection that broke: its publisher sends again what it lost)
         self._connect()
         with self._cond:  # PINGs lost with the old connection are never answered: count them done
             self._pongs = self._pings
@@ -254,23 +245,15 @@ class Wire:
             self._sock.close()
             self._sock = None
 
-    def publish(self, subj: str, body: bytes, headers: dict[str, str] | None = None, reply: str = "", *,
-                hold: bool = False) -> None:
-        """Send one message (with `reply` as its reply subject); returns once the kernel has it. `hold`:
-        it goes with the next message sent, or at `uncork` (several in one write: the server, and the
-        subscribers it passes them to, wake once for all); a reconnect drops what is held."""
+    def publish(self, subj: str, body: bytes, headers: dict[str, str] | None = None, reply: str = "") -> None:
+        """Send one message (with `reply` as its reply subject); returns once the kernel has it."""
         r = f" {reply}" if reply else ""
         if headers:
             hdr = _header_block(headers)
             self._write(b"".join((f"HPUB {subj}{r} {len(hdr)} {len(hdr) + len(body)}\r\n".encode(), hdr, body,
-                                  b"\r\n")), hold)
+                                  b"\r\n")))
         else:
-            self._write(b"".join((f"PUB {subj}{r} {len(body)}\r\n".encode(), body, b"\r\n")), hold)
-
-    def uncork(self) -> None:
-        """Send the messages `publish` held, if any."""
-        if self._corked:
-            self._write(b"")
+            self._write(b"".join((f"PUB {subj}{r} {len(body)}\r\n".encode(), body, b"\r\n")))
 
     def subscribe(self, subj: str) -> int:
         """A subscription to `subj` (its id), in place at the server when this returns."""

@@ -193,7 +193,7 @@ def test_a_put_after_the_worker_dropped_the_connection_overwrites_another_writer
 
 
 # ---------------------------------------------------------------------------------------------------
-# 5. A Stager dropped without close() is never collected now: its `Flusher` thread holds the bound
+# 5. A Stager dropped without close() is never collected now: its `_Flusher` thread holds the bound
 #    method `_flush_late`, so the stager, its connection and the spare slots reserved on it live until
 #    the process exits (at bc7b7cc the stager was collected, its socket closed, the slots freed).
 # ---------------------------------------------------------------------------------------------------

@@ -407,14 +407,13 @@ def test_a_layer_or_end_whose_send_failed_is_published_again_and_taken_once(nats
     s, failed = make_stream(), []
     real = Wire.publish
 
-    def flaky(self: Wire, subj: str, body: bytes, headers: dict[str, str] | None = None, reply: str = "", *,
-              hold: bool = False) -> None:
+    def flaky(self: Wire, subj: str, body: bytes, headers: dict[str, str] | None = None, reply: str = "") -> None:
         kind = (headers or {}).get("Kvpool-Kind")
         which = "end" if kind == "end" else json.loads(body)["layer"] if kind == "kv" else None
         if which in (2, "end") and which not in failed:
             failed.append(which)
             raise StreamUnavailable("NATS at nats://test: sending failed twice (injected)")
-        real(self, subj, body, headers, reply, hold=hold)
+        real(self, subj, body, headers, reply)
 
     monkeypatch.setattr(Wire, "publish", flaky)
 
