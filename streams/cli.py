@@ -16,6 +16,22 @@ from .errors import MalformedMessage
 _COLUMNS = ("name", "messages", "bytes", "first_seq", "last_seq", "consumers", "retention", "discard")
 
 
+class _Intermixed(argparse.ArgumentParser):
+    """A subcommand whose flags may come between its positionals: argparse takes an optional positional
+    (`pub`'s DATA) as absent when a flag follows the one before it, then refuses the DATA after the flag."""
+
+    _inner = False
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if self._inner:  # (parse_known_intermixed_args parses through this method twice)
+            return super().parse_known_args(args, namespace)
+        self._inner = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inner = False
+
+
 def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     """Add the `streams` command (with its subcommands) to the `kvpool` command line."""
     top = subparsers.add_parser("streams", help="publish/subscribe streams of notifications and KV blocks")
@@ -56,6 +72,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     t.set_defaults(func=_with_creds(_tail))
 
     p = sub.add_parser("pub", help="publish one message: text, JSON (--json) or a file's bytes (--file)")
+    p.__class__ = _Intermixed  # `pub NAME --json DATA` as well as `pub NAME DATA --json`
     p.add_argument("name")
     p.add_argument("data", nargs="?", default=None, help="the message text (default: read stdin)")
     p.add_argument("--json", action="store_true", help="DATA is JSON: publish it as a notification")

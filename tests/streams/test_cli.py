@@ -21,15 +21,17 @@ def test_create_pub_tail_info_ls_rm(nats, capsys, tmp_path):
     assert _run(nats, "create", "jobs", "--max-msgs", "100", "--discard", "new") == 0
     assert json.loads(capsys.readouterr().out)["max_msgs"] == 100
     _run(nats, "pub", "jobs", '{"block": "k1"}', "--json")
+    _run(nats, "pub", "jobs", "--json", '{"block": "k2"}')  # the flag between the name and the data
     _run(nats, "pub", "jobs", "hello", "--topic", "note")
-    assert capsys.readouterr().out.split() == ["1", "2"]
-    assert _run(nats, "tail", "jobs", "--start", "all", "--count", "2") == 0
+    assert capsys.readouterr().out.split() == ["1", "2", "3"]
+    assert _run(nats, "tail", "jobs", "--start", "all", "--count", "3") == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert lines == [
         {"seq": 1, "subject": "kvpool.stream.jobs.msg", "kind": "inline", "bytes": 15, "data": {"block": "k1"}},
-        {"seq": 2, "subject": "kvpool.stream.jobs.note", "kind": "inline", "bytes": 5}]
+        {"seq": 2, "subject": "kvpool.stream.jobs.msg", "kind": "inline", "bytes": 15, "data": {"block": "k2"}},
+        {"seq": 3, "subject": "kvpool.stream.jobs.note", "kind": "inline", "bytes": 5}]
     _run(nats, "info", "jobs")
-    assert json.loads(capsys.readouterr().out)["messages"] == 2
+    assert json.loads(capsys.readouterr().out)["messages"] == 3
     _run(nats, "ls")
     assert "jobs" in capsys.readouterr().out
     _run(nats, "rm", "jobs")
