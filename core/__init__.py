@@ -10,7 +10,7 @@ from .blocks import checksum
 from .buffers import readable, readable_all
 from .cache import TieredCache
 from .client import ClientConfig, PoolClient
-from .config import CacheConfig
+from .config import CacheConfig, WorkerConfig
 from .config import load as load_config
 from .errors import (
     AuthError,
@@ -33,6 +33,7 @@ from .errors import (
 )
 from .keys import MAX_KEY_BYTES, Key, block_keys, key_bytes, keys_bytes
 from .nats_creds import NatsCreds, Role, find_creds, redacted_url
+from .records import PoolStats
 from .registry import AddParser, Subparsers
 from .shm_read import get_placed, put_placed, read_placed
 from .shm_refs import Place
@@ -43,7 +44,7 @@ __all__ = [
     "KVPoolError", "InvalidKey", "BlockTooLarge", "BufferSizeError", "CapacityError", "ConfigError",
     "PoolClosed", "PoolTimeout", "PoolUnavailable", "AuthError", "ProtocolError",
     "InvalidArgument", "CorruptBlock", "StorageError", "BenchError",
-    "NamespaceError", "QuotaExceeded",
+    "NamespaceError", "QuotaExceeded", "WorkerConfig", "PoolStats",
     # what the faces build on
     "ClientConfig", "load_config", "Key", "key_bytes", "checksum", "readable", "readable_all", "LoopThread",
     "nats_connect", "nats_failure", "nats_denied", "NatsCreds", "Role", "find_creds", "redacted_url", "AddParser",

@@ -2,6 +2,7 @@
 prefix index of what the pool holds, so a router can ask "how many leading blocks of this prompt are
 cached?" without asking the pool.
 
+    kvpool streams create blocks  # once (as the admin: `kvpool up` on this machine is)
     python examples/streams/prefix_index.py --nats-url nats://127.0.0.1:4222 --stream blocks
 
 Notifications are JSON: {"op": "commit" | "evict", "keys": [chained block keys, in prompt order]}
@@ -14,7 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.streams import Consumer
+from kvpool.streams import Consumer, StreamNotFound
 
 
 class PrefixIndex:
@@ -56,8 +57,12 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=0.0, help="exit after this many quiet seconds (0 = never)")
     args = ap.parse_args()
     index = PrefixIndex()
-    with Consumer(args.stream, args.nats_url, start="all") as consumer:  # replay history, then follow
-        index.follow(consumer, args.idle_s)
+    try:
+        with Consumer(args.stream, args.nats_url, start="all") as consumer:  # replay history, then follow
+            index.follow(consumer, args.idle_s)
+    except StreamNotFound:
+        raise SystemExit(f"no stream {args.stream!r} at {args.nats_url}: make it first (`kvpool streams create "
+                         f"{args.stream}`)") from None
     print(json.dumps({"blocks": len(index.keys), "last_seq": index.last_seq}))
 
 
