@@ -1,7 +1,8 @@
 """The raw-socket baseline: a process that receives or sends N bytes with plain sendall/recv_into.
 
-`server()` runs it as `python -m kvpool.core.bench.raw_socket PORT [HOST]`. Each request is 9 bytes: op
-(b"P" to receive N bytes then answer one byte, b"G" to send N bytes) and N as u64.
+`server()` runs `serve(PORT)` in a child Python (by hand: `python -m kvpool.core.bench.raw_socket PORT
+[HOST]`). Each request is 9 bytes: op (b"P" to receive N bytes then answer one byte, b"G" to send N
+bytes) and N as u64.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ __all__ = ["server", "serve", "put", "get"]
 def server(timeout: float = 20.0) -> Iterator[int]:
     """The baseline in a child process (its own core, like a worker); yields its port once it listens."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvpool.core.bench.raw_socket", str(port)])
+    # (not `-m` of this module: the package imports it first, and runpy warns that it runs it again)
+    proc = subprocess.Popen([sys.executable, "-c", f"from kvpool.core.bench.raw_socket import serve; serve({port})"])
     try:
         deadline = time.monotonic() + timeout
         while True:
