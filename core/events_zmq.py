@@ -119,14 +119,14 @@ def encode(ts: float, events: list[Any], fmt: VllmFormat) -> bytes:
 class ZmqSink:
     """Binds a ZMQ PUB socket at `endpoint` (e.g. `tcp://127.0.0.1:5557`, `tcp://*:5557`) and sends
     each batch's vLLM events as `(topic, seq, payload)`, `seq` counting messages from 0 as vLLM's
-    publisher does. Needs `pip install 'kvpool[events]'` (pyzmq, msgspec)."""
+    publisher does. Needs `pip install -e '.[events]'` (pyzmq, msgspec)."""
 
     def __init__(self, endpoint: str, fmt: VllmFormat | None = None, topic: str = "", hwm: int = 100_000) -> None:
         try:
             import msgspec  # noqa: F401
             import zmq
         except ImportError as e:
-            raise ConfigError(f"ZMQ events need pyzmq and msgspec: pip install 'kvpool[events]' ({e})") from e
+            raise ConfigError(f"ZMQ events need pyzmq and msgspec: pip install -e '.[events]' ({e})") from e
         self.fmt = fmt or VllmFormat()
         self.topic = topic.encode()
         self.seq = 0

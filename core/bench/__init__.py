@@ -51,7 +51,7 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         p.add_argument("--quick", action="store_true", help="a short run (under 45 s on 2 cores)")
         p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
         p.add_argument("--report", metavar="DIR",
-                       help="write results.json and PNG plots to DIR (pip install 'kvpool[report]')")
+                       help="write results.json and PNG plots to DIR (pip install -e '.[report]')")
         mod.add_arguments(p)
         p.set_defaults(func=functools.partial(_run, mod.run))
     compare.add_parser(suites).set_defaults(func=functools.partial(_run, compare.run))

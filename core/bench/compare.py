@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..registry import Subparsers
-from .report import RESULTS
+from .report import RESULTS, ratio_text
 
 __all__ = ["add_parser", "load", "table", "run"]
 
@@ -54,19 +54,19 @@ def _change(a: Any, b: Any) -> str:
     return "differs"
 
 
-def _cell(value: Any, fmt: str) -> str:
-    return "-" if value is None else fmt.format(value)
+def _cell(value: Any, section: str) -> str:
+    return "-" if value is None else ratio_text(value) if section == "ratios" else str(value)
 
 
 def table(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str]) -> list[str]:
     """Rows of the side-by-side table (metrics, then ratios), each with B's change against A."""
     rows = [("", names[0], names[1], "change")]
-    for section, fmt in (("metrics", "{}"), ("ratios", "{:.2f}x")):
+    for section in ("metrics", "ratios"):
         keys = list(dict.fromkeys([*a[section], *b[section]]))
         rows.append((f"[{section}]", "", "", ""))
         for k in keys:
             va, vb = a[section].get(k), b[section].get(k)
-            rows.append((k, _cell(va, fmt), _cell(vb, fmt), _change(va, vb)))
+            rows.append((k, _cell(va, section), _cell(vb, section), _change(va, vb)))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return [f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}".rstrip()
             for r in rows]

@@ -46,7 +46,7 @@ def _device(name: str) -> tuple[Any, str]:
     try:
         import torch
     except ImportError as e:
-        return None, f"torch is not installed ({e}); pip install 'kvpool[torch]'"
+        return None, f"torch is not installed ({e}); pip install -e '.[torch]'"
     if name == "cpu":
         return torch, "cpu"
     if not torch.cuda.is_available():

@@ -115,7 +115,7 @@ def emit(suite: str, metrics: dict[str, Any], ratios: dict[str, float], as_json:
         for op, s in lat.items():
             print(f"  {op:<{width}}  {s.size:>8}" + "".join(f"{metrics[f'{op}_{n}_us']:>10}" for n in names))
     for k, v in ratios.items():
-        print(f"  {k:<{width}}  {v:.2f}x")
+        print(f"  {k:<{width}}  {report.ratio_text(v)}")
     rounded = {k: round(v, 3) for k, v in ratios.items()}
     report.write_if_requested({
         "suite": suite, "notes": notes, "metrics": metrics, "ratios": rounded,

@@ -7,7 +7,7 @@ and its state in a temporary folder that goes with it. `same_node` sets kvpool's
 against its KVClient on the same batches, taking turns, with every method it offers per size and
 with its shared-memory threshold (`oc_shm_transfer_threshold_kb`, default 500) at its default and at
 0, so that small values travel through shared memory too. The package is an optional extra:
-`pip install 'kvpool[peers]'` (openyuanrong-datasystem 0.8.1).
+`pip install -e '.[peers]'` (openyuanrong-datasystem 0.8.1).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from .peer_procs import spawn, stop, tail
 
 __all__ = ["INSTALL", "SIZES", "Worker", "available", "connect", "same_node", "size_tag"]
 
-INSTALL = "pip install 'kvpool[peers]'  (openyuanrong-datasystem==0.8.1)"
+INSTALL = "pip install -e '.[peers]'  (openyuanrong-datasystem==0.8.1)"
 _START_S = 90.0
 _UDS_MAX = 107
 _MSET_MAX = 500 << 10

@@ -28,7 +28,7 @@ def test_report_writes_json_and_plots(bench, tmp_path: Path) -> None:
 def test_report_without_matplotlib_is_a_clear_error(bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     ran = bench("cache", "--ops", "5", "--report", str(tmp_path / "rep"), *SMALL)
-    assert ran.rc == 2 and "pip install 'kvpool[report]'" in ran.err
+    assert ran.rc == 2 and "pip install -e '.[report]'" in ran.err
     assert not (tmp_path / "rep").exists()  # refused before running, not after
 
 

@@ -42,7 +42,7 @@ def test_without_cuda_it_says_so_and_exits_77(bench: Callable[..., Ran], monkeyp
 def test_without_torch_it_says_how_to_install_it(bench: Callable[..., Ran], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch", None)
     ran = bench("gpu", "--json")
-    assert ran.rc == EXIT_SKIPPED and "pip install 'kvpool[torch]'" in ran.json["skipped"]
+    assert ran.rc == EXIT_SKIPPED and "pip install -e '.[torch]'" in ran.json["skipped"]
 
 
 def test_an_unknown_device_is_a_usage_error(bench: Callable[..., Ran]) -> None:

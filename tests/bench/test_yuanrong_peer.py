@@ -1,7 +1,7 @@
 """openYuanrong datasystem as a bench peer (`--peer yuanrong`): its worker started and stopped by the
 bench, failures as BenchError, kvpool's same-node path set against its KVClient, size by size.
 
-Those that drive a real datasystem worker are marked `peers` and need `pip install 'kvpool[peers]'`
+Those that drive a real datasystem worker are marked `peers` and need `pip install -e '.[peers]'`
 (without it they are skipped, saying so); the message for a missing package is checked everywhere."""
 from __future__ import annotations
 
