@@ -59,11 +59,10 @@ def _python(name: str, args: argparse.Namespace) -> Path:
         if not Path(given).is_file():
             raise ConfigError(f"--{name}-python {given}: no such file")
         return Path(given)
-    found = envs.find_python(name)
-    if found is None:
+    if envs.find_python(name) is None:
         raise ConfigError(f"no {name} environment: pass --{name}-python, or build one with "
                           f"`{envs.how_to_install(name)}` (the e2e tests build it too)")
-    return found
+    return envs.ensure(name)  # (built: only points its kvpool at this checkout, if another one's is there)
 
 
 def _model(py: Path, engine: str, preset: str) -> Path:

@@ -85,7 +85,7 @@ class EngineDecode:
     several engines decode side by side; `result()` waits for the list."""
 
     def __init__(self, engine: str, script: str, payloads: list[bytes]) -> None:
-        py = envs.find_python(engine) or envs.ensure(engine)
+        py = envs.ensure(engine)  # (built if missing; else only its kvpool pointed at this checkout)
         self.proc = subprocess.Popen([str(py), str(Path(__file__).with_name(script))], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.payloads = "\n".join(p.hex() for p in payloads)
