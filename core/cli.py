@@ -140,12 +140,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise
     tls_note = ("\n  worker TLS:       clients verify it with KVPOOL_TLS_CA=<the CA that signed "
                 f"{worker.config.tls_cert}>" if worker.config.tls_cert else "")
-    print(f"""kvpool is up: NATS {nats.url}, worker {worker.worker_id} at {worker.address}
-
-  NATS access:      {secured}
+    access = secured if args.nats_no_auth else f"""{secured}
                     processes of this user find them there; elsewhere, hand over only the role needed:
                     KVPOOL_NATS_CREDS={creds_path("client", where)}  (clients: read membership, use streams)
-                    {creds_path("worker", where)} (workers), {creds_path("admin", where)} (create streams)
+                    {creds_path("worker", where)} (workers), {creds_path("admin", where)} (create streams)"""
+    print(f"""kvpool is up: NATS {nats.url}, worker {worker.worker_id} at {worker.address}
+
+  NATS access:      {access}
   Python clients:   KVPOOL_NATS_URL={nats.url}   (cluster mode){tls_note}
   same-node only:   KVPOOL_MODE=local KVPOOL_WORKER={worker.unix_path}
   SGLang:           --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
@@ -183,7 +184,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not workers:
         print(f"no live workers at {redacted_url(args.nats_url)}")
         return 1
-    print(f"{'worker':<10} {'node':<16} {'address':<22} {'dram used/cap':>22} {'ssd bytes':>12} {'hit rate':>9}")
+    ww = max(10, *(len(w) for w in workers))  # columns as wide as their longest entry (a node id may be long)
+    wn = max(16, *(len(s.info.node_id or "?") for s in workers.values()))
+    wa = max(22, *(len(s.info.tcp or "?") for s in workers.values()))
+    print(f"{'worker':<{ww}} {'node':<{wn}} {'address':<{wa}} {'dram used/cap':>22} {'ssd bytes':>12} {'hit rate':>9}")
     for w, s in sorted(workers.items()):
         c = s.cache
         hits = c.hits_dram + c.hits_ssd + c.hits_device if c is not None else 0
@@ -191,7 +195,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         rate = f"{hits / total:.1%}" if total else "-"
         i = s.info
         fill = f"{i.dram_bytes >> 20}/{i.dram_capacity >> 20} MiB"
-        print(f"{w:<10} {i.node_id or '?':<16} {i.tcp or '?':<22} {fill:>22} {i.ssd_bytes:>12} {rate:>9}")
+        print(f"{w:<{ww}} {i.node_id or '?':<{wn}} {i.tcp or '?':<{wa}} {fill:>22} {i.ssd_bytes:>12} {rate:>9}")
     return 0
 
 

@@ -78,13 +78,17 @@ def _num(v: float | None) -> str:
 
 def render(rows: list[Row], where: str, interval: float) -> str:
     """The table, with a totals line when there are several workers."""
-    head = (f"{'worker':<12} {'node':<14} {'address':<21} {'gets/s':>10} {'puts/s':>9} {'hit':>6} "
+    ww = max([12, *(len(r.worker) for r in rows)])  # as wide as the longest entry (a node id may be long)
+    wn = max([14, *(len(r.node) for r in rows)])
+    wa = max([21, *(len(r.address) for r in rows)])
+    head = (f"{'worker':<{ww}} {'node':<{wn}} {'address':<{wa}} {'gets/s':>10} {'puts/s':>9} {'hit':>6} "
             f"{'evict/s':>8} {'demote/s':>8} {'promote/s':>9} {'dram':>17} {'ssd MiB':>9}")
     lines = [f"kvpool status {where}  every {interval:g} s  {time.strftime('%H:%M:%S')}", head]
     for r in rows:
         fill = f"{r.dram_bytes >> 20}/{r.dram_capacity >> 20} MiB"
         hit = "-" if r.hit_rate is None else f"{r.hit_rate:.0%}"
-        lines.append(f"{r.worker:<12} {r.node:<14} {r.address:<21} {_num(r.gets_s):>10} {_num(r.puts_s):>9} {hit:>6} "
+        lines.append(f"{r.worker:<{ww}} {r.node:<{wn}} {r.address:<{wa}} {_num(r.gets_s):>10} {_num(r.puts_s):>9} "
+                     f"{hit:>6} "
                      f"{_num(r.evict_s):>8} {_num(r.demote_s):>8} {_num(r.promote_s):>9} {fill:>17} "
                      f"{r.ssd_bytes >> 20:>9}")
     if len(rows) > 1:
@@ -92,8 +96,8 @@ def render(rows: list[Row], where: str, interval: float) -> str:
             values = [getattr(r, field) for r in rows if getattr(r, field) is not None]
             return sum(values) if values else None
         fill = f"{sum(r.dram_bytes for r in rows) >> 20}/{sum(r.dram_capacity for r in rows) >> 20} MiB"
-        lines.append(f"{'all':<12} {'':<14} {'':<21} {_num(total('gets_s')):>10} {_num(total('puts_s')):>9} {'':>6} "
-                     f"{_num(total('evict_s')):>8} {_num(total('demote_s')):>8} {_num(total('promote_s')):>9} "
+        lines.append(f"{'all':<{ww}} {'':<{wn}} {'':<{wa}} {_num(total('gets_s')):>10} {_num(total('puts_s')):>9} "
+                     f"{'':>6} {_num(total('evict_s')):>8} {_num(total('demote_s')):>8} {_num(total('promote_s')):>9} "
                      f"{fill:>17} {sum(r.ssd_bytes for r in rows) >> 20:>9}")
     if not rows:
         lines.append("(no live workers)")

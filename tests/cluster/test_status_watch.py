@@ -64,3 +64,14 @@ def test_watch_shows_live_workers_and_their_traffic(nats, spawn) -> None:
     assert len(workers) == 2 and last[-1][0] == "all"
     assert all(float(row[3].replace(",", "")) > 0 for row in workers)  # both serve gets
     assert all(row[5] == "100%" for row in workers)
+
+
+def test_columns_stay_aligned_under_a_long_node_id() -> None:
+    long = WorkerStats.from_dict({"node_id": "vm/cb7c2899/4026531833", "tcp": "127.0.0.1:7461",
+                                  "stats": {"dram_bytes": 1 << 20, "dram_capacity": 4 << 20, "ssd_bytes": 0}})
+    stats = PoolStats.of_workers({"w1": _stats(puts=1), "w2": long})
+    lines = render(rates(stats, stats, 2.0), "nats://x", 2.0).splitlines()
+    head, rows = lines[1], lines[2:4]
+    for row in rows:  # each column begins where its heading does
+        assert row.index("127.0.0.1:7461") == head.index("address")
+        assert len(row) == len(rows[0])
