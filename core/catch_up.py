@@ -9,7 +9,9 @@ the worker left (`Op.CHANGES`, from each peer's
 hit would cost a wrong answer). If a peer does not answer, or its log does not reach back to when the
 worker left, the worker cannot prove any block fresh and drops them all. Until it is done its reads
 are misses (`TieredCache.fence`). When it left is known from `AliveStamp`, the wall time of its last
-heartbeat, kept beside its state.
+heartbeat, kept beside its SSD tier (a worker without one starts empty and under a new id). A peer is
+asked at the address it registered; another worker answering there now (a restart of a worker without
+an SSD tier on the same port) cannot tell what the one asked accepted: as if it did not answer.
 """
 from __future__ import annotations
 
@@ -33,8 +35,9 @@ log = logging.getLogger("kvpool.worker")
 
 
 class AliveStamp:
-    """The wall time (unix ms) of a worker's last heartbeat, in a file beside its state: after a restart,
-    when it left (at most a heartbeat before it stopped). Written atomically; None when never written."""
+    """The wall time (unix ms) of a worker's last heartbeat, in a file beside its SSD tier: after a
+    restart, when it left (at most a heartbeat before it stopped). Written atomically; None when never
+    written. A worker without an SSD tier keeps none: it starts holding nothing."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -71,6 +74,11 @@ def catch_up(cache: TieredCache, peers: Mapping[str, WorkerInfo], since_ms: int,
             log.warning("catch-up: cannot reach peer %s at %s (%s)", wid, address, e)
             return False
         try:
+            answered = conn.hello().worker_id
+            if answered != wid:
+                log.warning("catch-up: peer %s's address %s is worker %s's now: what %s accepted left with it",
+                            wid, address, answered, wid)
+                return False
             seq = 0
             while True:
                 changes, nxt, covered = conn.changes(ask_from, seq)

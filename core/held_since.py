@@ -5,7 +5,8 @@ to hold what it holds. A client that writes the key to workers ranked above it t
 its copy when it may have owned the key since (`kvpool.core.succession`). That moment is told in the
 worker's member entry as `held_since` (`WorkerInfo`): the wall time of the last heartbeat at which it
 held no block, so it costs nothing per put. A worker that starts on the blocks of an earlier run keeps
-the time that run began to hold them, in a file beside its state; without that file, 0 (forever).
+the time that run began to hold them, in a file beside its state; without that file, 0 (forever). One
+without an SSD tier starts with nothing, so it keeps no file (its `path` is None).
 """
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ log = logging.getLogger("kvpool.worker")
 class HeldSince:
     """`now(holds)`: since when (unix s) the blocks held now may have been taken; `holds`: whether the
     worker holds any block (now; at start, for the blocks of an earlier run). `path` keeps the time
-    across restarts."""
+    across restarts; None where nothing outlives the worker (its blocks held at start are then taken as
+    held forever)."""
 
-    def __init__(self, path: Path, holds: bool) -> None:
+    def __init__(self, path: Path | None, holds: bool) -> None:
         self.path = path
         self._since: float | None = self._read() if holds else None  # None while it holds nothing
         self._empty_at = time.time()  # the last time told while nothing was held
@@ -46,6 +48,8 @@ class HeldSince:
             return self._since
 
     def _read(self) -> float:
+        if self.path is None:
+            return 0.0
         try:
             return float(self.path.read_text().strip())
         except FileNotFoundError:
@@ -55,6 +59,8 @@ class HeldSince:
             return 0.0
 
     def _write(self, since: float) -> None:
+        if self.path is None:
+            return
         try:
             write_private(self.path, f"{math.floor(since * 1000) / 1000:.3f}\n")  # (never later)
         except OSError as e:  # a restart then takes its blocks as held forever: more is told, never less

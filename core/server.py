@@ -9,8 +9,10 @@ challenge-response are `kvpool.core.auth`.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
@@ -64,12 +66,100 @@ def _holds(stats: CacheStats) -> bool:
     return stats.dram_blocks + stats.ssd_blocks + stats.device_blocks > 0
 
 
-def _id_file(cache: CacheConfig, port: int) -> Path:
-    """Where a worker keeps its id: beside its SSD tier (the id follows the blocks), else in the state
-    dir per port."""
-    if cache.ssd_path:
-        return Path(cache.ssd_path) / "kvpool-worker-id"
-    return default_state_dir() / f"worker-{port}.id"
+def _id_file(cache: CacheConfig) -> Path | None:
+    """Where a worker keeps its id, and its alive and held-since stamps beside it: by its SSD tier (the id
+    follows the blocks). None without one: a restart holds no block, so no id needs to outlive the
+    worker; it takes a new one each start (unless configured) and leaves no file behind."""
+    return Path(cache.ssd_path) / "kvpool-worker-id" if cache.ssd_path else None
+
+
+def _named_alive_stamp(worker_id: str) -> AliveStamp:
+    """The alive stamp of a cluster worker without an SSD tier whose id is configured (`--worker-id`): a
+    restart under that id must not vouch for what its last run accepted (`kvpool.core.catch_up`), so it
+    is kept in the state dir by id: one small file per name ever configured (a hash for a name unfit
+    for a file), where per-port files grew with every start on a new port."""
+    fit = re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}", worker_id)
+    name = worker_id if fit else hashlib.sha256(worker_id.encode()).hexdigest()[:32]
+    folder = default_state_dir()
+    private_dir(folder, tighten=True)
+    return AliveStamp(folder / f"worker-id-{name}.alive")
+
+
+_PORT_FILE = re.compile(r"worker-(\d+)\.(?:sock|id|alive|held)")
+"""What a worker without an SSD tier leaves in the state dir by its TCP port: its Unix socket (after a
+kill -9), and, from releases that kept them there, its id and alive and held-since stamps."""
+
+
+def _sweep_dead_workers(folder: Path) -> int:
+    """Remove from `folder` (the state dir) the per-port files of workers that no longer run; returns how
+    many. A port's files are a live worker's while something listens on the port (in this network
+    namespace) or its Unix socket there answers (a worker in another namespace sharing the folder); if
+    neither can be told, they are kept. A worker with an SSD tier keeps its files beside it, never here."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    by_port: dict[int, list[str]] = {}
+    for name in names:
+        m = _PORT_FILE.fullmatch(name)
+        if m:
+            by_port.setdefault(int(m.group(1)), []).append(name)
+    listening = _listening_ports() if by_port else set()
+    swept = 0
+    for port, files in by_port.items():
+        if listening is not None and port in listening:
+            continue
+        answers = _unix_answers(folder / f"worker-{port}.sock")
+        if answers or (answers is None and listening is None):
+            continue
+        if answers is False:  # it may be one a worker binds right now: that one listens on its TCP port first
+            again = _listening_ports()
+            if again is None or port in again:
+                continue
+        for name in files:
+            try:
+                os.unlink(folder / name)
+                swept += 1
+            except OSError as e:  # gone already (another start swept it), or not ours to remove
+                log.debug("%s not removed: %s", folder / name, e)
+    return swept
+
+
+def _listening_ports() -> set[int] | None:
+    """The TCP ports something listens on in this network namespace (the kernel's tables); None where
+    they cannot be read (not Linux)."""
+    ports: set[int] = set()
+    read = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:  # no IPv6, or no /proc
+            continue
+        read = True
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 3 and fields[3] == "0A":  # TCP_LISTEN; fields[1] is address:port in hex
+                ports.add(int(fields[1].rpartition(":")[2], 16))
+    return ports if read else None
+
+
+def _unix_answers(path: Path) -> bool | None:
+    """Whether a process listens on the Unix socket at `path` (a full backlog, or any doubt, counts as
+    yes); None if there is nothing at `path`."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)  # a live worker's full backlog must not hold up this start
+    try:
+        sock.connect(str(path))
+    except FileNotFoundError:
+        return None
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.close()
+    return True
 
 
 def stored_worker_id(path: Path) -> str:
@@ -157,13 +247,18 @@ class Worker(RequestHandlers):
         except BaseException:
             self._tcp.close()
             raise
+        id_file = _id_file(cache_cfg)
         try:
-            self.worker_id = cfg.worker_id or stored_worker_id(_id_file(cache_cfg, self.port))
-            self._alive = AliveStamp(_id_file(cache_cfg, self.port).with_suffix(".alive"))
+            swept = _sweep_dead_workers(default_state_dir())
+            if swept:
+                log.info("removed %d files that workers no longer running left in %s", swept, default_state_dir())
+            self.worker_id = cfg.worker_id or (stored_worker_id(id_file) if id_file else secrets.token_hex(4))
+            self._alive = (AliveStamp(id_file.with_suffix(".alive")) if id_file else
+                           _named_alive_stamp(cfg.worker_id) if cfg.worker_id and cfg.nats_url else None)
             self._catching_up = threading.Lock()
             self._beats = 0  # heartbeats that got through: a catch-up waits for one after the outage
             self.cache = TieredCache(cache_cfg, share_arena=True)
-            self._held = HeldSince(_id_file(cache_cfg, self.port).with_suffix(".held"), _holds(self.cache.stats()))
+            self._held = HeldSince(id_file.with_suffix(".held") if id_file else None, _holds(self.cache.stats()))
             self._member_since: float | None = None  # since when a member without a break; None: not yet
         except BaseException:
             self._close_listeners()
@@ -216,7 +311,9 @@ class Worker(RequestHandlers):
                 self.membership.register(self.worker_id, self.info, self.config.heartbeat_s,
                                          on_rejoin=self._left_cluster, on_beat=self._beat)
                 self.membership.watch()  # the peers it hears from: whom it asks after an absence
-                threading.Thread(target=self._keep_alive_stamp, name="kvpool-alive", daemon=True).start()
+                if self._alive is not None:
+                    threading.Thread(target=self._keep_alive_stamp, args=(self._alive,), name="kvpool-alive",
+                                     daemon=True).start()
                 StallWatch(self.cache.replicas, self._stalled, self._stopping)
             if self.config.events or self.config.events_zmq:
                 from .worker_events import WorkerEvents
@@ -244,7 +341,7 @@ class Worker(RequestHandlers):
             self.membership.close()
         self._close_listeners()
         self._drain_connections(time.monotonic() + timeout)
-        if self.membership is not None:
+        if self.membership is not None and self._alive is not None:
             self._alive.touch()  # its last sign of life: it accepts nothing after the drain
         self.cache.flush()
         self.cache.close()
@@ -259,7 +356,7 @@ class Worker(RequestHandlers):
         """A start on the state of an earlier run: drop what peers changed since that run's last sign of
         life (everything, if that cannot be told) before serving."""
         cfg = self.config
-        last = self._alive.read()
+        last = self._alive.read() if self._alive is not None else None  # None: a new id, or no stamp
         # this run's change log starts now; the last run accepted nothing after its last stamp plus a tick
         self.cache.replicas.covered_since(last + int((2 * cfg.heartbeat_s + 1) * 1000) if last is not None else 0)
         held = self.cache.stats()
@@ -291,12 +388,12 @@ class Worker(RequestHandlers):
             self._member_since = time.time()
         self.cache.replicas.fence_after(self.config.member_ttl_s - self.config.heartbeat_s)
 
-    def _keep_alive_stamp(self) -> None:
+    def _keep_alive_stamp(self, stamp: AliveStamp) -> None:
         """The alive stamp, every heartbeat (and at stop): not NATS's, so a worker cut off from NATS that
         still accepts writes keeps stamping."""
-        self._alive.touch()
+        stamp.touch()
         while not self._stopping.wait(self.config.heartbeat_s):
-            self._alive.touch()
+            stamp.touch()
 
     def _left_cluster(self, gap_s: float) -> None:
         """Heartbeats lapsed past the member TTL (NATS out of reach, or this process paused): clients may
