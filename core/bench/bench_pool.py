@@ -6,9 +6,10 @@ Local workers are real `kvpool worker` processes registered at a nats-server of 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from ..client import PoolClient
@@ -16,7 +17,7 @@ from ..errors import PoolUnavailable
 from ..nats_server import NatsServer
 from ..procs import WorkerProcess
 from ..records import PoolStats
-from .kvtest_instance import Instance, instance_cluster, run_ended, run_started, wait_for_peer
+from .kvtest_instance import Instance, instance_cluster, peer_failure, run_ended, run_failed, run_started, wait_for_peer
 
 __all__ = ["local_cluster", "wait_members", "totals", "BenchPool"]
 
@@ -55,13 +56,20 @@ def totals(stats: PoolStats) -> dict[str, int]:
 
 
 class BenchPool:
-    """`client` reaches the pool; `other_client()` is a second, independent client of the same pool."""
+    """`client` reaches the pool; `other_client()` is a second, independent client of the same pool.
+
+    A kvtest instance's pool (`instance`) tells its peer how this run ended when it closes: `failure`,
+    set by the suite before then, says why it failed (None: it did not); `peer_failure`, set once it
+    has closed, why the peer's side of the pairing failed (None: it ended well, or there is no peer)."""
 
     def __init__(self, *, block_size: int, dram_bytes: int, workers: int = 0, cluster: str | None = None,
                  ssd: bool = False, instance: Instance | None = None) -> None:
         self._stack = ExitStack()
         self.url = cluster
         self.node_id = instance.worker_id if instance is not None else None
+        self.failure: str | None = None
+        self.peer_failure: str | None = None
+        self._peer_failed: Callable[[], str | None] = lambda: None
         try:
             if instance is not None:
                 self._join_instance(instance, dram_bytes)
@@ -89,13 +97,16 @@ class BenchPool:
         """kvtest multi-node mode: NATS and the instance's worker started or joined, its peer awaited."""
         self.url = self._stack.enter_context(instance_cluster(instance, dram_bytes))
         self.client = self._stack.enter_context(self._cluster_client())
-        wait_for_peer(self.client, instance)
+        peer = wait_for_peer(self.client, instance)
         run_started(self.client, instance)
         client = self.client
+        self._peer_failed = lambda: peer_failure(client, instance, peer)
 
-        def ended(exc_type: object, *_: object) -> None:
-            if exc_type is None:  # a failed run does not hold its peer's pool up
-                run_ended(client, instance)
+        def ended(exc_type: type[BaseException] | None, exc: BaseException | None, _tb: object) -> None:
+            if exc_type is None:
+                self.peer_failure = run_ended(client, instance, peer, self.failure)
+            else:  # a failed run says so, but does not hold its peer's pool up
+                run_failed(client, instance, f"{exc_type.__name__}: {exc}")
         self._stack.push(ended)
         self.where = (f"kvtest instance {instance.instance_id} ({instance.worker_id} on port {instance.listen_port}, "
                       f"peer {instance.remote_worker or 'none'})")
@@ -113,11 +124,17 @@ class BenchPool:
             wait_members(client, len(self.client.members()))
             yield client
 
+    def peer_failed(self) -> str | None:
+        """Why a kvtest instance's peer failed, as far as can be told now (None: it has not, or there is
+        no peer): for a run that waits on it."""
+        return self._peer_failed()
+
     def totals(self) -> dict[str, int]:
         return totals(self.client.stats())
 
     def __enter__(self) -> BenchPool:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stack.__exit__(exc_type, exc, tb)  # (not close(): a failed run's callbacks see its error)

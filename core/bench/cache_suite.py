@@ -12,8 +12,10 @@ and `get_vs_memcpy`: throughput of all-hit batches against numpy copies of the s
 kvtest's multi-node mode: with an instance config (`kvtest_instance`) the run starts or joins its
 instance's worker and waits for `remote_worker`; hits are then split into local and cross-node (served
 by the other instance's worker), and the writer announces every created batch on a stream that readers
-follow (`notify`), reading announced blocks first. `--threads` and `--target-qps` run several threads
-held to a rate; several `data_sizes` give each key one of them; `--csv` adds kvtest's CSV rows.
+follow (`notify`), reading announced blocks first. A run fails (exit status 1, after its report) on a
+wrong block, on a reader that received no announcement while its writer announced, and on a pairing
+whose other side failed. `--threads` and `--target-qps` run several threads held to a rate; several
+`data_sizes` give each key one of them; `--csv` adds kvtest's CSV rows.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,13 +33,13 @@ from typing import Any
 import numpy as np
 
 from ..client import PoolClient
-from ..errors import PoolTimeout
+from ..errors import BenchError, PoolTimeout
 from . import cache_options, kvtest_csv
 from .bench_pool import BenchPool
 from .content import BlockContent, memcpy_gbps
 from .key_draw import KeyDraw
 from .measure import Progress, emit, gbps
-from .notify import Notifier, NotifyReader, open_notifier, open_notify_reader
+from .notify import AnnouncedSince, Notifier, NotifyReader, announce, open_notifier, open_notify_reader
 from .owners import Owners
 from .pacing import Pacer
 
@@ -47,6 +50,9 @@ _DEFAULT_DRAM_CAP = 1 << 30
 """Largest pool DRAM a run sizes by itself (per worker), in bytes: kvtest's key pools of 10000 blocks
 would otherwise ask for tens of GiB; a larger window spills to the SSD tier or is evicted."""
 _WAIT_FOR_WRITER_S = 30.0
+_NOTIFY_GRACE_S = 5.0
+"""How long a reader that received no announcement waits for one at its end, in seconds, when its
+writer's window says some were sent while it listened (the last may still be on the way)."""
 _TIERS = ("hits_device", "hits_dram", "hits_ssd", "misses", "evictions", "demotions", "promotions")
 
 
@@ -152,18 +158,30 @@ def _window_key(namespace: str) -> str:
     return f"{namespace}/window"
 
 
-def _publish_window(client: PoolClient, namespace: str, run_id: str, draw: KeyDraw, sizes: list[int]) -> None:
-    window = {"run": run_id, "lo": draw.lo, "hi": draw.hi, "block_size": max(sizes), "sizes": sizes}
+def _publish_window(client: PoolClient, namespace: str, run_id: str, draw: KeyDraw, sizes: list[int], seq: int,
+                    announced: int | None) -> None:
+    """The writer's key window for readers; `seq` counts the writer's publishes of it, `announced` its
+    announcements so far (None: it announces none)."""
+    window = {"run": run_id, "lo": draw.lo, "hi": draw.hi, "block_size": max(sizes), "sizes": sizes, "seq": seq,
+              **({"announced": announced} if announced is not None else {})}
     client.put(_window_key(namespace), json.dumps(window).encode())
 
 
-def _read_window(client: PoolClient, namespace: str, timeout: float) -> dict[str, Any]:
-    """The writer's latest key window, waiting up to `timeout` s for a writer to publish one."""
+def _read_window(client: PoolClient, namespace: str, timeout: float,
+                 writer_failed: Callable[[], str | None] = lambda: None) -> dict[str, Any]:
+    """The writer's latest key window, waiting up to `timeout` s for a writer to publish one (BenchError
+    as soon as `writer_failed` says why the writer failed)."""
     deadline = time.monotonic() + timeout
+    next_check = time.monotonic() + 1.0
     while True:
         raw = client.get(_window_key(namespace))
         if raw is not None and json.loads(raw)["hi"] > 0:
             return dict(json.loads(raw))
+        if time.monotonic() > next_check:
+            why = writer_failed()
+            if why:
+                raise BenchError(f"no keys of a writer under namespace {namespace!r} to read: {why}")
+            next_check = time.monotonic() + 1.0
         if time.monotonic() > deadline:
             raise PoolTimeout(f"no writer published keys under namespace {namespace!r} within {timeout:.0f} s "
                               "(start `kvpool bench cache --role writer` against the same --cluster)")
@@ -205,6 +223,13 @@ def _write(pool: BenchPool, opts: cache_options.CacheOptions, tally: _Tally,
     draw = KeyDraw(opts.hit_rate, opts.key_pool_size, random.Random(7))
     shared = threading.Lock()  # the key draw and the notifier serve every thread
     pacer = Pacer(opts.target_qps)
+    published = 0
+
+    def publish(client: PoolClient) -> None:  # (holding `shared`)
+        nonlocal published
+        published += 1
+        _publish_window(client, opts.namespace, run_id, draw, opts.sizes, published,
+                        notifier.sent if notifier is not None else None)
 
     def loop(client: PoolClient) -> None:
         bufs = [np.empty(tally.blocks.size, dtype=np.uint8) for _ in range(opts.batch_size)]
@@ -228,16 +253,16 @@ def _write(pool: BenchPool, opts: cache_options.CacheOptions, tally: _Tally,
                     tally.moved += nbytes
                 if notifier is not None:
                     with shared:
-                        notifier.announce(run_id, created)
+                        announce(notifier, run_id, created)
             tally.timed("get_or_create", time.perf_counter() - t0)
             if tally.tick() and pool.url:
                 with shared:
-                    _publish_window(client, opts.namespace, run_id, draw, opts.sizes)
+                    publish(client)
 
     _in_threads(pool, opts.threads, loop)
     metrics = tally.finish()
     if pool.url:
-        _publish_window(pool.client, opts.namespace, run_id, draw, opts.sizes)
+        publish(pool.client)
     metrics.update(target_hit_rate=opts.hit_rate, keys_created=draw.hi, key_window=[draw.lo, draw.hi])
     if notifier is not None:
         metrics.update(notifications_sent=notifier.sent)
@@ -261,10 +286,13 @@ def _read_back(pool: BenchPool, opts: cache_options.CacheOptions, run_id: str, w
 
 
 def _read(pool: BenchPool, opts: cache_options.CacheOptions, owners: Owners | None,
-          notes: NotifyReader | None) -> tuple[dict[str, Any], _Tally]:
+          notes: NotifyReader | None) -> tuple[dict[str, Any], _Tally, str | None]:
     """The reader role: gets of what the writer announced (when it announces), else random gets over
-    its published window; every hit's bytes checked."""
-    window = _read_window(pool.client, opts.namespace, _WAIT_FOR_WRITER_S)
+    its published window; every hit's bytes checked. Also why the run failed, if no announcement
+    arrived while the writer announced (None otherwise)."""
+    window = _read_window(pool.client, opts.namespace, _WAIT_FOR_WRITER_S, pool.peer_failed)
+    announced = AnnouncedSince()
+    announced.saw(window)
     blocks = BlockContent([int(s) for s in window.get("sizes") or [window["block_size"]]])
     tally = _Tally("cache reader", pool, blocks, ops=opts.ops, duration=opts.duration, owners=owners)
     pacer = Pacer(opts.target_qps)
@@ -289,16 +317,27 @@ def _read(pool: BenchPool, opts: cache_options.CacheOptions, owners: Owners | No
                     notified["gets"] += len(first)
                     notified["hits"] += sum(1 for k in first if k not in missing)
             if tally.tick():
-                window = _read_window(client, opts.namespace, _WAIT_FOR_WRITER_S)
-                if notes is not None:
-                    notes.run = window["run"]
+                window = _read_window(client, opts.namespace, _WAIT_FOR_WRITER_S, pool.peer_failed)
+                with shared:
+                    announced.saw(window)
+                    if notes is not None:
+                        notes.run = announced.run
 
     _in_threads(pool, opts.threads, loop)
     metrics = tally.finish()
     metrics.update(hits=tally.hits, writer_run=window["run"])
+    failure = None
     if notes is not None:
+        last = pool.client.get(_window_key(opts.namespace))  # (gone with a writer's worker that left: the one seen)
+        sent = announced.since(json.loads(last) if last is not None else window)
+        deadline = time.monotonic() + _NOTIFY_GRACE_S
+        while sent and not notes.received and time.monotonic() < deadline:
+            time.sleep(0.1)
         metrics.update(notes.metrics(), notified_gets=notified["gets"], notified_hits=notified["hits"])
-    return metrics, tally
+        if sent and not notes.received:
+            failure = (f"the writer announced {sent} batches of its run {announced.run} while this reader listened, "
+                       f"and no announcement arrived (stream kvtest-{opts.namespace}, namespace {opts.namespace!r})")
+    return metrics, tally, failure
 
 
 @contextmanager
@@ -333,12 +372,15 @@ def run(args: argparse.Namespace) -> int:
     with BenchPool(block_size=block, dram_bytes=dram, workers=opts.workers, cluster=opts.cluster,
                    ssd=opts.ssd, instance=inst) as pool, _notifications(pool, opts) as (notifier, reader):
         owners = Owners(pool.client, inst.worker_id) if inst is not None else None
+        failure = None
         if opts.role == "reader":
-            metrics, tally = _read(pool, opts, owners, reader)
+            metrics, tally, failure = _read(pool, opts, owners, reader)
         else:
             tally = _Tally(f"cache {opts.role}", pool, BlockContent(opts.sizes), ops=opts.ops, duration=opts.duration,
                            owners=owners)
             metrics = _write(pool, opts, tally, notifier)
+        wrong = metrics["wrong_blocks"] + metrics.get("readback_wrong_blocks", 0)
+        pool.failure = failure or (f"{wrong} blocks read back wrong" if wrong else None)  # told to a kvtest peer
         where = pool.where
     block = tally.blocks.size
     working_set = (64 << 20) if args.quick else (256 << 20)
@@ -350,6 +392,12 @@ def run(args: argparse.Namespace) -> int:
     ratios = {"get_vs_memcpy": gbps(tally.hit_bytes, tally.hit_time) / memcpy if tally.hit_time else 0.0}
     if opts.csv:
         kvtest_csv.write(opts.csv, _csv_rows(tally, metrics["seconds"]))
+    if inst is not None:
+        metrics["pairing"] = "failed" if pool.peer_failure or pool.failure else "ok"
     emit("cache", metrics, ratios, args.json, notes=f"{opts.role} on the {where}",
          latencies=tally.lat, timeline=tally.timeline)
-    return 1 if metrics["wrong_blocks"] or metrics.get("readback_wrong_blocks") else 0
+    if pool.failure:
+        print(f"kvpool bench cache: the {opts.role} failed: {pool.failure}", file=sys.stderr, flush=True)
+    if pool.peer_failure:
+        print(f"kvpool bench cache: the {opts.role}'s pairing failed: {pool.peer_failure}", file=sys.stderr, flush=True)
+    return 1 if pool.failure or pool.peer_failure else 0

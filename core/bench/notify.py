@@ -5,11 +5,15 @@ when a multi-node run starts: core imports no face.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol
 
+from ..errors import BenchError, KVPoolError
+from ..nats_creds import creds_dir
 from ..registry import load
 
-__all__ = ["IMPLEMENTATION", "Notifier", "NotifyReader", "open_notifier", "open_notify_reader"]
+__all__ = ["IMPLEMENTATION", "Notifier", "NotifyReader", "open_notifier", "open_notify_reader", "announce",
+           "AnnouncedSince"]
 
 IMPLEMENTATION = "kvpool.streams.kvtest_notify"
 
@@ -30,6 +34,9 @@ class NotifyReader(Protocol):
 
     run: str | None
 
+    received: int
+    """Announcements of the followed run received so far."""
+
     def take(self, n: int) -> list[str]:
         """Up to `n` announced keys not yet taken."""
         ...
@@ -49,3 +56,43 @@ def open_notify_reader(nats_url: str, namespace: str) -> NotifyReader:
     """A reader of `namespace`'s notifications from now on."""
     made: NotifyReader = load(f"{IMPLEMENTATION}:NotifyReader")(nats_url, namespace)
     return made
+
+
+def announce(notifier: Notifier, run: str, keys: list[str]) -> None:
+    """`notifier.announce(run, keys)`; its failure a BenchError that says what failed (and, with
+    KVPOOL_NATS_CREDS set, that its one NATS user serves every role of the run)."""
+    try:
+        notifier.announce(run, keys)
+    except KVPoolError as e:
+        creds = os.environ.get("KVPOOL_NATS_CREDS")
+        hint = (f" (KVPOOL_NATS_CREDS={creds} is the NATS user of every connection of this run: where it may not "
+                "publish to streams, name one that may, the client role's or the admin's, or unset it to use each "
+                f"role's own file in {creds_dir()})") if creds else ""
+        raise BenchError(f"the writer's announcement of {len(keys)} created blocks failed: "
+                         f"{type(e).__name__}: {e}{hint}") from e
+
+
+class AnnouncedSince:
+    """How many batches the writer announced while a reader listened, from the writer's key windows
+    (`announced`: its announcements so far; `seq`: its publishes of the window). Counted from the first
+    window of a run published after the reader began to follow that run: the one it read then may count
+    announcements made before it listened, which it never receives."""
+
+    def __init__(self) -> None:
+        self.run: str | None = None
+        self.seq = -1
+        self.base: int | None = None
+
+    def saw(self, window: dict[str, Any]) -> None:
+        """A window the reader read (and follows the run of, from now on)."""
+        if window["run"] != self.run:
+            self.run, self.seq, self.base = window["run"], int(window.get("seq", -1)), None
+        elif self.base is None and int(window.get("seq", -1)) > self.seq and "announced" in window:
+            self.base = int(window["announced"])
+
+    def since(self, window: dict[str, Any]) -> int:
+        """Announcements of the followed run since counting began, as `window` (a later one) says; 0
+        where it cannot tell (another run, a writer that does not announce or say so)."""
+        if window["run"] != self.run or self.base is None or "announced" not in window:
+            return 0
+        return int(window["announced"]) - self.base

@@ -7,6 +7,7 @@ import csv
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from kvpool.core.nats_server import free_port
@@ -37,7 +38,8 @@ def test_two_instances_writer_and_reader(tmp_path: Path) -> None:
     (tmp_path / "writer0.json").write_text(json.dumps(_instance(0, p0, p1)))
     (tmp_path / "reader1.json").write_text(json.dumps(_instance(1, p1, p0)))
     (tmp_path / "cache.json").write_text(json.dumps(SEED_TEST))
-    sizing = ["--cluster", f"nats://127.0.0.1:{free_port()}", "--block-size", "64KiB", "--dram-bytes", "64MiB"]
+    nats_port = free_port()  # the first instance starts a nats-server there
+    sizing = ["--cluster", f"nats://127.0.0.1:{nats_port}", "--block-size", "64KiB", "--dram-bytes", "64MiB"]
     writer = _start(tmp_path, "--config", "writer0.json", "--config", "cache.json", "--role", "writer",
                     "--duration", "10", *sizing)
     reader = _start(tmp_path, "--config", "reader1.json", "--config", "cache.json", "--role", "reader",
@@ -47,6 +49,9 @@ def test_two_instances_writer_and_reader(tmp_path: Path) -> None:
     assert r.rc == 0, r.err[-3000:]
     wm, rm = w.json["metrics"], r.json["metrics"]
     assert wm["instance"] == "kvtest-0" and rm["instance"] == "kvtest-1"
+    assert wm["pairing"] == rm["pairing"] == "ok"
+    # the lock that kept the two from both starting a nats-server is gone with them
+    assert not (Path(tempfile.gettempdir()) / f"kvpool-kvtest-nats-{nats_port}.lock").exists()
     assert "kvtest instance 1" in rm["pool"] and f"peer 127.0.0.1:{p0}" in rm["pool"]
     # hits split by the node that served them: both workers serve both instances
     assert wm["cross_node_hits"] > 0 and wm["local_hits"] > 0

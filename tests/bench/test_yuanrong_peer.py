@@ -40,7 +40,7 @@ def test_without_the_package_the_peer_says_how_to_install_it(monkeypatch: pytest
                                                              tmp_root: Path) -> None:
     monkeypatch.setitem(sys.modules, "yr", None)  # `import yr.datasystem` fails as if it were absent
     monkeypatch.setitem(sys.modules, "yr.datasystem", None)
-    with pytest.raises(BenchError, match=r"openyuanrong-datasystem.*pip install 'kvpool\[peers\]'"):
+    with pytest.raises(BenchError, match=r"openyuanrong-datasystem.*pip install -e '\.\[peers\]'"):
         yuanrong_peer.Worker().start()
     assert _left(tmp_root) == []
     assert not yuanrong_peer.available()
