@@ -73,6 +73,11 @@ def recording(keys: Sequence[bytes]) -> Iterator[Recorder]:
             _active.remove(rec)
 
 
+def recording_now() -> bool:
+    """Whether anyone records where same-node puts commit their keys (`recording`)."""
+    return bool(_active)
+
+
 def committed(info: WorkerInfo, keys: Sequence[bytes], offsets: np.ndarray, sizes: np.ndarray,
               versions: np.ndarray) -> None:
     """A same-node writer committed `keys` at `offsets` of worker `info`'s arena (all of them stored).

@@ -36,6 +36,15 @@ def _no_leaked_arena() -> Iterator[None]:
 
 
 @pytest.fixture
+def arena_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same-node puts of any size go through the arena, as large ones do (the tests of that path use
+    small blocks; a small put would otherwise go through the socket: `transport.SOCKET_PUT_BYTES`)."""
+    from kvpool.core import transport
+
+    monkeypatch.setattr(transport, "SOCKET_PUT_BYTES", -1)
+
+
+@pytest.fixture
 def nats(tmp_path: Path) -> Iterator[NatsServer]:
     server = NatsServer(tmp_path / "nats", port=0).start()
     yield server

@@ -23,6 +23,8 @@ from kvpool.core.shm_refs import recording
 from kvpool.core.shm_stage import Stager
 from kvpool.core.transport import ShmTransport
 
+pytestmark = pytest.mark.usefixtures("arena_only")  # (the arena's way, with small blocks)
+
 _KEYS = [f"k{i}".encode() for i in range(16)]
 _BLOCKS = [np.full(64 << 10, i, dtype=np.uint8) for i in range(16)]
 

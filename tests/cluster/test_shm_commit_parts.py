@@ -18,6 +18,8 @@ from kvpool.core.fastcopy import copy_into
 from kvpool.core.server import Worker
 from kvpool.core.transport import ShmTransport, TcpTransport
 
+pytestmark = pytest.mark.usefixtures("arena_only")  # (the arena's way, with small blocks)
+
 MiB = 1 << 20
 
 

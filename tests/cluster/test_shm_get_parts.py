@@ -13,6 +13,8 @@ from kvpool.core.errors import BufferSizeError, PoolUnavailable
 from kvpool.core.server import Worker
 from kvpool.core.transport import ShmTransport
 
+pytestmark = pytest.mark.usefixtures("arena_only")  # (the arena's way, with small blocks)
+
 
 def _leases_held(worker: Worker) -> int:
     return sum(len(c.leases) for c in list(worker._conns))

@@ -16,6 +16,8 @@ from kvpool.core.errors import PoolUnavailable
 from kvpool.core.server import Worker
 from kvpool.core.transport import ShmTransport
 
+pytestmark = pytest.mark.usefixtures("arena_only")  # (the arena's way, with small blocks)
+
 KiB, MiB = 1 << 10, 1 << 20
 
 

@@ -113,6 +113,7 @@ def test_close_stops_the_background_reader_before_the_mapping_goes(arena: DramAr
         _unmap(view)  # (would raise BufferError were the thread still in a call on the mapping)
 
 
+@pytest.mark.usefixtures("arena_only")  # (its put and get map the arena read-write and read-only)
 def test_a_clients_close_ends_its_background_readers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     populate = ArenaPages._populate
 

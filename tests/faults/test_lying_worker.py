@@ -266,6 +266,7 @@ SHM_REPLY = st.one_of(
 )
 
 
+@pytest.mark.usefixtures("arena_only")  # (the arena's replies, for small batches too)
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(op=st.sampled_from(["get", "put", "lease"]), n=st.integers(1, 3),
        replies=st.lists(SHM_REPLY, min_size=0, max_size=4))
@@ -277,6 +278,7 @@ def test_a_same_node_call_returns_or_raises_typed_and_touches_only_the_arena(
     _call_bounded(ShmTransport(shm_liar.address, timeout_s=TIMEOUT_S), op, n)
 
 
+@pytest.mark.usefixtures("arena_only")  # (the arena's replies, for small batches too)
 def test_the_same_node_liar_is_trusted_when_it_tells_the_truth(shm_liar: LyingWorker) -> None:
     """Its arena is mapped and its slots used (else every example above would stop at the handshake)."""
     assert shm_liar.arena is not None
