@@ -21,30 +21,25 @@ def _blocks(n: int, size: int, seed: int) -> list[np.ndarray]:
     return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
 
 
+def _round_trip(worker: Worker, t: ShmTransport, name: str, blocks: list[np.ndarray]) -> dict[str, int]:
+    """Put `blocks` and read them back through `t`; the requests of each kind the worker served for it."""
+    keys = [f"{name}{i}".encode() for i in range(len(blocks))]
+    before = _ops(worker)
+    t.batch_put(keys, blocks)
+    out = [np.zeros_like(b) for b in blocks]
+    assert t.batch_get_into(keys, out) == [b.nbytes for b in blocks]
+    assert all(np.array_equal(a, b) for a, b in zip(out, blocks))
+    wait_for(lambda: requests_of(worker, "lease") > before["lease"])  # (counted just after the answer)
+    return {op: n - before[op] for op, n in _ops(worker).items()}
+
+
 def test_a_small_put_goes_through_the_socket_and_a_large_one_through_the_arena(worker: Worker) -> None:
     t = ShmTransport(worker.unix_path)
     try:
         small = _blocks(4, 16 << 10, 1)
         assert sum(b.nbytes for b in small) <= SOCKET_PUT_BYTES
-        keys = [f"small{i}".encode() for i in range(4)]
-        before = _ops(worker)
-        t.batch_put(keys, small)
-        out = [np.zeros_like(b) for b in small]
-        assert t.batch_get_into(keys, out) == [b.nbytes for b in small]
-        assert all(np.array_equal(a, b) for a, b in zip(out, small))
-        wait_for(lambda: requests_of(worker, "lease") > before["lease"])  # (counted just after the answer)
-        used = {op: n - before[op] for op, n in _ops(worker).items()}
-        assert used == {"put": 1, "get": 0, "alloc": 0, "commit": 0, "lease": 1}
-
-        large = _blocks(8, 256 << 10, 2)  # 2 MiB: the arena's way
-        keys = [f"large{i}".encode() for i in range(8)]
-        before = _ops(worker)
-        t.batch_put(keys, large)
-        out = [np.zeros_like(b) for b in large]
-        assert t.batch_get_into(keys, out) == [b.nbytes for b in large]
-        assert all(np.array_equal(a, b) for a, b in zip(out, large))
-        wait_for(lambda: requests_of(worker, "lease") > before["lease"])
-        used = {op: n - before[op] for op, n in _ops(worker).items()}
+        assert _round_trip(worker, t, "small", small) == {"put": 1, "get": 0, "alloc": 0, "commit": 0, "lease": 1}
+        used = _round_trip(worker, t, "large", _blocks(8, 256 << 10, 2))  # 2 MiB: the arena's way
         assert used["put"] == used["get"] == 0 and used["commit"] >= 1 and used["lease"] >= 1
     finally:
         t.close()
