@@ -86,6 +86,10 @@ class Connection:
         (leases, reservations) ends with it, and ids it gave are not those of the next one."""
         self.info = WorkerInfo(worker_id="")
         """The worker's HELLO reply, from the last (re)connect; empty before the first."""
+        self.expect_id: str | None = None
+        """The worker id the member entry this connection serves names (a cluster's): another worker
+        answering at the address (one restarted there under a new id, while the old entry lingers) is
+        PoolUnavailable, never taken for it: what it holds was not placed by that entry's ranking."""
         self.checksum_failures = 0
         """Blocks received from this worker whose bytes failed their checksum (each served as a miss)."""
 
@@ -114,6 +118,9 @@ class Connection:
         self._sock = sock
         try:
             self.info = WorkerInfo.from_dict(self._handshake(sock))
+            if self.expect_id is not None and self.info.worker_id != self.expect_id:
+                raise PoolUnavailable(f"the worker at {self.address} is {self.info.worker_id!r}, not "
+                                      f"{self.expect_id!r}: that member entry is stale (sent nothing)")
         except BaseException:
             self.close()
             raise

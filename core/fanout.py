@@ -123,8 +123,9 @@ class FanOut:
                 del self._transports[worker_id]
             if known is None:
                 same_node = info.node_id == self.node_id and unix_socket_usable(info.unix)
-                known = (info.incarnation,
-                         connect(info.unix if same_node else info.tcp, self.token, self.timeout_s, self.tls_ca))
+                t = connect(info.unix if same_node else info.tcp, self.token, self.timeout_s, self.tls_ca)
+                t.expect_id = worker_id  # (a worker restarted there under another id is not this one)
+                known = (info.incarnation, t)
                 self._transports[worker_id] = known
         if stale is not None:
             stale.close()

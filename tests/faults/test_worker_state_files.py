@@ -161,3 +161,26 @@ def test_a_catch_up_takes_another_worker_at_a_peers_address_as_no_answer(tmp_pat
     finally:
         cache.close()
         w.stop()
+
+
+def test_a_client_never_takes_another_worker_at_a_members_address_for_it(tmp_path: Path) -> None:
+    """A worker killed and restarted at its address under a new id while its old member entry lingers:
+    a cluster's connection for the old entry is refused there (PoolUnavailable, nothing sent), so no put
+    the old entry's ranking placed lands on a worker that does not own its key."""
+    from kvpool.core.errors import PoolUnavailable
+
+    w = _small_worker(unix_path=str(tmp_path / "w.sock")).start()
+    try:
+        for address in (w.unix_path, w.address):
+            stale = connect(address)
+            stale.expect_id = "the-worker-that-was-here"
+            with pytest.raises(PoolUnavailable, match="stale"):
+                stale.batch_put([b"k"], [b"v" * 64])
+            stale.close()
+            right = connect(address)
+            right.expect_id = w.worker_id
+            right.batch_put([b"k"], [b"v" * 64])
+            right.close()
+        assert w.cache.stats().dram_blocks == 1  # the right one's put only
+    finally:
+        w.stop()
