@@ -154,8 +154,8 @@ def test_client_cut_from_one_worker_reads_nothing_stale(cluster: Cluster) -> Non
     assert all(v == 2 for v, a in zip(versions, acked) if a), versions  # nothing acknowledged was lost
     # A key whose put raised reads version 1 (h2 kept it), a miss (h2 dropped it as it caught up after the
     # re-election: the worker below was told of the failed put and logged it, `ReplicaState.supersede`),
-    # or version 2: a put that raised may still have been stored (its owner's answer came past the
-    # call's deadline; CI at de0f3a8, a loaded machine, read 2 for some). Never wrong bytes.
+    # or version 2: a put that raised may still have been stored (README; e.g. its owner's answer came
+    # past the call's deadline: CI at de0f3a8, a loaded machine, read 2 for some). Never wrong bytes.
     assert {v for v, a in zip(versions, acked) if not a} <= {1, 2, -1}, versions
 
 
