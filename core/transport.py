@@ -71,7 +71,11 @@ class TcpTransport(Connection):
         `_FRAMES_IN_FLIGHT` unanswered): the worker receives, hashes and commits one while the next is
         hashed and sent. A block the worker refuses fails alone; the error raised is the first failed
         block's."""
-        views = readable_all(buffers)
+        return self._put_views(keys, readable_all(buffers), pin_s, versions)
+
+    def _put_views(self, keys: Sequence[bytes], views: Sequence[memoryview], pin_s: float,
+                   versions: Sequence[int] | None) -> list[int]:
+        """`put_as_of` of the buffers' byte views (`readable_all`)."""
         lens = [v.nbytes for v in views]
         refuse_too_large(keys, lens, self.max_block)
         stamps = _stamps(versions, len(keys))
@@ -243,7 +247,7 @@ class ShmTransport(TcpTransport):
         views = readable_all(buffers)
         lens = [v.nbytes for v in views]
         if sum(lens) <= SOCKET_PUT_BYTES and not recording_now():
-            return super().put_as_of(keys, views, pin_s, versions)
+            return self._put_views(keys, views, pin_s, versions)
         refuse_too_large(keys, lens, self.max_block)
         budget = self.hello().max_reserve or P.MAX_DATA
         stamps = _stamps(versions, len(keys))
