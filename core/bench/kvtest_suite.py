@@ -178,42 +178,64 @@ def _one(opts: KvtestOptions, mode: str, size: int, address: str, run: str) -> d
     lock = threading.Lock()
     next_call = iter(range(opts.ops))
     set_keys = iter(range(1 << 62))
+    started = threading.Barrier(opts.threads + 1)  # the clock starts once every client is connected ...
+    ended: list[float] = []  # ... and stops at the last call's end, before the clients close
+    refused: list[PoolUnavailable] = []
 
     def loop(seed: int) -> None:
         nonlocal failed, moved
         rng = random.Random(seed)
         bufs = [np.empty(size, dtype=np.uint8) for _ in range(opts.batch_size)]
-        with PoolClient(mode="local", worker=address) as client:
+        with ExitStack() as stack:
+            try:
+                client = stack.enter_context(PoolClient(mode="local", worker=address))
+                client.exists(prefix)  # connected: a first call's setup is the client's, not the mode's
+            except PoolUnavailable as e:
+                refused.append(e)
+                started.abort()  # the others stop at the barrier rather than wait for this one
+                return
+            try:
+                started.wait()
+            except threading.BrokenBarrierError:
+                return
             while True:
                 with lock:
                     if next(next_call, None) is None:
+                        ended.append(time.perf_counter())
                         return
                     batch = [rng.choice(keys) if get else f"{prefix}{next(set_keys)}" for _ in range(opts.batch_size)]
                 data = None if get else [blocks.make(k) for k in batch]
                 pacer.wait()
                 t = time.perf_counter()
-                ok = True
+                ok, sizes = True, None
                 try:
                     if get:
                         sizes = client.batch_get_into(batch, bufs)
-                        ok = all(n == size and blocks.check(k, b, n) for k, n, b in zip(batch, sizes, bufs))
                     else:
                         client.batch_put(batch, data or [])
                 except (PoolUnavailable, ConfigError):
                     ok = False
-                seconds = time.perf_counter() - t
+                seconds = time.perf_counter() - t  # the call's latency; the bytes are checked after it
+                if sizes is not None:
+                    ok = all(n == size and blocks.check(k, b, n) for k, n, b in zip(batch, sizes, bufs))
                 with lock:
                     lat.append(seconds)
                     failed += not ok
                     moved += size * len(batch) if ok else 0
 
-    t0 = time.perf_counter()
     threads = [threading.Thread(target=loop, args=(i,), name=f"kvtest-{mode}-{i}") for i in range(opts.threads)]
     for t in threads:
         t.start()
+    try:
+        started.wait()
+    except threading.BrokenBarrierError:
+        pass  # a client could not connect
+    t0 = time.perf_counter()
     for t in threads:
         t.join()
-    return {"lat": lat, "failed": failed, "moved": moved, "seconds": time.perf_counter() - t0}
+    if refused:
+        raise PoolUnavailable(f"{mode}: {len(refused)} of {opts.threads} clients could not connect: {refused[0]}")
+    return {"lat": lat, "failed": failed, "moved": moved, "seconds": max(ended, default=time.perf_counter()) - t0}
 
 
 def _label(size: int) -> str:

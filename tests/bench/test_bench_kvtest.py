@@ -6,7 +6,11 @@ import csv
 import json
 from pathlib import Path
 
+import pytest
+
 from kvpool.core.bench import kvtest_csv
+from kvpool.core.bench.kvtest_suite import KvtestOptions, _one
+from kvpool.core.errors import PoolUnavailable
 from kvpool.core.nats_server import free_port
 
 
@@ -69,3 +73,11 @@ def test_bad_kvtest_configs_are_named(bench, tmp_path: Path) -> None:
         (tmp_path / "bad.json").write_text(json.dumps(cfg))
         ran = bench("kvtest", "--quick", "--config", str(tmp_path / "bad.json"))
         assert ran.rc == 2 and named in ran.err and "Traceback" not in ran.err, (cfg, ran.err)
+
+
+def test_clients_that_cannot_connect_end_the_mode_with_an_error() -> None:
+    """The clock starts once every client is connected: one that cannot connect stops the mode at
+    once with PoolUnavailable, rather than leaving the others waiting for it."""
+    opts = KvtestOptions(modes=["set_cross_node"], sizes=[16 << 10], threads=3, ops=10)
+    with pytest.raises(PoolUnavailable, match="of 3 clients could not connect: cannot connect to worker"):
+        _one(opts, "set_cross_node", 16 << 10, f"127.0.0.1:{free_port()}", "r")
