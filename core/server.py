@@ -5,14 +5,13 @@ connection, blocking sockets: block bytes go from the socket straight into arena
 slots straight to the socket. Same-node clients map the arena and exchange only small control
 messages (alloc/commit, lease/release). How connections are accepted, authenticated and timed is
 `kvpool.core.worker_serving`; what each request does is `kvpool.core.worker_ops`; the token and the
-challenge-response are `kvpool.core.auth`.
+challenge-response are `kvpool.core.auth`; what it keeps on disk about itself (its id, its alive stamp)
+and the sweep of dead workers' files is `kvpool.core.state_files`.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import re
 import secrets
 import socket
 import threading
@@ -20,19 +19,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .auth import load_or_create_token, private_dir, token_path, write_private
+from .auth import load_or_create_token, private_dir, token_path
 from .cache import TieredCache
 from .catch_up import AliveStamp, catch_up
 from .config import CacheConfig, WorkerConfig, default_node_id, default_state_dir
-from .errors import ConfigError, ListenError, PoolUnavailable, StorageError
+from .errors import ConfigError, ListenError, PoolUnavailable
 from .held_since import HeldSince
 from .metrics import WorkerMetrics
 from .stall_watch import StallWatch
+from .state_files import id_file, named_alive_stamp, stored_worker_id, sweep_dead_workers
 from .stats import CacheStats
 from .tenants import Tenant, TenantUsage, load_tenants
 from .worker_ops import RESERVE_SHARE, RequestHandlers
 
-__all__ = ["Worker", "is_local_only", "stored_worker_id"]
+__all__ = ["Worker", "is_local_only"]
 
 log = logging.getLogger("kvpool.worker")
 
@@ -64,125 +64,6 @@ def _unix_listener(path: str) -> socket.socket:
 def _holds(stats: CacheStats) -> bool:
     """Whether a cache holds any block, in any tier."""
     return stats.dram_blocks + stats.ssd_blocks + stats.device_blocks > 0
-
-
-def _id_file(cache: CacheConfig) -> Path | None:
-    """Where a worker keeps its id, and its alive and held-since stamps beside it: by its SSD tier (the id
-    follows the blocks). None without one: a restart holds no block, so no id needs to outlive the
-    worker; it takes a new one each start (unless configured) and leaves no file behind."""
-    return Path(cache.ssd_path) / "kvpool-worker-id" if cache.ssd_path else None
-
-
-def _named_alive_stamp(worker_id: str) -> AliveStamp:
-    """The alive stamp of a cluster worker without an SSD tier whose id is configured (`--worker-id`): a
-    restart under that id must not vouch for what its last run accepted (`kvpool.core.catch_up`), so it
-    is kept in the state dir by id: one small file per name ever configured (a hash for a name unfit
-    for a file), where per-port files grew with every start on a new port."""
-    fit = re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}", worker_id)
-    name = worker_id if fit else hashlib.sha256(worker_id.encode()).hexdigest()[:32]
-    folder = default_state_dir()
-    private_dir(folder, tighten=True)
-    return AliveStamp(folder / f"worker-id-{name}.alive")
-
-
-_PORT_FILE = re.compile(r"worker-(\d+)\.(?:sock|id|alive|held)")
-"""What a worker without an SSD tier leaves in the state dir by its TCP port: its Unix socket (after a
-kill -9), and, from releases that kept them there, its id and alive and held-since stamps."""
-
-
-def _sweep_dead_workers(folder: Path) -> int:
-    """Remove from `folder` (the state dir) the per-port files of workers that no longer run; returns how
-    many. A port's files are a live worker's while something listens on the port (in this network
-    namespace) or its Unix socket there answers (a worker in another namespace sharing the folder); if
-    neither can be told, they are kept. A worker with an SSD tier keeps its files beside it, never here."""
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return 0
-    by_port: dict[int, list[str]] = {}
-    for name in names:
-        m = _PORT_FILE.fullmatch(name)
-        if m:
-            by_port.setdefault(int(m.group(1)), []).append(name)
-    listening = _listening_ports() if by_port else set()
-    swept = 0
-    for port, files in by_port.items():
-        if listening is not None and port in listening:
-            continue
-        answers = _unix_answers(folder / f"worker-{port}.sock")
-        if answers or (answers is None and listening is None):
-            continue
-        if answers is False:  # it may be one a worker binds right now: that one listens on its TCP port first
-            again = _listening_ports()
-            if again is None or port in again:
-                continue
-        for name in files:
-            try:
-                os.unlink(folder / name)
-                swept += 1
-            except OSError as e:  # gone already (another start swept it), or not ours to remove
-                log.debug("%s not removed: %s", folder / name, e)
-    return swept
-
-
-def _listening_ports() -> set[int] | None:
-    """The TCP ports something listens on in this network namespace (the kernel's tables); None where
-    they cannot be read (not Linux)."""
-    ports: set[int] = set()
-    read = False
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                lines = f.read().splitlines()[1:]
-        except OSError:  # no IPv6, or no /proc
-            continue
-        read = True
-        for line in lines:
-            fields = line.split()
-            if len(fields) > 3 and fields[3] == "0A":  # TCP_LISTEN; fields[1] is address:port in hex
-                ports.add(int(fields[1].rpartition(":")[2], 16))
-    return ports if read else None
-
-
-def _unix_answers(path: Path) -> bool | None:
-    """Whether a process listens on the Unix socket at `path` (a full backlog, or any doubt, counts as
-    yes); None if there is nothing at `path`."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.setblocking(False)  # a live worker's full backlog must not hold up this start
-    try:
-        sock.connect(str(path))
-    except FileNotFoundError:
-        return None
-    except ConnectionRefusedError:
-        return False
-    except OSError:
-        return True
-    finally:
-        sock.close()
-    return True
-
-
-def stored_worker_id(path: Path) -> str:
-    """The id saved at `path`, or a new random one saved there: a restart on the same state keeps its
-    id, so placement sends it the keys its SSD tier holds."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        pass
-    except OSError as e:  # a file where the folder should be, a link planted as the id file
-        raise StorageError(f"cannot read the worker id at {path}: {e.strerror or e}") from e
-    else:
-        with os.fdopen(fd) as f:
-            wid = f.read().strip()
-        if wid:
-            return wid
-    wid = secrets.token_hex(4)
-    try:
-        private_dir(path.parent, tighten=path.parent == default_state_dir())
-        write_private(path, wid + "\n", durable=True)
-    except OSError as e:  # a read-only or full disk, a file where the folder should be
-        raise StorageError(f"cannot save the worker id at {path}: {e.strerror or e}") from e
-    return wid
 
 
 def is_local_only(host: str) -> bool:
@@ -247,18 +128,18 @@ class Worker(RequestHandlers):
         except BaseException:
             self._tcp.close()
             raise
-        id_file = _id_file(cache_cfg)
+        id_path = id_file(cache_cfg)
         try:
-            swept = _sweep_dead_workers(default_state_dir())
+            swept = sweep_dead_workers(default_state_dir())
             if swept:
                 log.info("removed %d files that workers no longer running left in %s", swept, default_state_dir())
-            self.worker_id = cfg.worker_id or (stored_worker_id(id_file) if id_file else secrets.token_hex(4))
-            self._alive = (AliveStamp(id_file.with_suffix(".alive")) if id_file else
-                           _named_alive_stamp(cfg.worker_id) if cfg.worker_id and cfg.nats_url else None)
+            self.worker_id = cfg.worker_id or (stored_worker_id(id_path) if id_path else secrets.token_hex(4))
+            self._alive = (AliveStamp(id_path.with_suffix(".alive")) if id_path else
+                           named_alive_stamp(cfg.worker_id) if cfg.worker_id and cfg.nats_url else None)
             self._catching_up = threading.Lock()
             self._beats = 0  # heartbeats that got through: a catch-up waits for one after the outage
             self.cache = TieredCache(cache_cfg, share_arena=True)
-            self._held = HeldSince(id_file.with_suffix(".held") if id_file else None, _holds(self.cache.stats()))
+            self._held = HeldSince(id_path.with_suffix(".held") if id_path else None, _holds(self.cache.stats()))
             self._member_since: float | None = None  # since when a member without a break; None: not yet
         except BaseException:
             self._close_listeners()

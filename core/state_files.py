@@ -1,0 +1,145 @@
+"""What a worker keeps on disk about itself: its id, its alive stamp, and the sweep of files that
+workers no longer running left in the state dir.
+
+A worker with an SSD tier keeps its id (and its alive and held-since stamps) beside that tier, since
+the id follows the blocks; one without holds nothing after a restart, so it takes a new id each start
+and leaves no file, but for a cluster worker with a configured id (one alive stamp per name). Each start
+removes the per-port files dead workers (of this and older releases) left in the state dir.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import secrets
+import socket
+from pathlib import Path
+
+from .auth import private_dir, write_private
+from .catch_up import AliveStamp
+from .config import CacheConfig, default_state_dir
+from .errors import StorageError
+
+__all__ = ["id_file", "named_alive_stamp", "sweep_dead_workers", "stored_worker_id"]
+
+log = logging.getLogger("kvpool.worker")
+
+
+def id_file(cache: CacheConfig) -> Path | None:
+    """Where a worker keeps its id, and its alive and held-since stamps beside it: by its SSD tier (the id
+    follows the blocks). None without one: a restart holds no block, so no id needs to outlive the
+    worker; it takes a new one each start (unless configured) and leaves no file behind."""
+    return Path(cache.ssd_path) / "kvpool-worker-id" if cache.ssd_path else None
+
+
+def named_alive_stamp(worker_id: str) -> AliveStamp:
+    """The alive stamp of a cluster worker without an SSD tier whose id is configured (`--worker-id`): a
+    restart under that id must not vouch for what its last run accepted (`kvpool.core.catch_up`), so it
+    is kept in the state dir by id: one small file per name ever configured (a hash for a name unfit
+    for a file), where per-port files grew with every start on a new port."""
+    fit = re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}", worker_id)
+    name = worker_id if fit else hashlib.sha256(worker_id.encode()).hexdigest()[:32]
+    folder = default_state_dir()
+    private_dir(folder, tighten=True)
+    return AliveStamp(folder / f"worker-id-{name}.alive")
+
+
+_PORT_FILE = re.compile(r"worker-(\d+)\.(?:sock|id|alive|held)")
+"""What a worker without an SSD tier leaves in the state dir by its TCP port: its Unix socket (after a
+kill -9), and, from releases that kept them there, its id and alive and held-since stamps."""
+
+
+def sweep_dead_workers(folder: Path) -> int:
+    """Remove from `folder` (the state dir) the per-port files of workers that no longer run; returns how
+    many. A port's files are a live worker's while something listens on the port (in this network
+    namespace) or its Unix socket there answers (a worker in another namespace sharing the folder); if
+    neither can be told, they are kept. A worker with an SSD tier keeps its files beside it, never here."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    by_port: dict[int, list[str]] = {}
+    for name in names:
+        m = _PORT_FILE.fullmatch(name)
+        if m:
+            by_port.setdefault(int(m.group(1)), []).append(name)
+    listening = _listening_ports() if by_port else set()
+    swept = 0
+    for port, files in by_port.items():
+        if listening is not None and port in listening:
+            continue
+        answers = _unix_answers(folder / f"worker-{port}.sock")
+        if answers or (answers is None and listening is None):
+            continue
+        if answers is False:  # it may be one a worker binds right now: that one listens on its TCP port first
+            again = _listening_ports()
+            if again is None or port in again:
+                continue
+        for name in files:
+            try:
+                os.unlink(folder / name)
+                swept += 1
+            except OSError as e:  # gone already (another start swept it), or not ours to remove
+                log.debug("%s not removed: %s", folder / name, e)
+    return swept
+
+
+def _listening_ports() -> set[int] | None:
+    """The TCP ports something listens on in this network namespace (the kernel's tables); None where
+    they cannot be read (not Linux)."""
+    ports: set[int] = set()
+    read = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:  # no IPv6, or no /proc
+            continue
+        read = True
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 3 and fields[3] == "0A":  # TCP_LISTEN; fields[1] is address:port in hex
+                ports.add(int(fields[1].rpartition(":")[2], 16))
+    return ports if read else None
+
+
+def _unix_answers(path: Path) -> bool | None:
+    """Whether a process listens on the Unix socket at `path` (a full backlog, or any doubt, counts as
+    yes); None if there is nothing at `path`."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)  # a live worker's full backlog must not hold up this start
+    try:
+        sock.connect(str(path))
+    except FileNotFoundError:
+        return None
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.close()
+    return True
+
+
+def stored_worker_id(path: Path) -> str:
+    """The id saved at `path`, or a new random one saved there: a restart on the same state keeps its
+    id, so placement sends it the keys its SSD tier holds."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # a file where the folder should be, a link planted as the id file
+        raise StorageError(f"cannot read the worker id at {path}: {e.strerror or e}") from e
+    else:
+        with os.fdopen(fd) as f:
+            wid = f.read().strip()
+        if wid:
+            return wid
+    wid = secrets.token_hex(4)
+    try:
+        private_dir(path.parent, tighten=path.parent == default_state_dir())
+        write_private(path, wid + "\n", durable=True)
+    except OSError as e:  # a read-only or full disk, a file where the folder should be
+        raise StorageError(f"cannot save the worker id at {path}: {e.strerror or e}") from e
+    return wid
