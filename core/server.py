@@ -16,6 +16,7 @@ import secrets
 import socket
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from .errors import ConfigError, ListenError, PoolUnavailable
 from .held_since import HeldSince
 from .metrics import WorkerMetrics
 from .stall_watch import StallWatch
-from .state_files import id_file, named_alive_stamp, stored_worker_id, sweep_dead_workers
+from .state_files import binding, id_file, named_alive_stamp, stored_worker_id, sweep_dead_workers
 from .stats import CacheStats
 from .tenants import Tenant, TenantUsage, load_tenants
 from .worker_ops import RESERVE_SHARE, RequestHandlers
@@ -43,13 +44,15 @@ def _unix_listener(path: str) -> socket.socket:
     """A listening Unix socket at `path`, created 0600: only this user's processes connect."""
     parent = Path(path).parent
     private_dir(parent, tighten=parent == default_state_dir())
-    if os.path.exists(path):
-        os.unlink(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)
     try:
-        sock.bind(path)
-        sock.listen(128)
+        # (in the state dir, which starts sweep: another worker's start does not remove it meanwhile)
+        with binding(parent) if parent == default_state_dir() else nullcontext():
+            if os.path.exists(path):
+                os.unlink(path)
+            sock.bind(path)
+            sock.listen(128)
     except OSError as e:
         sock.close()
         raise ListenError(f"cannot listen on the Unix socket {path}: {e.strerror or e}") from e

@@ -180,8 +180,9 @@ class PartedPut:
 class SpareSlots:
     """Slots one connection holds reserved for its next put of one shape (see the module's doc): asked
     for as a put ends (`ask`, the answer left unread), read at the connection's next exchange
-    (`read_answer`), taken by the next put of that shape (`take`) or given back by one of another. All
-    three are called within a session (the connection's lock held); a closed connection's are forgotten
+    (`read_answer`), taken by the next put of that shape (`take`) or given back by one of another (by
+    `take`; by `give_back` where that put goes through the socket: `transport.SOCKET_PUT_BYTES`). All
+    are called within a session (the connection's lock held); a closed connection's are forgotten
     (`generation`: the worker freed them with it)."""
 
     def __init__(self) -> None:
@@ -226,6 +227,18 @@ class SpareSlots:
             return held[2]
         P.send_frame(sock, P.Op.ABORT, held[2].tobytes())
         return None
+
+    @property
+    def pending(self) -> bool:
+        """Whether slots are held, or asked for, on the connection (`give_back` would give some back)."""
+        return self._asked is not None or self._held is not None
+
+    def give_back(self, sock: socket.socket, generation: int) -> None:
+        """Give back the slots held (a put that takes another way: they are nobody's to use otherwise);
+        called after `read_answer`."""
+        held, self._held = self._held, None
+        if held is not None and held[1] == generation:
+            P.send_frame(sock, P.Op.ABORT, held[2].tobytes())
 
     def forget(self) -> None:
         """The connection closed: its slots are the worker's again."""

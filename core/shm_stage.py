@@ -484,7 +484,9 @@ class Stagers:
         if stager is None:
             if isinstance(backend, ClusterBackend) and not unix_socket_usable(where[0]):
                 return None  # another user's worker: reached over TCP
-            stager = self._stagers[info.worker_id] = Stager(ShmTransport(*where), info.arena)
+            transport = ShmTransport(*where)
+            transport.expect_id = info.worker_id  # another worker answering there (a restart) is not this one
+            stager = self._stagers[info.worker_id] = Stager(transport, info.arena)
         if not stager.fits(sizes):
             return None
         if isinstance(backend, ClusterBackend):

@@ -8,12 +8,16 @@ removes the per-port files dead workers (of this and older releases) left in the
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import re
 import secrets
 import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from .auth import private_dir, write_private
@@ -21,7 +25,7 @@ from .catch_up import AliveStamp
 from .config import CacheConfig, default_state_dir
 from .errors import StorageError
 
-__all__ = ["id_file", "named_alive_stamp", "sweep_dead_workers", "stored_worker_id"]
+__all__ = ["binding", "id_file", "named_alive_stamp", "sweep_dead_workers", "stored_worker_id"]
 
 log = logging.getLogger("kvpool.worker")
 
@@ -50,6 +54,30 @@ _PORT_FILE = re.compile(r"worker-(\d+)\.(?:sock|id|alive|held)")
 kill -9), and, from releases that kept them there, its id and alive and held-since stamps."""
 
 
+@contextmanager
+def binding(folder: Path, wait_s: float = 5.0) -> Iterator[None]:
+    """Held (a lock on a file in `folder`, the state dir) while a worker puts its Unix socket there and
+    while a start sweeps the folder: a sweep never removes a socket a worker bound after the sweep looked
+    at it. Only this user's processes can hold it (the folder is private); one that holds it longer than
+    `wait_s` (stopped in a debugger) is waited for no longer: the caller goes on without it, as before."""
+    fd = os.open(folder / ".kvpool-bind.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    log.warning("%s is held for over %.0f s: going on without it", folder / ".kvpool-bind.lock",
+                                wait_s)
+                    break
+                time.sleep(0.005)
+        yield
+    finally:
+        os.close(fd)  # (lets go of the lock)
+
+
 def sweep_dead_workers(folder: Path) -> int:
     """Remove from `folder` (the state dir) the per-port files of workers that no longer run; returns how
     many. A port's files are a live worker's while something listens on the port (in this network
@@ -64,7 +92,18 @@ def sweep_dead_workers(folder: Path) -> int:
         m = _PORT_FILE.fullmatch(name)
         if m:
             by_port.setdefault(int(m.group(1)), []).append(name)
-    listening = _listening_ports() if by_port else set()
+    if not by_port:
+        return 0
+    try:
+        with binding(folder):
+            return _sweep(folder, by_port)
+    except OSError as e:  # (a folder this user cannot write: nothing could be removed from it either)
+        log.debug("%s not swept: %s", folder, e)
+        return 0
+
+
+def _sweep(folder: Path, by_port: dict[int, list[str]]) -> int:
+    listening = _listening_ports()
     swept = 0
     for port, files in by_port.items():
         if listening is not None and port in listening:
@@ -72,7 +111,7 @@ def sweep_dead_workers(folder: Path) -> int:
         answers = _unix_answers(folder / f"worker-{port}.sock")
         if answers or (answers is None and listening is None):
             continue
-        if answers is False:  # it may be one a worker binds right now: that one listens on its TCP port first
+        if answers is False:  # it may be one a worker starts right now: that one listens on its TCP port first
             again = _listening_ports()
             if again is None or port in again:
                 continue

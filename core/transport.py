@@ -247,6 +247,9 @@ class ShmTransport(TcpTransport):
         views = readable_all(buffers)
         lens = [v.nbytes for v in views]
         if sum(lens) <= SOCKET_PUT_BYTES and not recording_now():
+            if self._spare.pending:  # slots a run of arena puts kept: this put will not use them
+                with self._session() as sock:
+                    self._spare.give_back(sock, self.generation)
             return self._put_views(keys, views, pin_s, versions)
         refuse_too_large(keys, lens, self.max_block)
         budget = self.hello().max_reserve or P.MAX_DATA

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import random
 import socket
@@ -36,6 +37,8 @@ from .measure import emit, gbps
 from .pacing import Pacer
 
 __all__ = ["MODES", "KvtestOptions", "add_arguments", "resolve", "run"]
+
+log = logging.getLogger("kvpool.bench")
 
 MODES = ("set_local", "get_local", "set_cross_node", "get_cross_node")
 _KEYS_PER_GET_MODE = 256
@@ -180,7 +183,7 @@ def _one(opts: KvtestOptions, mode: str, size: int, address: str, run: str) -> d
     set_keys = iter(range(1 << 62))
     started = threading.Barrier(opts.threads + 1)  # the clock starts once every client is connected ...
     ended: list[float] = []  # ... and stops at the last call's end, before the clients close
-    refused: list[PoolUnavailable] = []
+    refused: list[Exception] = []  # why clients could not connect
 
     def loop(seed: int) -> None:
         nonlocal failed, moved
@@ -190,7 +193,7 @@ def _one(opts: KvtestOptions, mode: str, size: int, address: str, run: str) -> d
             try:
                 client = stack.enter_context(PoolClient(mode="local", worker=address))
                 client.exists(prefix)  # connected: a first call's setup is the client's, not the mode's
-            except PoolUnavailable as e:
+            except Exception as e:  # the mode raises it (an AuthError stays one)
                 refused.append(e)
                 started.abort()  # the others stop at the barrier rather than wait for this one
                 return
@@ -234,7 +237,8 @@ def _one(opts: KvtestOptions, mode: str, size: int, address: str, run: str) -> d
     for t in threads:
         t.join()
     if refused:
-        raise PoolUnavailable(f"{mode}: {len(refused)} of {opts.threads} clients could not connect: {refused[0]}")
+        log.error("%s: %d of %d clients could not connect to %s", mode, len(refused), opts.threads, address)
+        raise refused[0]
     return {"lat": lat, "failed": failed, "moved": moved, "seconds": max(ended, default=time.perf_counter()) - t0}
 
 

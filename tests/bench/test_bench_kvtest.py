@@ -79,5 +79,5 @@ def test_clients_that_cannot_connect_end_the_mode_with_an_error() -> None:
     """The clock starts once every client is connected: one that cannot connect stops the mode at
     once with PoolUnavailable, rather than leaving the others waiting for it."""
     opts = KvtestOptions(modes=["set_cross_node"], sizes=[16 << 10], threads=3, ops=10)
-    with pytest.raises(PoolUnavailable, match="of 3 clients could not connect: cannot connect to worker"):
+    with pytest.raises(PoolUnavailable, match="cannot connect to worker"):
         _one(opts, "set_cross_node", 16 << 10, f"127.0.0.1:{free_port()}", "r")
