@@ -31,7 +31,8 @@ class KVPoolStore(_Base):
     """FastDeploy's `KVCacheStorage` contract on a kvpool `PoolClient`.
 
     Constructed by the patched cache transfer manager as
-    `KVPoolStore(namespace=<model dir name>, tp_rank=<rank>, tp_size=<ranks>)`, once per rank process.
+    `KVPoolStore(namespace=<model dir name>, tp_rank=<rank>, tp_size=<ranks>, cache_dtype=<its --cache_dtype>)`,
+    once per rank process.
     How the pool is reached comes from `KVPOOL_*` variables (`KVPOOL_MODE=embedded|local|cluster`,
     `KVPOOL_WORKER`, `KVPOOL_NATS_URL`, `KVPOOL_DRAM_BYTES`, ...), overridden by `pool_options`
     (any `PoolClient` keyword), or by passing a ready `client` (not closed by `close()`).
@@ -47,14 +48,18 @@ class KVPoolStore(_Base):
     """
 
     def __init__(self, namespace: str | None = None, tp_rank: int = 0, tp_size: int = 1, *,
-                 client: PoolClient | None = None, retry_s: float = 1.0, **pool_options: Any) -> None:
+                 cache_dtype: str | None = None, client: PoolClient | None = None, retry_s: float = 1.0,
+                 **pool_options: Any) -> None:
         super().__init__()
         self.namespace = namespace or ""
         self.tp_rank = tp_rank
         self.tp_size = tp_size
-        # keys are namespaced by model so that two models sharing a pool never read each other's
-        # blocks (FastDeploy's own keys carry the block hash and rank, not the model)
-        self._prefix = f"{self.namespace}/" if self.namespace else ""
+        # FastDeploy's own keys carry the block hash and the rank, not the model, the TP size or the KV
+        # dtype: keys are namespaced by all three, so that two deployments sharing a pool never read each
+        # other's blocks (a TP-2 rank's bf16 block is as large as a TP-1 block_wise_fp8 one)
+        self._prefix = "/".join([*([self.namespace] if self.namespace else []), f"tp{tp_size}",
+                                 *([cache_dtype] if cache_dtype else [])]) + "/"
+        self._short_logged = False
         self._owns_client = client is None
         connect = (lambda: client) if client is not None else (lambda: PoolClient(**pool_options))
         self._io = HostIO(connect, logger=log, retry_s=retry_s)
@@ -81,9 +86,20 @@ class KVPoolStore(_Base):
                   target_sizes: Sequence[int] | None = None) -> list[int]:
         """Copy each block to pointer `target_locations[i]` (room for `target_sizes[i]` bytes). Per key:
         the bytes read (> 0), `Status.OBJECT_NOT_FOUND` (-704) on a miss, or another negative `Status`
-        (INVALID_PARAMS when the block is larger than the room given)."""
+        (INVALID_PARAMS when the block is larger or smaller than the room given: FastDeploy takes any
+        positive count as the whole block loaded, and its blocks are all of one size)."""
         locs, sizes = _check_lists(keys, target_locations, target_sizes)
-        return [int(s) for s in self._io.batch_get_into(self._keys(keys), locs, sizes)]
+        got = [int(s) for s in self._io.batch_get_into(self._keys(keys), locs, sizes)]
+        short = [i for i, (n, want) in enumerate(zip(got, sizes)) if 0 <= n != want]
+        if short:
+            if not self._short_logged:
+                self._short_logged = True
+                i = short[0]
+                log.warning("kvpool holds %s as %d bytes where FastDeploy reads %d: not loaded (a block of "
+                            "another layout under the same key; logged once)", keys[i], got[i], sizes[i])
+            for i in short:
+                got[i] = int(Status.INVALID_PARAMS)
+        return got
 
     def set(self, key: str, target_location: int | None = None, target_size: int | None = None) -> int:
         """`batch_set` of one key: 0 or a negative `Status`."""

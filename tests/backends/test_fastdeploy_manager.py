@@ -126,6 +126,7 @@ def make_manager(pkg: Path, tmp_path: Path, fp8: bool) -> Any:
     m.model_id = "ERNIE-4.5-0.3B-Paddle"
     m.num_layers, m.num_extra_layers, m.block_size, m.head_num, m.head_dim = LAYERS, 0, BLOCK, HEADS, DIM
     m.cache_item_bytes, m.scale_item_bytes, m.has_cache_scale = (1, 4, True) if fp8 else (2, 4, False)
+    m.cache_dtype = "block_wise_fp8" if fp8 else "bfloat16"
     m.key_cache_shape = m.value_cache_shape = [GPU_BLOCKS, HEADS, BLOCK, DIM]
     m.cache_scale_shape = [GPU_BLOCKS, HEADS, BLOCK]
     layer_block = (GPU_BLOCKS, HEADS * BLOCK * DIM * m.cache_item_bytes)
@@ -163,6 +164,7 @@ def test_write_back_then_read_through_fastdeploy_code(patched_pkg: Path, tmp_pat
     try:
         assert isinstance(m.storage_backend, KVPoolStore) and m.storage_backend_type == "kvpool"
         assert m.storage_backend.namespace == "ERNIE-4.5-0.3B-Paddle"
+        assert m.storage_backend._prefix == f"ERNIE-4.5-0.3B-Paddle/tp1/{m.cache_dtype}/"  # the layout names the keys
         assert len(m.storage_backend._io.buffers) == (4 if fp8 else 2)
         for group in gpu_tensors(m):
             for layer, t in enumerate(group):

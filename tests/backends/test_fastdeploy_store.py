@@ -218,7 +218,7 @@ def test_namespaces_keep_models_apart() -> None:
         assert a.batch_set(keys=["prefix_h_0_key"], target_locations=[buf.ptr], target_sizes=[4096]) == [0]
         assert a.exists(["prefix_h_0_key"]) == {"prefix_h_0_key": True}
         assert b.exists(["prefix_h_0_key"]) == {"prefix_h_0_key": False}
-        assert pool.batch_exists(["model-a/prefix_h_0_key"]) == [True]
+        assert pool.batch_exists(["model-a/tp1/prefix_h_0_key"]) == [True]  # model, TP size (, KV dtype)
         assert b.clear() and a.exists(["prefix_h_0_key"]) == {"prefix_h_0_key": False}  # clear is pool-wide
         a.close()
         assert pool.batch_exists(["x"]) == [False]  # a store does not close a client it was given
