@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import enum
+import functools
 import logging
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvpool.core import CapacityError, InvalidArgument, KVPoolError, PoolClient, PoolUnavailable, key_bytes
+from kvpool.core import CapacityError, InvalidArgument, KVPoolError, PartialPut, PoolClient, PoolUnavailable, key_bytes
 
 T = TypeVar("T")
 
@@ -113,13 +114,19 @@ class HostBuffers:
         return len(self._index[0])
 
 
+def _first(fn: Callable[[PoolClient, list[int]], list[int]], item: int, client: PoolClient) -> int:
+    """`fn`'s result for one item asked alone."""
+    return fn(client, [item])[0]
+
+
 class HostIO:
     """Block I/O between registered host buffers and the pool, with statuses instead of exceptions.
 
     `connect()` builds the PoolClient. A ConfigError from it raises here (a misconfiguration should be
     loud at start-up); an unreachable pool does not: it starts an outage. During an outage every call
     reports RPC_FAIL / a miss at once, without touching the pool, for `retry_s` seconds; then the next
-    call tries again. The first failure of each outage logs a warning, recovery logs once more.
+    call tries again (one that must connect anew does so in a thread of its own, and reports a miss
+    meanwhile). The first failure of each outage logs a warning, recovery logs once more.
     """
 
     def __init__(self, connect: Callable[[], PoolClient] | None, *, logger: logging.Logger,
@@ -133,6 +140,7 @@ class HostIO:
         self._retry_at = 0.0 if connect is not None else float("inf")  # no connect: closed until replaced
         self._outage = False
         self._logged: set[str] = set()
+        self._reconnecting: threading.Thread | None = None
         self._started = False
         self._pool()
         self._started = True
@@ -145,26 +153,59 @@ class HostIO:
     # ----- the fail-soft boundary ------------------------------------------------------------
 
     def _pool(self) -> PoolClient | None:
-        """The client, or None during an outage's back-off."""
+        """The client, or None during an outage's back-off, or while a new one connects. The first is
+        made at start-up, in the caller's thread; one made again after a failure (a cluster client may
+        wait seconds for NATS) is made in a thread of its own (`_reconnect`): no engine call waits on it."""
         if self._client is not None and not self._outage:
             return self._client
         with self._lock:
             if time.monotonic() < self._retry_at:
                 return None
             if self._client is None and self._connect is not None:
+                if self._started:
+                    if self._reconnecting is None:
+                        self._reconnecting = threading.Thread(target=self._reconnect, name="kvpool-reconnect",
+                                                              daemon=True)
+                        self._reconnecting.start()
+                    return None
                 try:
                     self._client = self._connect()
                 except (KVPoolError, OSError) as e:
-                    if not self._started and status_of(e) != Status.RPC_FAIL:
+                    if status_of(e) != Status.RPC_FAIL:
                         raise  # a misconfiguration (ConfigError, ...): loud, at start-up
                     self._failed(e)
                     self._retry_at = time.monotonic() + self.retry_s
             return self._client
 
+    def _reconnect(self) -> None:
+        """Make the client again (`_pool`); the thread ends with the attempt, which the client's own
+        timeouts bound. A client made after `close` is closed at once."""
+        client: PoolClient | None = None
+        try:
+            assert self._connect is not None
+            client = self._connect()
+        except Exception as e:  # (anything: it must reach no engine thread, and the next attempt must come)
+            with self._lock:
+                if not self.closed:
+                    self._failed(e)
+                    self._retry_at = time.monotonic() + self.retry_s
+        finally:
+            with self._lock:
+                self._reconnecting = None
+                if client is not None and not self.closed:
+                    self._client, client = client, None
+            if client is not None:
+                client.close()
+
     def _failed(self, err: BaseException) -> Status:
-        """Report `err` once; an unreachable pool starts (or extends) an outage."""
+        """Report `err` once; an unreachable pool starts (or extends) an outage (not a `PartialPut`: the
+        workers that stored their blocks still serve)."""
         st = status_of(err)
         why = str(err)  # log text, not the error: a record must not keep its traceback (and sockets) alive
+        if isinstance(err, PartialPut):  # some owner did not store its blocks in time; the others did
+            self.once("partial put", "kvpool: %s: the put reported as RPC_FAIL, no outage (later ones are "
+                      "logged at debug level)", why)
+            return st
         if st == Status.RPC_FAIL:
             self._retry_at = time.monotonic() + self.retry_s
             if not self._outage:
@@ -265,17 +306,13 @@ class HostIO:
         if not idx:
             return out
         views = [p[0] if len(p) == 1 else np.concatenate(p) for p in parts]
-        st = self.call(lambda c: c.batch_put(raw, views), lambda s: s, proves=True)
-        if st is None:
-            return out
-        for n, i in enumerate(idx):
-            # one bad block fails the whole batch: redo them singly so each key gets its own status
-            out[i] = Status.RPC_FAIL if st == Status.RPC_FAIL else self._put_one(raw[n], views[n])
-        return out
 
-    def _put_one(self, key: bytes, view: np.ndarray) -> int:
-        st = self.call(lambda c: c.batch_put([key], [view]), lambda s: s, proves=True)
-        return Status.OK if st is None else st
+        def put(c: PoolClient, items: list[int]) -> list[int]:
+            c.batch_put([raw[n] for n in items], [views[n] for n in items])
+            return [Status.OK] * len(items)
+        for i, st in zip(idx, self._per_item(put, raw, proves=True)):
+            out[i] = st
+        return out
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """Copy each block to `ptrs[i]` (at most `sizes[i]` bytes): bytes read, or a negative Status per
@@ -311,16 +348,58 @@ class HostIO:
     def _get_views(self, idx: list[int], raw: list[bytes], dests: list[np.ndarray], out: list[int]) -> None:
         if not idx:
             return
-        got = self.call(lambda c: c.batch_get_into(raw, dests), lambda s: s)
-        for n, i in enumerate(idx):
-            if isinstance(got, list):
-                out[i] = got[n] if got[n] >= 0 else Status.OBJECT_NOT_FOUND
-            else:
-                out[i] = Status.RPC_FAIL if got == Status.RPC_FAIL else self._get_one(raw[n], dests[n])
 
-    def _get_one(self, key: bytes, view: np.ndarray) -> int:
-        n = self.call(lambda c: c.batch_get_into([key], [view])[0], lambda s: s)
-        return n if isinstance(n, Status) or n >= 0 else Status.OBJECT_NOT_FOUND
+        def get(c: PoolClient, items: list[int]) -> list[int]:
+            got = c.batch_get_into([raw[n] for n in items], [dests[n] for n in items])
+            return [n if n >= 0 else Status.OBJECT_NOT_FOUND for n in got]
+        for i, n in zip(idx, self._per_item(get, raw)):
+            out[i] = n
+
+    def _per_item(self, fn: Callable[[PoolClient, list[int]], list[int]], keys: list[bytes], *,
+                  proves: bool = False) -> list[int]:
+        """`fn(client, items)`'s result for each of `keys` (`items`: their indices), in one call where the
+        pool takes it; statuses instead of errors, as `call`'s. An error that names one of the keys
+        (`KVPoolError.key`: a block too large for its destination, or for the pool) fails that key alone
+        with its status, and the rest are asked again in one call; one that names none (and is no outage)
+        has each key asked alone, for its own status. A cluster put that only some owners stored (`PartialPut`)
+        fails the keys not stored, and starts no outage: the other workers still serve."""
+        out: list[int] = [Status.RPC_FAIL] * len(keys)
+        todo = list(range(len(keys)))
+        while todo:
+            pool = self._pool()
+            if pool is None:
+                return out
+            try:
+                got = fn(pool, todo)
+            except PartialPut as e:  # a cluster put some owner did not store in time: those keys fail
+                self._failed(e)
+                failed = set(e.failed)
+                for j, n in enumerate(todo):
+                    out[n] = Status.RPC_FAIL if j in failed else Status.OK  # (only puts raise it)
+                self._ok()  # (a worker answered)
+                return out
+            except (KVPoolError, OSError) as e:
+                st = self._failed(e)
+                if st == Status.RPC_FAIL:
+                    return out
+                named = getattr(e, "key", None)
+                bad = next((n for n in todo if keys[n] == named), None)
+                if bad is not None:
+                    out[bad] = st
+                    todo.remove(bad)
+                    continue
+                if len(todo) == 1:
+                    out[todo[0]] = st
+                    return out
+                for n in todo:
+                    out[n] = self.call(functools.partial(_first, fn, n), lambda s: s, proves=proves)
+                return out
+            if proves:
+                self._ok()
+            for n, r in zip(todo, got):
+                out[n] = r
+            return out
+        return out
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         """Presence of each key; False for a malformed key (logged once), all False when the pool

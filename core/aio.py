@@ -9,6 +9,7 @@ import os
 import random
 import ssl
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Literal, TypeVar
 
@@ -57,17 +58,32 @@ class LoopThread:
             self.loop.close()
 
 
+_WARNED: dict[tuple[str, str], float] = {}
+"""When each (logger, nats error line) was last logged as a warning."""
+_REPEAT_S = 60.0
+
+
 def nats_error_logger(log: logging.Logger) -> Callable[[Exception], Awaitable[None]]:
     """An `error_cb` for nats-py: one warning line per change of error. Its default logs a full
-    traceback on every reconnect attempt (twice a second while a server is down)."""
+    traceback on every reconnect attempt (twice a second while a server is down). A connection's first
+    error line is logged at debug level if another connection of the same logger warned of it within a
+    minute (a client made again and again while NATS is down)."""
     last = ""
 
     async def on_error(e: Exception) -> None:
         nonlocal last
         line = f"{type(e).__name__}: {e}"
-        if line != last:
-            log.warning("nats: %s", line)
-            last = line
+        if line == last:
+            return
+        first, last = not last, line
+        now = time.monotonic()
+        if first and now - _WARNED.get((log.name, line), -_REPEAT_S) < _REPEAT_S:
+            log.debug("nats: %s", line)
+            return
+        if len(_WARNED) > 256:  # (lines that name ports and addresses: kept few)
+            _WARNED.clear()
+        _WARNED[(log.name, line)] = now
+        log.warning("nats: %s", line)
 
     return on_error
 

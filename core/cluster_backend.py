@@ -22,7 +22,7 @@ from .buffers import byte_size, readable, readable_all
 from .cluster import Membership, rank
 from .config import default_node_id
 from .connection import DEFAULT_MAX_BLOCK, refuse_too_large
-from .errors import KVPoolError, PoolUnavailable
+from .errors import KVPoolError, PartialPut, PoolUnavailable
 from .fanout import FanOut, Transport
 from .missed_writes import MissedWrites
 from .nats_creds import redacted_url
@@ -303,8 +303,11 @@ class ClusterBackend:
             superseded = self._put_as_of(live, ranked, keys, buffers, pin_s, versions)
             if superseded:
                 again = [keys[i] for i in superseded]
-                self._put_as_of(live, [ranked[i] for i in superseded], again, [buffers[i] for i in superseded],
-                                pin_s, self._restamp(live, again, superseded, versions))
+                try:
+                    self._put_as_of(live, [ranked[i] for i in superseded], again, [buffers[i] for i in superseded],
+                                    pin_s, self._restamp(live, again, superseded, versions))
+                except PartialPut as e:  # (its indices are the batch's)
+                    raise PartialPut(str(e), failed=[superseded[j] for j in e.failed]) from None
         finally:  # (a put that failed may have reached an owner: the older copies go too)
             self._supersede(live, ranked, keys, versions)
 
@@ -340,8 +343,11 @@ class ClusterBackend:
                 stored[i] += 1
         self._missed(groups, answered, keys, [v - 1 for v in versions])  # (the put's own version stays welcome)
         if not all(stored):
-            raise PoolUnavailable(f"{stored.count(0)} of {len(keys)} blocks were stored by no live worker that "
-                                  "answered (one that did not answer in time may still store them)")
+            why = (f"{stored.count(0)} of {len(keys)} blocks were stored by no live worker that answered (one that "
+                   "did not answer in time may still store them)")
+            if any(stored):  # the others were: the caller may tell them apart
+                raise PartialPut(why, failed=[i for i, n in enumerate(stored) if not n])
+            raise PoolUnavailable(why)
         return sorted(superseded)
 
     def _restamp(self, live: dict[str, WorkerInfo], again: Sequence[bytes], idx: list[int],

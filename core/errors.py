@@ -55,6 +55,15 @@ class PoolTimeout(PoolUnavailable, TimeoutError):
     """An operation did not finish within its bound."""
 
 
+class PartialPut(PoolUnavailable):
+    """A cluster put some of whose blocks no live owner stored (an owner did not answer in time); the
+    others were stored. `failed`: the indices, in the batch, of those not stored."""
+
+    def __init__(self, message: str = "", *, failed: tuple[int, ...] | list[int] = ()) -> None:
+        super().__init__(message)
+        self.failed = list(failed)
+
+
 class AuthError(KVPoolError, PermissionError):
     """A connection failed to authenticate."""
 
