@@ -485,7 +485,8 @@ class Stagers:
             if isinstance(backend, ClusterBackend) and not unix_socket_usable(where[0]):
                 return None  # another user's worker: reached over TCP
             transport = ShmTransport(*where)
-            transport.expect_id = info.worker_id  # another worker answering there (a restart) is not this one
+            if isinstance(backend, ClusterBackend):  # another worker answering at a member's address (a
+                transport.expect_id = info.worker_id  # restart) is not that member: as the fan-out's connections
             stager = self._stagers[info.worker_id] = Stager(transport, info.arena)
         if not stager.fits(sizes):
             return None

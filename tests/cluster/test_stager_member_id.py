@@ -71,3 +71,41 @@ def _check(nats: NatsServer, procs: list[WorkerProcess]) -> None:
                 "the worker restarted at its address, which does not own the key")
         finally:
             stagers.close()
+
+
+def test_a_local_stager_follows_its_worker_through_a_restart(tmp_path: Path) -> None:
+    """Local mode names one worker, whatever its id: after it restarts (a DRAM-only worker takes a new id),
+    staged puts reach the new one, and read back as put (the old arena is never written)."""
+    w = WorkerProcess(tmp_path / "w", dram_bytes="16MiB", env=SMALL).wait_ready()
+    again: WorkerProcess | None = None
+    try:
+        with PoolClient(mode="local", worker=w.unix_path, timeout_s=5) as pool:
+            stagers = Stagers(pool)
+            try:
+                stager = stagers.for_keys([b"a"], [4096])
+                assert stager is not None
+                stager.put([b"a"], [memoryview(b"1" * 4096)])
+                stagers.settle()
+                w.kill()
+                again = WorkerProcess(w.state_dir, dram_bytes="16MiB", env=SMALL, port=w.port).wait_ready()
+                for attempt in range(3):  # the first may fail on the dead connection
+                    try:
+                        stager = stagers.for_keys([b"b"], [4096])
+                        assert stager is not None
+                        stager.put([b"b"], [memoryview(b"2" * 4096)])
+                        stagers.settle()
+                        break
+                    except PoolUnavailable:
+                        assert attempt < 2
+                for attempt in range(3):  # (the pool's own connection, too, may find the old worker gone)
+                    try:
+                        assert pool.get("b") == b"2" * 4096
+                        break
+                    except PoolUnavailable:
+                        assert attempt < 2
+            finally:
+                stagers.close()
+    finally:
+        for p in (w, again):
+            if p is not None:
+                p.stop(timeout=5)
