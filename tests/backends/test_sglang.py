@@ -262,3 +262,40 @@ def test_v1_without_the_flag_or_with_wrong_slots_fails_softly(make: Make, caplog
     assert v1.batch_set_v1(keys, src[:PAGE]) == [False, False]
     assert v1.batch_get_v1(keys, src[:PAGE + 1]) == [False, False]
     assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 2
+
+
+@pytest.mark.parametrize("v1", [0, 1])
+def test_empty_calls_are_empty_answers(make: Make, v1: int) -> None:
+    host = host_pool()
+    b = make(host, interface_v1=v1)
+    empty = torch.empty(0, dtype=torch.int64)
+    assert b.batch_exists([]) == 0
+    assert b.batch_get([]) == []
+    assert b.batch_set([], []) is True
+    if v1:
+        assert b.batch_set_v1([], empty) == []
+        assert b.batch_get_v1([], empty) == []
+
+
+def test_a_block_of_another_size_under_the_same_key_is_a_miss_and_leaves_the_page(
+        make: Make, spawn: Any) -> None:
+    """Another engine (another head count, same model name, layout and dtype) wrote the same key with a
+    larger and a smaller block: both pages read False, and the host pool's pages keep their bytes."""
+    worker = spawn()
+    host = host_pool()
+    b = make(host, mode="local", worker=worker.unix_path, interface_v1=1)
+    keys, src = _pages(host, 3)
+    assert b.batch_set_v1(keys, src) == [True] * 3
+    names = b._names(keys)
+    size = len(page_bytes(host, int(src[0])))
+    parts = len(names) // 3
+    with PoolClient(mode="local", worker=worker.unix_path) as c:
+        # page 0: every part twice as large; page 1: every part half as large
+        c.batch_put(names[:parts], [bytes([7]) * (2 * size // parts)] * parts)
+        c.batch_put(names[parts:2 * parts], [bytes([9]) * (size // parts // 2)] * parts)
+    dst = host.alloc(3 * PAGE)
+    got = b.batch_get_v1(keys, dst)  # (SGLang uses the pages up to the first False)
+    assert got == [False, False, True]
+    assert page_bytes(host, int(dst[2 * PAGE])) == page_bytes(host, int(src[2 * PAGE]))
+    # the tensor form sees the foreign blocks too: misses, not exceptions
+    assert b.batch_exists(keys) == 3  # present, but of another size: the get must say no

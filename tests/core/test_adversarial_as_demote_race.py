@@ -1,0 +1,65 @@
+"""A put or remove of a key whose older block is being written to SSD outside the cache's lock (the
+demoter's batch, or `flush`'s), and a kill -9 right after that write commits.
+
+The README promises that a replaced key's old SSD copy is deleted before the put that replaced it
+returns, and a removed key's before the remove returns, so that a kill -9 leaves a miss, never the
+older version. While the older block's write is in flight it is not yet in the SSD tier's index, so
+the put (or remove) finds nothing to delete and returns; the write then commits the old bytes, and
+`TierMoves.demote` only queues them for deletion (`mark_stale`), which the demoter does on its next
+turn. A kill -9 in between leaves the old copy in LMDB, and the restarted tier serves it.
+
+The kill is simulated at the exact instant: a copy of the SSD folder taken right after the write's
+transaction commits (what LMDB would hold if the process died then) is opened as a fresh tier."""
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvpool.core import TieredCache
+from kvpool.core.tiers.ssd import SsdStore
+
+from corehelp import payload
+
+SIZE = 64 << 10
+
+
+@pytest.mark.parametrize("change", ["put", "remove"])
+def test_a_change_made_while_the_old_block_is_flushed_survives_a_kill_right_after(
+        make_cache: Callable[..., TieredCache], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str) -> None:
+    ssd_dir, crashed = tmp_path / "ssd", tmp_path / "crashed"
+    cache = make_cache(ssd_path=str(ssd_dir))
+    cache.put("k", payload("k-v1", SIZE))
+
+    in_write, go_on = threading.Event(), threading.Event()
+    original = SsdStore.batch_put
+
+    def batch_put(store: SsdStore, items):  # type: ignore[no-untyped-def]
+        items = list(items)
+        if any(k == b"k" for k, _, _ in items) and not in_write.is_set():
+            in_write.set()
+            assert go_on.wait(10)
+            written = original(store, items)
+            shutil.copytree(ssd_dir, crashed, ignore=shutil.ignore_patterns("kvpool.lock"))  # kill -9 here
+            return written
+        return original(store, items)
+
+    monkeypatch.setattr(SsdStore, "batch_put", batch_put)
+    flusher = threading.Thread(target=cache.flush)  # the SIGTERM path; the demoter's batches go the same way
+    flusher.start()
+    assert in_write.wait(10)
+    if change == "put":
+        cache.put("k", payload("k-v2", SIZE))  # returns: acknowledged
+    else:
+        assert cache.remove("k")
+    go_on.set()
+    flusher.join(10)
+    monkeypatch.setattr(SsdStore, "batch_put", original)
+    assert cache.get("k") == (payload("k-v2", SIZE) if change == "put" else None)  # the live cache is right
+
+    again = make_cache(ssd_path=str(crashed))  # the worker restarted on what the kill left
+    stale = again.get("k") == payload("k-v1", SIZE)
+    assert not stale, f"after the {change} returned and a kill -9, the restarted tier serves the older block"
