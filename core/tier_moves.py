@@ -8,7 +8,6 @@ blocks waits for them instead of failing.
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -53,7 +52,7 @@ class TierMoves:
     def __init__(self, stack: TierStack) -> None:
         self._stack = stack
         self._writes = 0  # batches being written to SSD outside the lock, each holding its blocks leased
-        self._written = threading.Condition(stack.lock)  # notified as each lets go of them
+        self._written = stack.written  # notified as each lets go of them
 
     def alloc(self, n: int) -> int:
         """A DRAM slot for `n` bytes, evicting (demoting) synchronously if the demoter fell behind, and
@@ -111,14 +110,21 @@ class TierMoves:
 
     def begin_write(self, blocks: list[DramBlock]) -> None:
         """Hold `blocks` leased for a `demote` outside the lock. Lock held."""
+        writing = self._stack.writing
         for b in blocks:
             self._stack.dram.lease(b)
+            writing[b.key] = writing.get(b.key, 0) + 1
         self._writes += 1
 
     def end_write(self, blocks: list[DramBlock]) -> None:
         """Release the blocks of a `begin_write`; wake puts waiting for room. Lock held."""
+        writing = self._stack.writing
         for b in blocks:
             self._stack.dram.release(b)
+            if writing[b.key] > 1:
+                writing[b.key] -= 1
+            else:
+                del writing[b.key]
         self._writes -= 1
         self._written.notify_all()
 
@@ -197,7 +203,7 @@ class TierMoves:
             return None
         with stack.lock:
             size = ssd.size_of(k)
-            if size is None:
+            if size is None or size > dram.arena.max_block:  # (a tier written with larger slabs: a miss here)
                 return None
             try:
                 offset = self.alloc(size)

@@ -49,6 +49,12 @@ class TierStack:
         self.changes = ChangeLog()
         """Versioned puts and removes accepted, for peers that catch up (`kvpool.core.catch_up`)."""
         self._replaced = False  # a commit replaced an SSD copy since `delete_replaced`
+        self.writing: dict[bytes, int] = {}
+        """Keys of blocks being written to SSD outside the lock (`TierMoves.begin_write`), each with its
+        count of writes in flight: a copy written there is on SSD before the index knows of it."""
+        self.written = threading.Condition(self.lock)
+        """Notified as each such write ends (`TierMoves.end_write`)."""
+        self._awaited: set[bytes] = set()  # keys replaced while written: `delete_replaced` waits for them
         self._fence_floor = 0  # while fenced: the oldest version a read may serve (accepted since)
         self.fence_at = math.inf
         """Monotonic seconds after which reads are misses until pushed back (a worker's heartbeat
@@ -110,6 +116,9 @@ class TierStack:
             ssd.forget(key)
             ssd.mark_stale((key,))
             self._replaced = True  # deleted before the put returns (`delete_replaced`)
+        if key in self.writing and not block.on_ssd:  # an older copy lands on SSD at the write's end ...
+            self._awaited.add(key)  # ... and is deleted before the put returns too
+            self._replaced = True
         self.dram.insert(block)
         for listener in self.listeners:  # on_ssd: a promotion, the same bytes as the SSD copy
             (listener.copied if block.on_ssd else listener.stored)(key, "dram")
@@ -122,8 +131,15 @@ class TierStack:
         copy to be served after a restart. A full disk leaves them queued: the demoter retries."""
         if self._replaced and self.ssd is not None:
             self._replaced = False
+            self.await_writes(self._awaited)  # (each such write queues its copy for deletion as it ends)
+            self._awaited.clear()
             if not self.ssd.delete_stale():
                 self.demote_due.notify()
+
+    def await_writes(self, keys: set[bytes] | list[bytes]) -> None:
+        """Until no SSD write of a block of `keys` is in flight (at most one LMDB transaction each)."""
+        while any(k in self.writing for k in keys):
+            self.written.wait()
 
     def commit_many(self, blocks: list[DramBlock]) -> list[bool] | None:
         """`commit` of each block in bulk where nothing but DRAM can know their keys (no device tier
@@ -134,6 +150,7 @@ class TierStack:
         if (self.listeners or self.dram.pins or len(set(keys)) != len(keys) or not self.tombstones.none_of(keys)
                 or (self.clears and self.clears.newest >= min((b.version for b in blocks), default=0))
                 or (self.ssd is not None and not self.ssd.none_of(keys))
+                or (self.writing and any(map(self.writing.__contains__, keys)))
                 or (self.device is not None and any(map(self.device.__contains__, keys)))):
             return None
         stored = self.dram.insert_many(blocks)
@@ -242,6 +259,7 @@ class TierStack:
             found.append(hit)
         gone = [k for k, f in zip(keys, found) if f]
         if ssd is not None and gone:
+            self.await_writes(gone)  # a copy being written lands first, and goes with the others
             ssd.mark_stale(gone)
             ssd.delete_stale()  # a full disk leaves them queued: the demoter retries
         return found

@@ -107,6 +107,7 @@ class SsdStore:
         try:
             self._env = lmdb.open(str(self.path), map_size=self.map_size, subdir=True, sync=self.sync,
                                   metasync=self.sync, readahead=False, max_readers=512, lock=True, mode=0o600)
+            self._check_length(self._env)
             for name in ("data.mdb", "lock.mdb"):  # files an older version made 0644
                 f = self.path / name
                 if f.exists() and f.stat().st_uid == os.getuid() and f.stat().st_mode & 0o077:
@@ -115,6 +116,16 @@ class SsdStore:
             self.close()
             raise StorageError(f"cannot open the SSD tier at {self.path}: {e}") from e
         self._pid = os.getpid()
+
+    def _check_length(self, env: lmdb.Environment) -> None:
+        """StorageError if the data file is shorter than the pages its meta page says are in use (a copy
+        cut short, a truncated file): LMDB would map them anyway, and the first touch of one past the
+        end kills the process (SIGBUS), at every start."""
+        need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        have = (self.path / "data.mdb").stat().st_size
+        if have < need:
+            raise StorageError(f"it is damaged: data.mdb is {have} bytes where its meta page needs {need}; move "
+                               "the folder aside (its blocks are lost) and start again")
 
     @property
     def env(self) -> lmdb.Environment:

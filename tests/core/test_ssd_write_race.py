@@ -30,11 +30,17 @@ SIZE = 64 << 10
 @pytest.mark.parametrize("change", ["put", "remove"])
 def test_a_change_made_while_the_old_block_is_flushed_survives_a_kill_right_after(
         make_cache: Callable[..., TieredCache], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str) -> None:
-    ssd_dir, crashed = tmp_path / "ssd", tmp_path / "crashed"
+    ssd_dir = tmp_path / "ssd"
     cache = make_cache(ssd_path=str(ssd_dir))
     cache.put("k", payload("k-v1", SIZE))
 
-    in_write, go_on = threading.Event(), threading.Event()
+    in_write, go_on, returned = threading.Event(), threading.Event(), threading.Event()
+    kills: list[Path] = []  # copies of the SSD folder at instants after the change returned: a kill -9 there
+
+    def kill_now(name: str) -> None:
+        shutil.copytree(ssd_dir, tmp_path / name, ignore=shutil.ignore_patterns("kvpool.lock"))
+        kills.append(tmp_path / name)
+
     original = SsdStore.batch_put
 
     def batch_put(store: SsdStore, items):  # type: ignore[no-untyped-def]
@@ -43,23 +49,35 @@ def test_a_change_made_while_the_old_block_is_flushed_survives_a_kill_right_afte
             in_write.set()
             assert go_on.wait(10)
             written = original(store, items)
-            shutil.copytree(ssd_dir, crashed, ignore=shutil.ignore_patterns("kvpool.lock"))  # kill -9 here
+            if returned.is_set():  # the change was acknowledged before the older block landed
+                kill_now("killed-after-write")
             return written
         return original(store, items)
+
+    def make_the_change() -> None:
+        if change == "put":
+            cache.put("k", payload("k-v2", SIZE))
+        else:
+            assert cache.remove("k")
+        returned.set()  # acknowledged
+        kill_now("killed-after-return")
 
     monkeypatch.setattr(SsdStore, "batch_put", batch_put)
     flusher = threading.Thread(target=cache.flush)  # the SIGTERM path; the demoter's batches go the same way
     flusher.start()
     assert in_write.wait(10)
-    if change == "put":
-        cache.put("k", payload("k-v2", SIZE))  # returns: acknowledged
-    else:
-        assert cache.remove("k")
+    changer = threading.Thread(target=make_the_change)
+    changer.start()
+    changer.join(0.3)  # it returns now, or waits for the write in flight
     go_on.set()
+    changer.join(10)
     flusher.join(10)
     monkeypatch.setattr(SsdStore, "batch_put", original)
+    assert returned.is_set() and not changer.is_alive() and not flusher.is_alive()
     assert cache.get("k") == (payload("k-v2", SIZE) if change == "put" else None)  # the live cache is right
-
-    again = make_cache(ssd_path=str(crashed))  # the worker restarted on what the kill left
-    stale = again.get("k") == payload("k-v1", SIZE)
-    assert not stale, f"after the {change} returned and a kill -9, the restarted tier serves the older block"
+    assert kills
+    for folder in kills:
+        again = make_cache(ssd_path=str(folder))  # the worker restarted on what the kill left
+        stale = again.get("k") == payload("k-v1", SIZE)
+        assert not stale, f"after the {change} returned and a kill -9 ({folder.name}), the restarted tier serves " \
+            "the older block"
