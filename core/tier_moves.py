@@ -110,21 +110,14 @@ class TierMoves:
 
     def begin_write(self, blocks: list[DramBlock]) -> None:
         """Hold `blocks` leased for a `demote` outside the lock. Lock held."""
-        writing = self._stack.writing
         for b in blocks:
             self._stack.dram.lease(b)
-            writing[b.key] = writing.get(b.key, 0) + 1
         self._writes += 1
 
     def end_write(self, blocks: list[DramBlock]) -> None:
         """Release the blocks of a `begin_write`; wake puts waiting for room. Lock held."""
-        writing = self._stack.writing
         for b in blocks:
             self._stack.dram.release(b)
-            if writing[b.key] > 1:
-                writing[b.key] -= 1
-            else:
-                del writing[b.key]
         self._writes -= 1
         self._written.notify_all()
 
@@ -145,10 +138,16 @@ class TierMoves:
         if not blocks:
             return 0
         with stack.lock:
+            blocks = [b for b in blocks if b.live]  # (one replaced or removed since it was picked: not written)
+            if not blocks:
+                return 0
             superseded = ssd.supersede(b.key for b in blocks)
             incoming = sum(ssd.footprint(b.key, b.size) for b in blocks)
             if incoming <= ssd.capacity / 4 and self._trim_ssd(incoming):
                 ssd.delete_stale()  # room for this write first: LMDB refuses one that does not fit
+            writing = stack.writing  # a put or remove of one of these keys now waits for this write's end
+            for b in blocks:
+                writing[b.key] = writing.get(b.key, 0) + 1
         metas = list(map(block_meta, blocks))
         view = stack.dram.view
         items = [(b.key, m, view(b)) for b, m in zip(blocks, metas)]
@@ -157,10 +156,16 @@ class TierMoves:
         except CapacityError:
             with stack.lock:
                 ssd.unsupersede(superseded)  # the old copies are still there
+                self._written_out(blocks)
             return 0
+        except BaseException:
+            with stack.lock:
+                self._written_out(blocks)  # (whatever LMDB committed is found at the next start, as before)
+            raise
         finally:
             del items
         with stack.lock:
+            self._written_out(blocks)
             for b, meta in zip(blocks, metas):
                 if not b.live:
                     # Replaced, removed, expired or cleared while it was written outside the lock:
@@ -179,6 +184,17 @@ class TierMoves:
             stack.counters.demotions += len(blocks)
             self._trim_ssd()
         return len(blocks)
+
+    def _written_out(self, blocks: list[DramBlock]) -> None:
+        """The SSD write of `blocks` ended (its copies indexed, or queued for deletion, in the same hold of
+        the lock): puts and removes of their keys wait no longer. Lock held."""
+        writing = self._stack.writing
+        for b in blocks:
+            if writing[b.key] > 1:
+                writing[b.key] -= 1
+            else:
+                del writing[b.key]
+        self._written.notify_all()
 
     def _trim_ssd(self, incoming: int = 0) -> int:
         """Drop the first SSD blocks to go above the SSD tier's high watermark (`incoming`: bytes about

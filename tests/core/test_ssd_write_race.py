@@ -81,3 +81,39 @@ def test_a_change_made_while_the_old_block_is_flushed_survives_a_kill_right_afte
         stale = again.get("k") == payload("k-v1", SIZE)
         assert not stale, f"after the {change} returned and a kill -9 ({folder.name}), the restarted tier serves " \
             "the older block"
+
+
+def test_a_put_during_a_long_flush_waits_for_no_batch_but_its_keys(
+        make_cache: Callable[..., TieredCache], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flush writes in batches (one transaction each): a put of a key whose batch was written already
+    returns while a later batch is still being written."""
+    from kvpool.core import tier_moves
+
+    cache = make_cache(ssd_path=str(tmp_path / "ssd"))
+    for k in ("a", "b"):
+        cache.put(k, payload(f"{k}-v1", SIZE))
+    monkeypatch.setattr(tier_moves, "_FLUSH_BATCH_BYTES", SIZE)  # a batch a block
+    second, go_on = threading.Event(), threading.Event()
+    original, calls = SsdStore.batch_put, []
+
+    def batch_put(store: SsdStore, items):  # type: ignore[no-untyped-def]
+        items = list(items)
+        calls.append([k for k, _, _ in items])
+        if len(calls) == 2:
+            second.set()
+            assert go_on.wait(10)
+        return original(store, items)
+
+    monkeypatch.setattr(SsdStore, "batch_put", batch_put)
+    flusher = threading.Thread(target=cache.flush)
+    flusher.start()
+    try:
+        assert second.wait(10)
+        (first_key,) = calls[0]
+        done = threading.Event()
+        threading.Thread(target=lambda: (cache.put(first_key.decode(), payload("v2", SIZE)), done.set())).start()
+        assert done.wait(5), "the put waited for a batch that did not hold its key"
+    finally:
+        go_on.set()
+        flusher.join(10)
+    assert cache.get(first_key.decode()) == payload("v2", SIZE)
