@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import errno
 import json
 import os
 import secrets
@@ -105,9 +106,22 @@ def creds_path(role: Role, folder: str | os.PathLike[str] | None = None) -> Path
 
 def load_creds(path: str | os.PathLike[str]) -> NatsCreds:
     """The nkey seed, or user and password, in a credentials file; ConfigError naming the file if it is
-    not one."""
+    not one, or if it is a link, or another user's, or readable by others (as ssh does of a key: whoever
+    could write it picks the identity this process logs in as)."""
     try:
-        data: Any = json.loads(Path(path).read_text())
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise ConfigError(f"NATS credentials file {path}: {e.strerror or e}"
+                          + (" (a link: name the file itself)" if e.errno == errno.ELOOP else "")) from e
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            raise ConfigError(f"NATS credentials file {path} is owned by uid {st.st_uid} with mode "
+                              f"{stat.S_IMODE(st.st_mode):o}: it must be this user's (uid {os.getuid()}) and 0600 "
+                              f"(chmod 600 {path})")
+        raw = f.read(1 << 20)
+    try:
+        data: Any = json.loads(raw)
         if "nkey_seed" in data:
             creds = NatsCreds(str(data.get("user", "nkey")), None, str(path), seed=str(data["nkey_seed"]))
             creds.public_key  # noqa: B018 - a malformed seed is the file's error, said now, not at connect

@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .auth import private_dir
-from .errors import ListenError, PoolTimeout, PoolUnavailable
+from .auth import private_dir, write_private
+from .errors import ConfigError, ListenError, PoolTimeout, PoolUnavailable
 
 __all__ = ["binary", "server_env", "die_with_parent", "free_port", "NatsServer", "cluster_config"]
 
@@ -87,18 +87,17 @@ class NatsServer:
 
     def _config_file(self) -> Path:
         log = self.store_dir / "nats-server.log"
-        if not log.exists():  # made 0600 here: nats-server would make it 0640
+        try:  # made 0600 here (nats-server would make it 0640), never through a link
             os.close(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+        except OSError as e:
+            raise ConfigError(f"cannot open the nats-server log {log}: {e.strerror or e}") from e
         conf = self.store_dir / "nats-server.conf"
         # refused logins and denied publishes are logged by the server: keep its log beside the config
         text = (f"log_file: {json.dumps(str(self.store_dir / 'nats-server.log'))}\n"
                 "logfile_size_limit: 10MB\n" + (self.authorization or ""))
         if self.tls:
             text += f"tls {{\n  cert_file: {json.dumps(self.tls[0])}\n  key_file: {json.dumps(self.tls[1])}\n}}\n"
-        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(conf, 0o600)
+        write_private(conf, text)  # (0600, never through a link)
         return conf
 
     @property
@@ -116,7 +115,7 @@ class NatsServer:
         else:
             raise ListenError(f"something already listens on {self.host}:{self.port} (a nats-server an earlier run "
                               "left behind?): stop it, or choose another port")
-        private_dir(self.store_dir)
+        private_dir(self.store_dir, tighten=True)  # (another user's folder is refused: ConfigError)
         conf = ["-c", str(self._config_file())] if self.authorization or self.tls else []
         self.proc = subprocess.Popen(
             [binary(), *conf, "-js", "-sd", str(self.store_dir), "-a", self.host, "-p", str(self.port)],

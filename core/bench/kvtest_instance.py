@@ -32,6 +32,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
+from ..auth import private_dir
 from ..client import PoolClient
 from ..config import default_state_dir
 from ..errors import ConfigError, KVPoolError, PoolUnavailable
@@ -112,11 +113,12 @@ _LOCK_NAME = "kvpool-kvtest-nats-{port}.lock"
 
 @contextmanager
 def _port_lock(port: int) -> Iterator[None]:
-    """Held by one process at a time (of all that start a kvtest instance's NATS on `port`): an flock on
-    a file in the temp folder, which the holder removes before it lets go, so none is left behind. A
-    waiter that then gets the lock of the removed file finds the name gone (or naming a newer file)
-    and takes the lock again on what the name now names."""
-    path = Path(tempfile.gettempdir()) / _LOCK_NAME.format(port=port)
+    """Held by one process at a time (of this user's that start a kvtest instance's NATS on `port`): an
+    flock on a file in the state folder (private: in a shared temp folder another user could hold it for
+    ever), which the holder removes before it lets go, so none is left behind. A waiter that then gets
+    the lock of the removed file finds the name gone (or naming a newer file) and takes the lock again
+    on what the name now names."""
+    path = private_dir(default_state_dir(), tighten=True) / _LOCK_NAME.format(port=port)
     while True:
         fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
@@ -131,7 +133,7 @@ def _port_lock(port: int) -> Iterator[None]:
             try:
                 yield
             finally:
-                with contextlib.suppress(OSError):  # (another user's file in a sticky /tmp stays, still a lock)
+                with contextlib.suppress(OSError):
                     os.unlink(path)
             return
         finally:

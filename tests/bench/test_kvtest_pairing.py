@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +17,7 @@ import pytest
 
 from kvpool.core.bench import kvtest_instance
 from kvpool.core.client import PoolClient
+from kvpool.core.config import default_state_dir
 from kvpool.core.nats_creds import authorization, creds_dir, creds_path, ensure_creds
 from kvpool.core.nats_server import NatsServer, free_port
 from kvpool.core.procs import WorkerProcess
@@ -79,7 +79,7 @@ def _done(proc: subprocess.Popen[str]) -> Ran:
 
 
 def _lock(port: int) -> Path:
-    return Path(tempfile.gettempdir()) / f"kvpool-kvtest-nats-{port}.lock"
+    return default_state_dir() / f"kvpool-kvtest-nats-{port}.lock"  # (the instances' own: they inherit the env)
 
 
 def test_instances_join_the_authenticated_nats_of_kvpool_up(up: Up, tmp_path: Path) -> None:

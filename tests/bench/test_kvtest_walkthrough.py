@@ -7,9 +7,9 @@ import csv
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
+from kvpool.core.config import default_state_dir
 from kvpool.core.nats_server import free_port
 
 from benchhelp import Ran
@@ -51,7 +51,7 @@ def test_two_instances_writer_and_reader(tmp_path: Path) -> None:
     assert wm["instance"] == "kvtest-0" and rm["instance"] == "kvtest-1"
     assert wm["pairing"] == rm["pairing"] == "ok"
     # the lock that kept the two from both starting a nats-server is gone with them
-    assert not (Path(tempfile.gettempdir()) / f"kvpool-kvtest-nats-{nats_port}.lock").exists()
+    assert not (default_state_dir() / f"kvpool-kvtest-nats-{nats_port}.lock").exists()
     assert "kvtest instance 1" in rm["pool"] and f"peer 127.0.0.1:{p0}" in rm["pool"]
     # hits split by the node that served them: both workers serve both instances
     assert wm["cross_node_hits"] > 0 and wm["local_hits"] > 0

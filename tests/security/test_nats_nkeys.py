@@ -80,7 +80,21 @@ def test_password_users_still_work(state: Path, tmp_path: Path, monkeypatch: pyt
 def test_malformed_seed_is_named(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"user": "x", "nkey_seed": "SUnot-a-seed"}))
-    with pytest.raises(ConfigError, match=str(bad)):
+    bad.chmod(0o600)
+    with pytest.raises(ConfigError, match=f"{bad}: .*seed"):
         load_creds(bad)
+
+
+def test_a_credentials_file_others_can_read_or_a_link_is_refused(tmp_path: Path) -> None:
+    ensure_creds(tmp_path / "creds")
+    path = creds_path("client", tmp_path / "creds")
+    assert load_creds(path).public_key
+    link = tmp_path / "link.json"
+    link.symlink_to(path)
+    with pytest.raises(ConfigError, match="a link"):
+        load_creds(link)
+    path.chmod(0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        load_creds(path)
     with pytest.raises(ConfigError, match="has a password, not an nkey"):
         NatsCreds("u", "p").public_key  # noqa: B018 - the property raises
