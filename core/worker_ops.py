@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import time
 from collections.abc import Sequence
 from itertools import repeat
 from typing import Any, cast
@@ -94,7 +93,8 @@ class RequestHandlers(ConnectionServing):
         if not ok:
             why = "no HELLO before AUTH" if not conn.nonce else "a wrong or malformed proof"
             self.metrics.auth_failures.labels("token").inc()
-            time.sleep(self.throttle.failed(conn.peer, why))
+            if conn.gone.wait(self.throttle.failed(conn.peer, why)):  # (a shut connection waits no longer)
+                raise ConnectionError(f"connection from {conn.peer} shut while its failed AUTH was throttled")
             self._reply(conn, frame, P.pack_json({"error": "authentication failed"}), status=P.Status.AUTH_FAILED)
             raise ProtocolError(f"authentication failed from {conn.peer}: {why}")
         self.throttle.succeeded(conn.peer)

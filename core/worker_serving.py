@@ -73,6 +73,16 @@ class Conn:
         self.reserved: dict[int, int] = {}  # offset -> size
         self.leases: dict[int, BlockRef] = {}  # lease id -> block
         self.next_lease = 1
+        self.gone = threading.Event()
+        """Set once the worker shut the connection (`shut`): its thread's throttle wait ends with it."""
+
+    def shut(self, why: str = "") -> None:
+        """Shut the connection down from another thread (`why`: the watchdog's, or a displacement's): its
+        thread wakes from a blocked receive, or from the wait of a failed AUTH, and cleans up."""
+        if why:
+            self.closing = why
+        self.gone.set()
+        shutdown(self.sock)
 
 
 class ConnectionServing:
@@ -134,7 +144,7 @@ class ConnectionServing:
                 idle = [c for c in self._conns if not c.busy]
                 busy = len(self._conns) - len(idle)
             for c in idle:
-                shutdown(c.sock)
+                c.shut()
             if not busy and not idle:
                 break
             time.sleep(0.01)
@@ -191,7 +201,7 @@ class ConnectionServing:
 
     def _admit(self, sock: socket.socket, transport: str, authed: bool, peer: str) -> None:
         with self._conns_lock:
-            full = len(self._conns) >= self.config.max_connections
+            full = sum(not c.closing for c in self._conns) >= self.config.max_connections  # (the shut ones go)
             waiting = [c for c in self._conns if not c.authed and not c.closing]
         if full:
             self._refused(transport, "max_connections")
@@ -201,9 +211,8 @@ class ConnectionServing:
             # The oldest stranger makes room: a client with the token authenticates within a round
             # trip and so outlives any crowd of strangers, who only ever displace each other.
             oldest = min(waiting, key=lambda c: c.since)
-            oldest.closing = "displaced by a newer unauthenticated connection (max_unauthenticated)"
             self._refused(transport, "max_unauthenticated")
-            shutdown(oldest.sock)
+            oldest.shut("displaced by a newer unauthenticated connection (max_unauthenticated)")
         if transport == "tcp":
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
@@ -244,13 +253,13 @@ class ConnectionServing:
                 if c.closing:
                     continue
                 if not c.authed and now - c.since > cfg.auth_timeout_s:
-                    c.closing = f"not authenticated within auth_timeout_s ({cfg.auth_timeout_s} s)"
+                    why = f"not authenticated within auth_timeout_s ({cfg.auth_timeout_s} s)"
                 elif c.request_since and now - c.request_since > cfg.io_timeout_s:
-                    c.closing = f"a request not done within io_timeout_s ({cfg.io_timeout_s} s)"
+                    why = f"a request not done within io_timeout_s ({cfg.io_timeout_s} s)"
                 else:
                     continue
                 self.metrics.deadline_closes.labels("auth" if not c.authed else "io").inc()
-                shutdown(c.sock)
+                c.shut(why)
 
     def _accept_failed(self, transport: str, err: OSError) -> None:
         self.metrics.accept_errors.labels(transport).inc()
