@@ -46,9 +46,15 @@ request). No stream create/update: a stream's config can republish its messages 
 the server (past the user's publish permissions), so who may configure streams may write the member
 bucket (tests/security/test_nats_auth.py shows it)."""
 _KEEP_OFF = [f"$JS.API.STREAM.PURGE.KV_{MEMBERS_BUCKET}", "$JS.API.STREAM.PURGE.KVPOOL_EVENTS"]
+_WORKER_JS = [*(c for c in _USE_JS if not c.startswith("$JS.API.STREAM.PURGE")),
+              f"$JS.API.STREAM.CREATE.KV_{MEMBERS_BUCKET}", f"$JS.API.STREAM.UPDATE.KV_{MEMBERS_BUCKET}",
+              "$JS.API.STREAM.CREATE.KVPOOL_EVENTS"]
+"""A worker's JetStream calls: those of `_USE_JS` but purges, and the configuration of its own two streams
+(the member bucket, which it creates and raises to its TTL; the block events stream, which it creates):
+no other stream's (it could delete a user's stream, or make one that republishes into any subject)."""
 
 PERMISSIONS: dict[Role, dict[str, dict[str, list[str]]]] = {
-    "worker": {"publish": {"allow": ["$JS.API.>", f"$KV.{MEMBERS_BUCKET}.>", EVENTS_SUBJECTS, "$JS.ACK.>",
+    "worker": {"publish": {"allow": [*_WORKER_JS, f"$KV.{MEMBERS_BUCKET}.>", EVENTS_SUBJECTS, "$JS.ACK.>",
                                      "$JS.FC.>", "_INBOX.>"]},
                "subscribe": {"allow": ["_INBOX.>", f"$KV.{MEMBERS_BUCKET}.>", "kvpool.>"]}},
     "client": {"publish": {"allow": [*_USE_JS, STREAM_SUBJECTS, DEAD_LETTER_SUBJECTS, "_INBOX.>"],
