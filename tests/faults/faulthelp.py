@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from kvpool.core import KVPoolError
+from kvpool.core import KVPoolError, PoolUnavailable
 from kvpool.core.client import PoolClient
 from kvpool.core.procs import WorkerProcess
 
@@ -143,7 +143,8 @@ class Load:
             return fn(*args)
         except KVPoolError as e:
             with self._lock:
-                self.report.errors.append(f"{what}: {type(e).__name__}: {e}")
+                kind = f"PoolUnavailable ({type(e).__name__})" if isinstance(e, PoolUnavailable) else type(e).__name__
+                self.report.errors.append(f"{what}: {kind}: {e}")
             return e
         finally:
             took = time.monotonic() - t0
