@@ -7,7 +7,8 @@ Third-party exceptions (lmdb, sockets, nats) are translated at the boundary that
 from __future__ import annotations
 
 __all__ = ["KVPoolError", "InvalidKey", "InvalidArgument", "BlockTooLarge", "BufferSizeError", "CapacityError",
-    "PoolClosed", "PoolUnavailable", "PoolTimeout", "AuthError", "NamespaceError", "QuotaExceeded", "ProtocolError",
+    "PoolClosed", "PoolUnavailable", "PoolTimeout", "PartialPut", "AuthError", "NamespaceError", "QuotaExceeded",
+    "ProtocolError",
     "CorruptBlock", "ConfigError", "StorageError", "ListenError", "BenchError"]
 
 
