@@ -114,6 +114,10 @@ class HostBuffers:
         return len(self._index[0])
 
 
+_RECONNECT_WAIT_S = 1.0
+"""The longest `close` waits for a reconnect under way to end."""
+
+
 def _first(fn: Callable[[PoolClient, list[int]], list[int]], item: int, client: PoolClient) -> int:
     """`fn`'s result for one item asked alone."""
     return fn(client, [item])[0]
@@ -440,9 +444,15 @@ class HostIO:
         return self.call(clear_all, lambda st: int(st), proves=True)
 
     def close(self) -> None:
+        """Close the client. A reconnect under way (`_reconnect`) is waited for `_RECONNECT_WAIT_S` at
+        most, not for its whole attempt (an engine shutting down while NATS is down would wait up to the
+        cluster client's 10 s): past that, its thread ends with the attempt and closes what it made."""
         with self._lock:
             if self._client is not None:
                 self._client.close()
                 self._client = None
             self._retry_at = float("inf")  # closed: every later call reports RPC_FAIL
+            reconnecting = self._reconnecting
+        if reconnecting is not None:
+            reconnecting.join(_RECONNECT_WAIT_S)
 

@@ -316,6 +316,8 @@ class ShmTransport(TcpTransport):
             with suppress(PoolUnavailable):  # the caller's error is the one to raise
                 self._release(held, generation)
             raise
+        finally:
+            _let_go(views)
         self._release(held, generation)
 
     def _lease_reply(self, sock: socket.socket, n: int, pages: ArenaPages) -> tuple[np.ndarray, ...]:
@@ -417,6 +419,16 @@ class ShmTransport(TcpTransport):
                     pass  # a caller still holds a leased view; the mapping goes when it does
         finally:
             self._lock.release()
+
+
+def _let_go(views: list[memoryview | None]) -> None:
+    """Release leased views as their lease ends: a caller that kept one gets a ValueError on its next
+    use, never a slot the worker may have given to another block since (nor the mapping of an arena
+    whose worker is gone). One the caller exported (a numpy array over it) stays: the export holds it."""
+    for view in views:
+        if view is not None:
+            with suppress(BufferError):
+                view.release()
 
 
 def _copy_out(arena: memoryview, keys: Sequence[bytes], offsets: np.ndarray, sizes: np.ndarray,

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import signal
 import sys
+import threading
 from collections.abc import Callable
 
 from ..errors import ConfigError, PoolUnavailable
@@ -60,10 +62,19 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
 
 def _run(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run a bench command with its --report honoured. A bad option or an unreachable pool is one
-    line on stderr and exit status 2, not a traceback."""
+    line on stderr and exit status 2, not a traceback. SIGTERM (what `timeout` sends) unwinds as Ctrl-C
+    does: the suite's workers, servers and temporary folders go with it (exit status 130)."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if main else None
     try:
         with report.requested(getattr(args, "report", None)):
             return command(args)
     except (ConfigError, PoolUnavailable, report.ReportUnavailable) as e:
         print(f"kvpool bench {args.suite}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"kvpool bench {args.suite}: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ..errors import BenchError
-from ..nats_server import free_port
+from ..nats_server import die_with_parent, free_port
 
 __all__ = ["server", "serve", "put", "get"]
 
@@ -27,7 +27,8 @@ def server(timeout: float = 20.0) -> Iterator[int]:
     """The baseline in a child process (its own core, like a worker); yields its port once it listens."""
     port = free_port()
     # (not `-m` of this module: the package imports it first, and runpy warns that it runs it again)
-    proc = subprocess.Popen([sys.executable, "-c", f"from kvpool.core.bench.raw_socket import serve; serve({port})"])
+    proc = subprocess.Popen([sys.executable, "-c", f"from kvpool.core.bench.raw_socket import serve; serve({port})"],
+                            preexec_fn=die_with_parent())  # (gone with this process, however it ends)
     try:
         deadline = time.monotonic() + timeout
         while True:

@@ -45,6 +45,20 @@ def test_put_in_one_process_get_in_another_through_shared_memory(spawn):
                 assert v.readonly
 
 
+def test_a_leased_view_kept_past_its_lease_cannot_be_read(spawn):
+    """A view used after its lease ended could read a slot the worker gave to another block since: it
+    is released as the block exits (ValueError on use), unless the caller exported it (a numpy array
+    over it, which then holds it as it was)."""
+    w = spawn()
+    with PoolClient(mode="local", worker=w.unix_path) as c:
+        c.put("k", b"x" * 4096)
+        with c.batch_lease(["k"]) as views:
+            kept = views[0]
+            assert kept is not None and bytes(kept) == b"x" * 4096
+        with pytest.raises(ValueError):
+            bytes(kept)
+
+
 def test_remote_get_over_tcp_is_byte_exact(spawn):
     w = spawn()
     _put_from_child(w.address, 8, 1 << 20)
