@@ -53,8 +53,8 @@ def test_a_killed_up_leaves_no_nats_server_and_its_arena_is_swept_by_the_next_wo
                           env=env, stdout=log, stderr=subprocess.STDOUT)
     nats_pids: list[int] = []
     try:
-        log = tmp_path / "up.log"
-        assert _poll(lambda: "kvpool is up" in log.read_text(errors="replace") or up.poll() is not None, 60), \
+        up_log = tmp_path / "up.log"
+        assert _poll(lambda: "kvpool is up" in up_log.read_text(errors="replace") or up.poll() is not None, 60), \
             "kvpool up did not come up"
         assert up.poll() is None, (tmp_path / "up.log").read_text(errors="replace")[-2000:]
         nats_pids = [p for p in _children(up.pid) if b"nats-server" in Path(f"/proc/{p}/cmdline").read_bytes()]
