@@ -158,9 +158,11 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 Ctrl-C stops both.""", flush=True)
 
-    _wait_for_stop(done)
-    worker.stop()
-    nats.stop()
+    try:
+        _wait_for_stop(done)
+        worker.stop()
+    finally:
+        nats.stop()
     return 0
 
 

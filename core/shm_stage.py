@@ -48,6 +48,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 
 import numpy as np
 
@@ -513,6 +514,8 @@ class Stagers:
             raise failure
 
     def close(self) -> None:
-        for stager in self._stagers.values():
-            stager.close()
-        self._stagers.clear()
+        """Close every stager, each whatever the one before raised (a failure is raised once all are)."""
+        stagers, self._stagers = list(self._stagers.values()), {}
+        with ExitStack() as stack:
+            for stager in stagers:
+                stack.callback(stager.close)

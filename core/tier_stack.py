@@ -64,10 +64,10 @@ class TierStack:
         if share_arena:
             sweep_dead_arenas()  # what a kill -9'd worker on this node left
         arena = DramArena(cfg.dram_bytes, cfg.dram_slab_size, cfg.dram_name, cfg.prefault, shared=share_arena)
-        self.dram = DramTier(arena, cfg.policy, self.counters)
         self.ssd: SsdTier | None = None
         store: SsdStore | None = None
         try:
+            self.dram = DramTier(arena, cfg.policy, self.counters)
             if cfg.ssd_path:
                 store = SsdStore(cfg.ssd_path, cfg.ssd_map_size, cfg.ssd_sync)
                 self.ssd = SsdTier(store, cfg.policy)  # indexes what a previous run left
