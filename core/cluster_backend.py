@@ -345,8 +345,9 @@ class ClusterBackend:
         if not all(stored):
             why = (f"{stored.count(0)} of {len(keys)} blocks were stored by no live worker that answered (one that "
                    "did not answer in time may still store them)")
-            if any(stored):  # the others were: the caller may tell them apart
-                raise PartialPut(why, failed=[i for i, n in enumerate(stored) if not n])
+            if any(stored):  # the others were: the caller may tell them apart (those an owner held newer
+                # were not stored either: their put again, with a fresh version, is not made now)
+                raise PartialPut(why, failed=sorted({i for i, n in enumerate(stored) if not n} | superseded))
             raise PoolUnavailable(why)
         return sorted(superseded)
 

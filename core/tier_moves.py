@@ -138,20 +138,22 @@ class TierMoves:
         if not blocks:
             return 0
         with stack.lock:
-            blocks = [b for b in blocks if b.live]  # (one replaced or removed since it was picked: not written)
+            # one write of a key at a time (the one that ended first would queue the other's copy for
+            # deletion): one under way ends first; then none replaced or removed since it was picked
+            stack.await_writes([b.key for b in blocks])
+            blocks = [b for b in blocks if b.live]
             if not blocks:
                 return 0
             superseded = ssd.supersede(b.key for b in blocks)
             incoming = sum(ssd.footprint(b.key, b.size) for b in blocks)
             if incoming <= ssd.capacity / 4 and self._trim_ssd(incoming):
                 ssd.delete_stale()  # room for this write first: LMDB refuses one that does not fit
-            writing = stack.writing  # a put or remove of one of these keys now waits for this write's end
-            for b in blocks:
-                writing[b.key] = writing.get(b.key, 0) + 1
-        metas = list(map(block_meta, blocks))
-        view = stack.dram.view
-        items = [(b.key, m, view(b)) for b, m in zip(blocks, metas)]
+            stack.writing.update(b.key for b in blocks)  # a put or remove of one waits for this write's end
+        items: list[tuple[bytes, BlockMeta, memoryview]] = []
         try:
+            metas = list(map(block_meta, blocks))
+            view = stack.dram.view
+            items = [(b.key, m, view(b)) for b, m in zip(blocks, metas)]
             ssd.store.batch_put(items)
         except CapacityError:
             with stack.lock:
@@ -188,12 +190,7 @@ class TierMoves:
     def _written_out(self, blocks: list[DramBlock]) -> None:
         """The SSD write of `blocks` ended (its copies indexed, or queued for deletion, in the same hold of
         the lock): puts and removes of their keys wait no longer. Lock held."""
-        writing = self._stack.writing
-        for b in blocks:
-            if writing[b.key] > 1:
-                writing[b.key] -= 1
-            else:
-                del writing[b.key]
+        self._stack.writing.difference_update(b.key for b in blocks)
         self._written.notify_all()
 
     def _trim_ssd(self, incoming: int = 0) -> int:

@@ -49,9 +49,9 @@ class TierStack:
         self.changes = ChangeLog()
         """Versioned puts and removes accepted, for peers that catch up (`kvpool.core.catch_up`)."""
         self._replaced = False  # a commit replaced an SSD copy since `delete_replaced`
-        self.writing: dict[bytes, int] = {}
-        """Keys of blocks being written to SSD outside the lock (`TierMoves.begin_write`), each with its
-        count of writes in flight: a copy written there is on SSD before the index knows of it."""
+        self.writing: set[bytes] = set()
+        """Keys of blocks being written to SSD outside the lock (`TierMoves.demote`), one write of a key at
+        a time: a copy written there is on SSD before the index knows of it."""
         self.written = threading.Condition(self.lock)
         """Notified as each such write ends (`TierMoves.end_write`)."""
         self._awaited: set[bytes] = set()  # keys replaced while written: `delete_replaced` waits for them
@@ -259,18 +259,22 @@ class TierStack:
             found.append(hit)
         gone = [k for k, f in zip(keys, found) if f]
         if ssd is not None and gone:
-            self.await_writes(gone)  # a copy being written lands first, and goes with the others
-            ssd.mark_stale(gone)
+            ssd.mark_stale(gone)  # (before the wait: a newer copy written meanwhile is not marked)
+            self.await_writes(gone)  # a copy being written lands first (queued as it ends) and goes too
             ssd.delete_stale()  # a full disk leaves them queued: the demoter retries
         return found
 
     def clear(self) -> None:
         """Remove every block from every tier, and tell the listeners."""
+        writing = list(self.writing)
         self.dram.clear()
         if self.device is not None:
             self.device.clear()
         if self.ssd is not None:
             self.ssd.clear()
+            if writing:  # a copy being written lands after the clear (queued as it ends): it goes too
+                self.await_writes(writing)
+                self.ssd.delete_stale()
         for listener in self.listeners:
             listener.cleared()
 

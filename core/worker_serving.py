@@ -201,7 +201,9 @@ class ConnectionServing:
 
     def _admit(self, sock: socket.socket, transport: str, authed: bool, peer: str) -> None:
         with self._conns_lock:
-            full = sum(not c.closing for c in self._conns) >= self.config.max_connections  # (the shut ones go)
+            # (a stranger the worker shut goes at once: its thread waits on no lock, no disk; an
+            # authenticated one shut mid-request may be held up there, and still counts)
+            full = sum(c.authed or not c.closing for c in self._conns) >= self.config.max_connections
             waiting = [c for c in self._conns if not c.authed and not c.closing]
         if full:
             self._refused(transport, "max_connections")

@@ -76,5 +76,5 @@ def _run(command: Callable[[argparse.Namespace], int], args: argparse.Namespace)
         print(f"kvpool bench {args.suite}: interrupted", file=sys.stderr)
         return 130
     finally:
-        if main:
+        if main and previous is not None:  # (None: a handler set outside Python, which stays)
             signal.signal(signal.SIGTERM, previous)
