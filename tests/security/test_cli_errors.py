@@ -42,6 +42,7 @@ def test_refused_credentials_are_one_line(secured: NatsServer, tmp_path: Path) -
     assert "without credentials" in line
     wrong = tmp_path / "wrong.json"
     wrong.write_text('{"user": "kvpool-client", "password": "not-it"}')
+    wrong.chmod(0o600)  # (a credentials file others may read is refused before it is tried)
     line = _one_line(_kvpool(tmp_path, "status", "--nats-url", secured.url, "--nats-creds", str(wrong)),
                      "status", "AuthError")
     assert str(wrong) in line
