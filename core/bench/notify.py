@@ -47,8 +47,13 @@ class NotifyReader(Protocol):
 
 
 def open_notifier(nats_url: str, namespace: str) -> Notifier:
-    """The writer's side of `namespace`'s notifications, on the cluster at `nats_url`."""
-    made: Notifier = load(f"{IMPLEMENTATION}:Notifier")(nats_url, namespace)
+    """The writer's side of `namespace`'s notifications, on the cluster at `nats_url` (a failure to set
+    them up a BenchError that says what failed, as `announce`'s)."""
+    try:
+        made: Notifier = load(f"{IMPLEMENTATION}:Notifier")(nats_url, namespace)
+    except KVPoolError as e:
+        raise BenchError(f"the writer's notifications could not be set up: {type(e).__name__}: {e}{_creds_hint()}") \
+            from e
     return made
 
 
@@ -64,12 +69,16 @@ def announce(notifier: Notifier, run: str, keys: list[str]) -> None:
     try:
         notifier.announce(run, keys)
     except KVPoolError as e:
-        creds = os.environ.get("KVPOOL_NATS_CREDS")
-        hint = (f" (KVPOOL_NATS_CREDS={creds} is the NATS user of every connection of this run: where it may not "
-                "publish to streams, name one that may, the client role's or the admin's, or unset it to use each "
-                f"role's own file in {creds_dir()})") if creds else ""
         raise BenchError(f"the writer's announcement of {len(keys)} created blocks failed: "
-                         f"{type(e).__name__}: {e}{hint}") from e
+                         f"{type(e).__name__}: {e}{_creds_hint()}") from e
+
+
+def _creds_hint() -> str:
+    """With KVPOOL_NATS_CREDS set, that its one NATS user serves every role of the run."""
+    creds = os.environ.get("KVPOOL_NATS_CREDS")
+    return (f" (KVPOOL_NATS_CREDS={creds} is the NATS user of every connection of this run: where it may not "
+            "publish to streams, name one that may, the client role's or the admin's, or unset it to use each "
+            f"role's own file in {creds_dir()})") if creds else ""
 
 
 class AnnouncedSince:

@@ -116,7 +116,8 @@ def test_no_credentials_for_an_authenticated_nats_stop_the_run_at_once(
 def test_a_reader_whose_writer_failed_exits_non_zero(up: Up, tmp_path: Path,
                                                      spawn: Callable[..., WorkerProcess]) -> None:
     """The walkthrough as first found failing: the writer's bench client has only the worker role's
-    credentials (KVPOOL_NATS_CREDS), which may not publish its announcements, so it fails at its first;
+    credentials (KVPOOL_NATS_CREDS), which may neither configure its announcements' stream nor publish
+to it, so it fails before its first;
     the reader finds the window an earlier writer left in the pool and reads it to its end. (Both
     instances join workers already serving on their ports, so the pool's members, and where that
     window lives, stay put.)"""
