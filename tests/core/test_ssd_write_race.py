@@ -1,15 +1,15 @@
-"""A put or remove of a key whose older block is being written to SSD outside the cache's lock (the
-demoter's batch, or `flush`'s), and a kill -9 right after that write commits.
+"""A put, remove or clear of a key whose older block is being written to SSD outside the cache's lock
+(the demoter's batch, or `flush`'s), and a kill -9 right after.
 
 The README promises that a replaced key's old SSD copy is deleted before the put that replaced it
 returns, and a removed key's before the remove returns, so that a kill -9 leaves a miss, never the
-older version. While the older block's write is in flight it is not yet in the SSD tier's index, so
-the put (or remove) finds nothing to delete and returns; the write then commits the old bytes, and
-`TierMoves.demote` only queues them for deletion (`mark_stale`), which the demoter does on its next
-turn. A kill -9 in between leaves the old copy in LMDB, and the restarted tier serves it.
+older version. While the older block's write was in flight it was not yet in the SSD tier's index, so
+the put (or remove, or clear) found nothing to delete and returned; the write then committed the old
+bytes, queued for deletion only at the demoter's next turn, and a kill -9 in between left the old copy
+served after a restart. The change now waits for that write and deletes what it landed.
 
-The kill is simulated at the exact instant: a copy of the SSD folder taken right after the write's
-transaction commits (what LMDB would hold if the process died then) is opened as a fresh tier."""
+A kill is simulated at each instant after the change returned: a copy of the SSD folder (what LMDB
+would hold if the process died then) is opened as a fresh tier."""
 from __future__ import annotations
 
 import shutil
@@ -27,7 +27,7 @@ from corehelp import payload
 SIZE = 64 << 10
 
 
-@pytest.mark.parametrize("change", ["put", "remove"])
+@pytest.mark.parametrize("change", ["put", "remove", "clear"])
 def test_a_change_made_while_the_old_block_is_flushed_survives_a_kill_right_after(
         make_cache: Callable[..., TieredCache], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str) -> None:
     ssd_dir = tmp_path / "ssd"
@@ -57,8 +57,10 @@ def test_a_change_made_while_the_old_block_is_flushed_survives_a_kill_right_afte
     def make_the_change() -> None:
         if change == "put":
             cache.put("k", payload("k-v2", SIZE))
-        else:
+        elif change == "remove":
             assert cache.remove("k")
+        else:
+            cache.clear()  # (waits for the write under way too, and deletes what it lands)
         returned.set()  # acknowledged
         kill_now("killed-after-return")
 

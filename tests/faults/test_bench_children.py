@@ -12,27 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-
-def _children(pid: int) -> dict[int, str]:
-    out: dict[int, str] = {}
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            ppid = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == pid:
-                out[int(p)] = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, IndexError, ValueError):
-            pass
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+from prochelp import alive, children
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "kill9"])
@@ -44,16 +24,16 @@ def test_a_killed_transport_bench_leaves_no_raw_socket_server(tmp_path: Path, si
     try:
         deadline = time.monotonic() + 60
         while not raw and time.monotonic() < deadline and bench.poll() is None:
-            raw = [p for p, cmd in _children(bench.pid).items() if "raw_socket" in cmd]
+            raw = [p for p, cmd in children(bench.pid).items() if "raw_socket" in cmd]
             time.sleep(0.05)
         assert raw, "the bench never started its raw-socket server"
         time.sleep(0.3)  # it listens; the bench is starting its worker
         bench.send_signal(sig)
         bench.wait(30)
         deadline = time.monotonic() + 5
-        while _alive(raw[0]) and time.monotonic() < deadline:
+        while alive(raw[0]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(raw[0]), \
+        assert not alive(raw[0]), \
             f"the raw-socket server (pid {raw[0]}) outlived its bench ({signal.Signals(sig).name})"
         if sig == signal.SIGTERM:  # a SIGTERM (`timeout`) cleans up as Ctrl-C does: no state folder left
             left = sorted(p.name for p in tmp_path.glob("kvpool-bench-*"))
@@ -63,5 +43,5 @@ def test_a_killed_transport_bench_leaves_no_raw_socket_server(tmp_path: Path, si
             bench.kill()
             bench.wait()
         for pid in raw:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)

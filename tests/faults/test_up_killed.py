@@ -10,27 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+from prochelp import alive, children
+
 from kvpool.core.nats_server import free_port
 from kvpool.core.tiers.dram import arena_names
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                if int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(p))
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _poll(cond, timeout: float) -> bool:  # type: ignore[no-untyped-def]
@@ -57,13 +40,13 @@ def test_a_killed_up_leaves_no_nats_server_and_its_arena_is_swept_by_the_next_wo
         assert _poll(lambda: "kvpool is up" in up_log.read_text(errors="replace") or up.poll() is not None, 60), \
             "kvpool up did not come up"
         assert up.poll() is None, (tmp_path / "up.log").read_text(errors="replace")[-2000:]
-        nats_pids = [p for p in _children(up.pid) if b"nats-server" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        nats_pids = [p for p, cmd in children(up.pid).items() if "nats-server" in cmd]
         assert nats_pids
         left = arena_names(up.pid)
         assert left
         up.send_signal(signal.SIGKILL)
         up.wait()
-        assert _poll(lambda: not any(_alive(p) for p in nats_pids), 10), "nats-server outlived kvpool up"
+        assert _poll(lambda: not any(alive(p) for p in nats_pids), 10), "nats-server outlived kvpool up"
         assert arena_names(up.pid) == left  # nobody unlinked it yet: the next worker start must
         spawn()
         assert arena_names(up.pid) == set(), "a new worker did not sweep the killed kvpool up's arena"
@@ -75,7 +58,7 @@ def test_a_killed_up_leaves_no_nats_server_and_its_arena_is_swept_by_the_next_wo
             up.wait()
         log.close()
         for p in nats_pids:
-            if _alive(p):
+            if alive(p):
                 os.kill(p, signal.SIGKILL)
         for name in arena_names(up.pid):
             os.unlink(f"/dev/shm/{name}")
