@@ -47,7 +47,7 @@ def _unix_listener(path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)
     try:
-        # (in the state dir, which starts sweep: another worker's start does not remove it meanwhile)
+        # (in the state dir, which each worker start sweeps: a sweep does not remove it meanwhile)
         with binding(parent) if parent == default_state_dir() else nullcontext():
             if os.path.exists(path):
                 os.unlink(path)

@@ -53,7 +53,7 @@ class TierStack:
         """Keys of blocks being written to SSD outside the lock (`TierMoves.demote`), one write of a key at
         a time: a copy written there is on SSD before the index knows of it."""
         self.written = threading.Condition(self.lock)
-        """Notified as each such write ends (`TierMoves.end_write`)."""
+        """Notified as each such write ends (`TierMoves._written_out`), and as a batch's leases go (`end_write`)."""
         self._awaited: set[bytes] = set()  # keys replaced while written: `delete_replaced` waits for them
         self._fence_floor = 0  # while fenced: the oldest version a read may serve (accepted since)
         self.fence_at = math.inf
