@@ -85,6 +85,32 @@ class Conn:
         shutdown(self.sock)
 
 
+class SparseLog:
+    """Warnings of one kind at most one per `every_s` seconds, the rest at debug level and counted in the
+    next warning: a crowd of strangers the worker shuts (displaced, late to authenticate) must not
+    flood its log."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 60.0) -> None:
+        self._log, self._every_s = logger, every_s
+        self._lock = threading.Lock()
+        self._last = -every_s
+        self._skipped = 0
+
+    def log(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            due = now - self._last >= self._every_s
+            skipped = self._skipped if due else 0
+            self._last, self._skipped = (now, 0) if due else (self._last, self._skipped + 1)
+        if not due:
+            self._log.debug(msg, *args)
+        elif skipped:
+            self._log.warning(msg + " (and %d more like it since the last such warning, at debug level)",
+                              *args, skipped)
+        else:
+            self._log.warning(msg, *args)
+
+
 class ConnectionServing:
     """The connection half of a `Worker`: it accepts, authenticates and serves; `Worker` binds the
     listeners and sets the fields below before `_serve_in_background`."""
@@ -109,6 +135,7 @@ class ConnectionServing:
         self._acceptors: list[threading.Thread] = []  # one accept loop per listener
         self._accept_errors: dict[str, str] = {}  # transport -> the error last logged
         self._refusing: set[str] = set()  # connection limits already logged as reached
+        self._closed_log = SparseLog(log)  # connections the worker shut
         self.throttle = AuthThrottle()
         self._op_metrics: dict[int, tuple[Any, Any]] = {}  # op -> its labelled counter and histogram
         cfg = self.config
@@ -295,7 +322,7 @@ class ConnectionServing:
             log.warning("closed a TLS connection from %s: %s", conn.peer, conn.closing or e)
         except (ConnectionError, OSError):
             if conn.closing:  # the watchdog's doing, not the client's
-                log.warning("closed a %s connection: %s", conn.transport, conn.closing)
+                self._closed_log.log("closed a %s connection: %s", conn.transport, conn.closing)
         finally:
             conn.busy = False
             self._cleanup(conn)

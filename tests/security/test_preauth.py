@@ -6,15 +6,19 @@ connections wait to authenticate, a new one displaces the oldest, "so a client w
 gets in"; bad input closes that connection only, never the worker."""
 from __future__ import annotations
 
+import logging
 import socket
 import struct
 import time
 from pathlib import Path
 
+import pytest
+
 from kvpool.core import protocol as P
 from kvpool.core.client import PoolClient
 from kvpool.core.config import CacheConfig, WorkerConfig
 from kvpool.core.server import Worker
+from kvpool.core.worker_serving import SparseLog
 
 SMALL = {"dram_bytes": 32 << 20, "dram_slab_size": 1 << 20, "prefault": False}
 TOKEN = "the-pool-token-" + "x" * 40
@@ -93,3 +97,17 @@ def test_preauth_frames_are_bounded_and_refused_cleanly(tmp_path: Path) -> None:
             assert set(P.unpack_json(P.recv_frame(s).meta)) == {"auth", "nonce"}
     finally:
         w.stop()
+
+
+def test_a_crowd_of_shut_strangers_is_one_warning_a_minute(caplog: pytest.LogCaptureFixture) -> None:
+    """What the worker logs of the connections it shuts (displaced strangers, late authentications): one
+    warning, then debug lines counted into the next warning, so an attacker cannot flood the log."""
+    sparse = SparseLog(logging.getLogger("kvpool.test.sparse"), every_s=0.2)
+    with caplog.at_level(logging.WARNING, logger="kvpool.test.sparse"):
+        for i in range(50):
+            sparse.log("closed a tcp connection: %s", f"displaced {i}")
+        time.sleep(0.25)
+        sparse.log("closed a tcp connection: %s", "displaced again")
+    assert [r.getMessage() for r in caplog.records] == [
+        "closed a tcp connection: displaced 0",
+        "closed a tcp connection: displaced again (and 49 more like it since the last such warning, at debug level)"]
