@@ -9,9 +9,9 @@ import os
 import signal
 import sys
 import threading
-from typing import Any
+from typing import Any, cast
 
-from .registry import add_command
+from .registry import Subparsers, add_command
 
 __all__ = ["COMMANDS", "EXIT_ERROR", "PARENT_ENV", "cmd_worker", "cmd_up", "cmd_status", "build_parser", "main"]
 
@@ -201,10 +201,30 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated options (`--tok` for `--token`): each option is spelt whole, so the hiding of
+    secret-bearing ones (`_secrets_out_of_sight`) sees every one. Subcommands' parsers are of this class."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
+def _positive_seconds(text: str) -> float:
+    """An argparse type: seconds above 0 (not NaN)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: want a number of seconds above 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpool", description="kvpool: a shared, tiered KV-cache pool")
+    parser = _Parser(prog="kvpool", description="kvpool: a shared, tiered KV-cache pool")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = cast(Subparsers, parser.add_subparsers(dest="command", required=True))  # (of _Parser: see its doc)
     w = sub.add_parser("worker", help="serve this node's tiered cache to local and remote clients")
     _worker_args(w)
     w.set_defaults(func=cmd_worker)
@@ -225,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "default: in the state dir)")
     s.add_argument("--json", action="store_true")
     s.add_argument("--watch", action="store_true", help="live rates per worker, redrawn every --interval seconds")
-    s.add_argument("--interval", type=float, default=2.0, help="seconds between redraws with --watch (2)")
+    s.add_argument("--interval", type=_positive_seconds, default=2.0, help="seconds between redraws with --watch (2)")
     s.add_argument("--count", type=int, default=0, help="with --watch: stop after this many tables (0 = until Ctrl-C)")
     s.set_defaults(func=cmd_status)
     for name, module in COMMANDS.items():

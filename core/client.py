@@ -20,7 +20,7 @@ from typing import Any
 
 from .cache import TieredCache
 from .cluster_backend import ClusterBackend
-from .config import CacheConfig, default_state_dir, load
+from .config import CacheConfig, default_state_dir, load, section
 from .embedded_backend import EmbeddedBackend
 from .errors import ConfigError, InvalidArgument
 from .keys import Key, key_bytes, keys_bytes
@@ -36,6 +36,7 @@ MODES = ("embedded", "local", "cluster")
 PLACEMENTS = ("hash", "local")
 
 
+@section("client")
 @dataclasses.dataclass
 class ClientConfig:
     """How a PoolClient reaches the pool (environment: `KVPOOL_MODE`, `KVPOOL_WORKER`, ...)."""

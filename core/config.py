@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 import re
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, get_type_hints
 
 from .errors import ConfigError
 from .policies import EVICTION_POLICY
 
-__all__ = ["parse_size", "default_state_dir", "default_node_id", "read_file", "load", "CacheConfig", "WorkerConfig"]
+__all__ = ["parse_size", "default_state_dir", "default_node_id", "read_file", "load", "section", "SECTIONS",
+           "CacheConfig", "WorkerConfig"]
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -34,9 +36,11 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 def parse_size(value: str | int) -> int:
     """Bytes from an int or a string like `64KiB`, `1.5GB`, `1048576`."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"size {value!r} is not a number of bytes with an optional unit (KiB, MiB, GiB, GB)")
     if isinstance(value, int):
         return value
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", value)
     if not m or m.group(2).lower() not in _UNITS:
         raise ConfigError(f"size {value!r} is not a number of bytes with an optional unit (KiB, MiB, GiB, GB)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
@@ -62,21 +66,34 @@ def default_node_id() -> str:
     return "/".join(parts)
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def _coerce(name: str, kind: Any, value: Any) -> Any:
+    """`value` (from a file, the environment or a keyword) as field `name` of type `kind` wants it; a
+    ConfigError naming the setting for a value of another kind (a boolean that is no boolean word, a
+    list where a string belongs)."""
     if value is None:
         return None
     text = str(kind)
     try:
         if kind is bool or text == "bool":
-            if isinstance(value, str):
-                return value.strip().lower() in ("1", "true", "yes", "on")
-            return bool(value)
+            word = str(value).strip().lower() if isinstance(value, (str, int)) else None
+            if word in _TRUE or word in _FALSE:
+                return word in _TRUE
+            raise ValueError(f"not a boolean (one of {', '.join(_TRUE)} or {', '.join(_FALSE)})")
         if name.endswith("_bytes") or name.endswith("_size"):
             return parse_size(value)
         if kind is int or text in ("int", "int | None"):
+            if isinstance(value, (bool, float)) or not isinstance(value, (int, str)):
+                raise ValueError("not a whole number")
             return int(value)
         if kind is float or text in ("float", "float | None"):
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                raise ValueError("not a number")
             return float(value)
+        if (kind is str or text in ("str", "str | None")) and not isinstance(value, str):
+            raise ValueError(f"a {type(value).__name__}, not a string")
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config {name}={value!r}: {e}") from e
     return value
@@ -93,16 +110,60 @@ def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
                 return tomllib.loads(p.read_text())
             # tomllib came with 3.11: on 3.10, say so (as the ConfigError below), not with an ImportError
             raise ConfigError("TOML needs Python 3.11 or later; use JSON")
-        return dict(json.loads(p.read_text()))
+        data = json.loads(p.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read config file {p}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} holds a JSON {type(data).__name__}, not an object of settings")
+    return data
+
+
+SECTIONS: dict[str, type[Any]] = {}
+"""The config classes by their section of a config file (`[cache]`, `[worker]`, `[client]`): `section`."""
+
+
+def section(name: str) -> Callable[[type[C]], type[C]]:
+    """Class decorator: the settings of the class may sit in the file's table `name`, or at its top
+    level (a flat file, for any class); see `load`."""
+    def register(cls: type[C]) -> type[C]:
+        SECTIONS[name] = cls
+        return cls
+    return register
+
+
+def _file_values(cls: type[Any], path: str | os.PathLike[str], section: str | None) -> dict[str, Any]:
+    """`cls`'s settings in a config file: its top-level settings overlaid by those of its table
+    `section` (default: the class's own). A name no config class knows, at the top level or in a known
+    table, is a ConfigError naming it (a misspelt setting is never silently dropped)."""
+    data = read_file(path)
+    names = {f.name for f in dataclasses.fields(cls)}
+    section = section or next((n for n, c in SECTIONS.items() if c is cls), None)
+    known = set().union(*({f.name for f in dataclasses.fields(c)} for c in SECTIONS.values()))
+    tables = {k for k, v in data.items() if isinstance(v, dict)}
+    stray = sorted(k for k in data if k not in (SECTIONS if k in tables else known | names))
+    if stray:
+        raise ConfigError(f"config file {path}: unknown setting(s) or table(s) {stray} at its top level (tables: "
+                          f"[{'], ['.join(SECTIONS)}], whose settings may also sit at the top level)")
+    values = {k: v for k, v in data.items() if k in names and k not in tables}
+    if section and section in data:
+        table = data[section]
+        if not isinstance(table, dict):
+            raise ConfigError(f"config file {path}: [{section}] is a {type(table).__name__}, not a table of settings")
+        bad = sorted(set(table) - names)
+        if bad:
+            raise ConfigError(f"config file {path}: unknown {cls.__name__} setting(s) {bad} in [{section}]; known: "
+                              f"{sorted(names)}")
+        values.update(table)
+    return values
 
 
 def load(cls: type[C], *, prefix: str = "KVPOOL_", file: str | os.PathLike[str] | None = None,
          section: str | None = None, env: Mapping[str, str] | None = None, **overrides: Any) -> C:
-    """Build `cls` from defaults < file (optionally one `section` of it) < environment < overrides.
+    """Build `cls` from defaults < file < environment < overrides.
 
-    Unknown keys in a file are ignored (forward compatible); unknown keyword overrides are an error.
+    The file (`file`, else `$KVPOOL_CONFIG`) gives the class its top-level settings and those of its
+    table (`section`, default the class's: `[cache]`, `[worker]`, `[client]`), the table's winning; a
+    setting no config class knows is a ConfigError, as an unknown keyword override is.
     """
     env = os.environ if env is None else env
     hints = get_type_hints(cls)
@@ -110,10 +171,7 @@ def load(cls: type[C], *, prefix: str = "KVPOOL_", file: str | os.PathLike[str] 
     values: dict[str, Any] = {}
     file = file or env.get(prefix + "CONFIG")
     if file:
-        data = read_file(file)
-        if section:
-            data = data.get(section, {})
-        values.update({k: v for k, v in data.items() if k in names})
+        values.update(_file_values(cls, file, section))
     for name in names:
         if prefix + name.upper() in env:
             values[name] = env[prefix + name.upper()]
@@ -124,6 +182,7 @@ def load(cls: type[C], *, prefix: str = "KVPOOL_", file: str | os.PathLike[str] 
     return cls(**{k: _coerce(k, hints[k], v) for k, v in values.items()})
 
 
+@section("cache")
 @dataclasses.dataclass
 class CacheConfig:
     """The TieredCache: tier sizes in bytes, paths, watermarks and policy."""
@@ -156,12 +215,16 @@ class CacheConfig:
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             raise ConfigError(f"watermarks low={self.low_watermark} high={self.high_watermark}: "
                               f"need 0 < low < high <= 1")
+        if self.dram_slab_size <= 0 or self.dram_slab_size % mmap.PAGESIZE:
+            raise ConfigError(f"dram_slab_size {self.dram_slab_size}: a positive multiple of the page size "
+                              f"({mmap.PAGESIZE} bytes)", size=self.dram_slab_size)
         if self.dram_bytes < self.dram_slab_size:
             raise ConfigError(f"dram_bytes {self.dram_bytes} is smaller than one slab ({self.dram_slab_size})")
         if self.policy not in EVICTION_POLICY:
             raise ConfigError(f"policy {self.policy!r} is not one of {sorted(EVICTION_POLICY)}")
 
 
+@section("worker")
 @dataclasses.dataclass
 class WorkerConfig:
     """A node worker: where it listens, how it authenticates, where it registers.
@@ -259,6 +322,14 @@ class WorkerConfig:
     """The engine's tokens per block, as ZMQ events report it."""
 
     def __post_init__(self) -> None:
+        for name in ("port", "metrics_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:
+                raise ConfigError(f"{name}={port}: a TCP port is 0 to 65535 (0: any free one)", size=port, limit=65535)
+        if not (self.heartbeat_s > 0 and self.member_ttl_s > 2 * self.heartbeat_s):
+            raise ConfigError(f"member_ttl_s={self.member_ttl_s} with heartbeat_s={self.heartbeat_s}: the TTL must "
+                              "exceed two heartbeats (a worker's reads stay open member_ttl_s - heartbeat_s after "
+                              "each heartbeat; less, and it serves misses between them)")
         if not 0 <= self.poll_us <= 10_000:
             raise ConfigError(f"poll_us={self.poll_us}: from 0 to 10000 microseconds")
         if self.check_puts not in ("commit", "first_read"):

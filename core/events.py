@@ -32,7 +32,7 @@ from .nats_creds import NatsCreds, redacted_url
 
 __all__ = ["STREAM", "SUBJECT_PREFIX", "FLUSH_S", "MAX_QUEUED", "MAX_BATCH", "MAX_BATCH_BYTES", "KINDS",
     "BlockEvent", "EventBatch", "subject_of", "EventQueue", "ensure_stream", "Sink", "EventPublisher", "NatsSink",
-    "EventIndex", "EventFeed"]
+    "EventIndex", "EventFeed", "key_to_json", "key_from_json"]
 
 log = logging.getLogger("kvpool.events")
 
@@ -76,7 +76,7 @@ class EventBatch:
     def encode(self) -> bytes:
         return json.dumps({"v": 1, "worker": self.worker, "node": self.node, "boot": self.boot, "seq": self.seq,
                            "ts": self.ts, "lost": self.lost,
-                           "events": [[e.kind, e.tier, e.reason, _key_out(e.key)] for e in self.events]},
+                           "events": [[e.kind, e.tier, e.reason, key_to_json(e.key)] for e in self.events]},
                           separators=(",", ":")).encode()
 
     @classmethod
@@ -84,21 +84,23 @@ class EventBatch:
         """Parse a published batch; ProtocolError names what is wrong. Unknown fields are ignored."""
         try:
             raw = json.loads(data)
-            events = [BlockEvent(str(k), str(t), str(r), _key_in(key)) for k, t, r, key in raw["events"]]
+            events = [BlockEvent(str(k), str(t), str(r), key_from_json(key)) for k, t, r, key in raw["events"]]
             return cls(str(raw["worker"]), str(raw.get("node", "")), str(raw.get("boot", "")), int(raw["seq"]),
                        float(raw["ts"]), int(raw.get("lost", 0)), events)
         except (ValueError, KeyError, TypeError) as e:
             raise ProtocolError(f"malformed event batch ({len(data)} bytes): {type(e).__name__}: {e}") from e
 
 
-def _key_out(key: bytes) -> Any:
+def key_to_json(key: bytes) -> Any:
+    """A key as an event batch's JSON carries it: its text where it is UTF-8, else `{"hex": ...}`."""
     try:
         return key.decode()
     except UnicodeDecodeError:
         return {"hex": key.hex()}
 
 
-def _key_in(key: Any) -> bytes:
+def key_from_json(key: Any) -> bytes:
+    """The key `key_to_json` gave."""
     return bytes.fromhex(key["hex"]) if isinstance(key, dict) else str(key).encode()
 
 

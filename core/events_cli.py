@@ -10,7 +10,7 @@ import sys
 import threading
 
 from .errors import ConfigError, PoolUnavailable
-from .events import EventBatch, EventFeed
+from .events import EventBatch, EventFeed, key_to_json
 from .events_zmq import HASHES, LAYOUTS, VllmFormat, ZmqSink
 from .registry import Subparsers
 
@@ -34,7 +34,7 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
 
 def _line(batch: EventBatch) -> str:
     return json.dumps({"worker": batch.worker, "seq": batch.seq, "ts": batch.ts, "lost": batch.lost,
-                       "events": [[e.kind, e.tier, e.reason, e.key.decode(errors="replace")] for e in batch.events]})
+                       "events": [[e.kind, e.tier, e.reason, key_to_json(e.key)] for e in batch.events]})
 
 
 def run(args: argparse.Namespace) -> int:

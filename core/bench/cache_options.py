@@ -19,9 +19,12 @@ from ..config import parse_size
 from ..errors import ConfigError
 from .kvtest_instance import DEFAULT_NATS, Instance
 
-__all__ = ["ROLES", "CacheOptions", "from_kvtest_files", "read_kvtest", "from_kvtest", "add_arguments", "resolve"]
+__all__ = ["ROLES", "MIN_BLOCK", "CacheOptions", "from_kvtest_files", "read_kvtest", "from_kvtest", "add_arguments",
+           "resolve"]
 
 ROLES = ("both", "writer", "reader")
+MIN_BLOCK = 16
+"""The smallest block a cache or kvtest run puts, in bytes."""
 
 
 @dataclasses.dataclass
@@ -85,7 +88,7 @@ class CacheOptions:
             (0.0 <= self.hit_rate <= 1.0, f"hit rate {self.hit_rate} is not within 0..1"),
             (self.key_pool_size >= 1, f"key pool size {self.key_pool_size} must be >= 1"),
             (self.inference_delay_ms >= 0, f"inference delay {self.inference_delay_ms} ms must be >= 0"),
-            (self.block_size >= 16, f"block size {self.block_size} bytes must be >= 16"),
+            (self.block_size >= MIN_BLOCK, f"block size {self.block_size} bytes must be >= {MIN_BLOCK}"),
             (self.batch_size >= 1, f"batch size {self.batch_size} must be >= 1"),
             (self.workers >= 0, f"workers {self.workers} must be >= 0"),
             (not (self.workers and self.cluster), "--workers and --cluster exclude each other"),
@@ -97,8 +100,8 @@ class CacheOptions:
              "or a kvtest instance config (instance_id, listen_port, remote_worker)"),
             (self.threads >= 1, f"num_threads {self.threads} must be >= 1"),
             (self.target_qps >= 0, f"target_qps {self.target_qps} must be >= 0 (0 = unlimited)"),
-            (not self.data_sizes or all(s >= 16 for s in self.data_sizes),
-             f"data_sizes {self.data_sizes}: every size must be >= 16 bytes"),
+            (not self.data_sizes or all(s >= MIN_BLOCK for s in self.data_sizes),
+             f"data_sizes {self.data_sizes}: every size must be >= {MIN_BLOCK} bytes"),
             (self.instance_id is None or self.listen_port is not None,
              f"instance {self.instance_id} needs listen_port (its worker's TCP port)"),
             (self.instance_id is not None or not instance_keys,

@@ -365,6 +365,8 @@ def _csv_rows(tally: _Tally, seconds: float) -> list[dict[str, object]]:
 
 def run(args: argparse.Namespace) -> int:
     opts = cache_options.resolve(args)
+    if opts.csv:
+        kvtest_csv.check_writable(opts.csv)
     block = max(opts.sizes)
     sized = max(256 << 20, 2 * opts.key_pool_size * block // max(opts.workers, 1))
     dram = opts.dram_bytes or min(_DEFAULT_DRAM_CAP, sized)

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..errors import ConfigError
+
 __all__ = ["HEADER", "row", "write"]
 
 HEADER = ("timestamp", "op", "count", "success", "fail", "qps", "avg_ms", "p50_ms", "p90_ms", "p99_ms",
@@ -36,11 +38,25 @@ def row(op: str, latencies_s: Sequence[float], fail: int, seconds: float, nbytes
             "max_ms": round(float(ms.max()), 3) if count else 0.0, "bytes": int(nbytes)}
 
 
+def check_writable(path: str | os.PathLike[str]) -> None:
+    """ConfigError, before a run, if rows could not be appended to `path` (no such folder, no right to
+    write): a run's figures are not to be lost to its CSV at the end."""
+    try:
+        with open(path, "a", newline=""):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--csv {os.fspath(path)!r}: cannot write it ({e.strerror or e})") from e
+
+
 def write(path: str | os.PathLike[str], rows: Sequence[dict[str, object]]) -> None:
-    """Append `rows` to the CSV file at `path`, with the header if the file is new or empty."""
-    new = not os.path.exists(path) or os.path.getsize(path) == 0
-    with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=HEADER)
-        if new:
-            w.writeheader()
-        w.writerows(rows)
+    """Append `rows` to the CSV file at `path`, with the header if the file is new or empty; a
+    failure to (a folder gone since `check_writable`) is a ConfigError naming the file."""
+    try:
+        new = not os.path.exists(path) or os.path.getsize(path) == 0
+        with open(path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=HEADER)
+            if new:
+                w.writeheader()
+            w.writerows(rows)
+    except OSError as e:
+        raise ConfigError(f"--csv {os.fspath(path)!r}: cannot write it ({e.strerror or e})") from e

@@ -68,6 +68,10 @@ class KvtestOptions:
                               f"must be >= 1, target_qps {self.target_qps} >= 0")
         if (self.listen_port is None) != (self.remote_worker is None):
             raise ConfigError("listen_port and remote_worker name this node's and the other node's worker: give both")
+        if self.listen_port is not None and not 0 < self.listen_port < 65536:
+            raise ConfigError(f"listen_port {self.listen_port} is not a TCP port (1-65535)")
+        if not self.sizes or min(self.sizes) < cache_options.MIN_BLOCK:
+            raise ConfigError(f"data_sizes {self.sizes}: every size must be >= {cache_options.MIN_BLOCK} bytes")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -249,6 +253,8 @@ def _label(size: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     opts = resolve(args)
+    if opts.csv:
+        kvtest_csv.check_writable(opts.csv)
     run_id = os.urandom(4).hex()
     metrics: dict[str, Any] = {"threads": opts.threads, "batch_size": opts.batch_size, "ops": opts.ops,
                                "block_sizes": opts.sizes}
@@ -273,9 +279,9 @@ def run(args: argparse.Namespace) -> int:
     memcpy = memcpy_gbps(size, max(1, min(_KEYS_PER_GET_MODE, (64 << 20) // size)), 3)
     ratios = {f"{mode}_vs_memcpy": gbps(r["moved"], r["seconds"]) / memcpy
               for (mode, s), r in results.items() if s == size}
-    if opts.csv:
-        kvtest_csv.write(opts.csv, rows)
     failed = sum(r["failed"] for r in results.values())
     emit("kvtest", {**metrics, "failed_calls": failed}, ratios, args.json,
          notes=f"{len(opts.modes)} modes x {len(opts.sizes)} sizes, {opts.threads} threads", latencies=latencies)
+    if opts.csv:
+        kvtest_csv.write(opts.csv, rows)
     return 1 if failed else 0

@@ -60,7 +60,6 @@ def test_toml_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         "prefault = false\n"
         'ssd_path = "/var/tmp/kvpool-test"\n'
         "low_watermark = 0.5\n"
-        'some_future_option = "ignored"\n'
         "[worker]\n"
         "port = 1\n"
     )
@@ -69,6 +68,20 @@ def test_toml_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.ssd_path == "/var/tmp/kvpool-test" and cfg.low_watermark == 0.5
     monkeypatch.setenv("KVPOOL_CONFIG", str(path))  # the file can also be named by the environment
     assert load(CacheConfig) == cfg
+
+
+def test_a_setting_no_config_class_knows_is_a_config_error(tmp_path: Path) -> None:
+    """A misspelt setting (or a table) no config class knows, at a file's top level, is refused by name,
+    not dropped; a top-level setting of another class (`port`, a worker's) is not this class's business."""
+    path = tmp_path / "kvpool.toml"
+    path.write_text('dram_bytes = "48MiB"\nport = 1\nsome_future_option = "x"\n')
+    with pytest.raises(ConfigError, match="some_future_option"):
+        load(CacheConfig, file=path, env={})
+    path.write_text('dram_bytes = "48MiB"\n[cahce]\ndram_bytes = "1MiB"\n')
+    with pytest.raises(ConfigError, match="cahce"):
+        load(CacheConfig, file=path, env={})
+    path.write_text('dram_bytes = "48MiB"\nport = 1\n')
+    assert load(CacheConfig, file=path, env={}).dram_bytes == 48 * MiB
 
 
 def test_json_file_and_a_section(tmp_path: Path) -> None:
