@@ -121,8 +121,8 @@ class Stager:
         info = self.transport.hello()
         reserve = info.max_reserve or P.MAX_DATA
         budget = reserve // (1 + LOOKAHEAD)
-        total = sum(sizes)
-        fit = bool(sizes) and len(P.frames(len(sizes), sizes, budget)) == 1 and total <= budget \
+        total = sum(max(n, P.RESERVE_FLOOR) for n in sizes)  # as the worker charges them
+        fit = bool(sizes) and len(P.frames(len(sizes), sizes, budget, P.RESERVE_FLOOR)) == 1 and total <= budget \
             and max(sizes) <= info.max_block
         if fit:
             # held (batch), asked for ahead (up to 2 x batch - 1) and the put under way: within the reserve;

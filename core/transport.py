@@ -117,7 +117,7 @@ class TcpTransport(Connection):
         dests = destinations(buffers)
         sizes: list[int] = []
         versions: list[int] = []
-        for f in P.frames(len(keys)):
+        for f in P.frames(len(keys), [d.nbytes for d in dests]):  # (a reply is as large as its buffers at most)
             sizes += self._get_sent(keys[f], dests[f], versions)
         return sizes, _observed(versions)
 
@@ -256,7 +256,7 @@ class ShmTransport(TcpTransport):
         with self._session() as sock:  # one exchange for the batch (a session is ~10 µs of Python)
             info = self.info
             refuse_too_large(keys, lens, info.max_block or DEFAULT_MAX_BLOCK)
-            for f in P.frames(len(keys), lens, info.max_reserve or P.MAX_DATA):
+            for f in P.frames(len(keys), lens, info.max_reserve or P.MAX_DATA, P.RESERVE_FLOOR):
                 superseded += [f.start + i for i in self._put_frame(sock, keys[f], views[f], pin_s, stamps[f])]
         return superseded
 

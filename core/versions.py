@@ -18,7 +18,7 @@ from itertools import repeat
 import numpy as np
 
 __all__ = ["REMOVED", "SUPERSEDED", "COUNTER_BITS", "CLOCK_SKEW_MS", "HybridClock", "CLOCK", "stamp", "observe",
-           "wall_ms_of", "Tombstones", "Clears", "Change", "ChangeLog", "PUT", "REMOVE", "CLEAR"]
+           "ceiling", "capped", "wall_ms_of", "Tombstones", "Clears", "Change", "ChangeLog", "PUT", "REMOVE", "CLEAR"]
 
 REMOVED, SUPERSEDED = 1, 2
 """A removal's outcome per key beside 0 (nothing to remove): removed; not removed, because a block of the
@@ -55,9 +55,9 @@ class HybridClock:
         or broken one must not push this process's writes into the future (where they would beat
         every other writer's later ones, or overflow the u64)."""
         if version > self._last:
-            ceiling = (int(time.time() * 1000) + CLOCK_SKEW_MS) << COUNTER_BITS
+            top = ceiling()
             with self._lock:
-                self._last = max(self._last, min(int(version), ceiling))
+                self._last = max(self._last, min(int(version), top))
 
     def batch(self, n: int) -> list[int]:
         """`n` versions at once, consecutive."""
@@ -83,6 +83,23 @@ CLOCK = HybridClock()
 def stamp() -> int:
     """A new version from this process's clock."""
     return CLOCK.now()
+
+
+def ceiling() -> int:
+    """The newest version a version stamped now may carry: CLOCK_SKEW_MS ahead of this clock."""
+    return (int(time.time() * 1000) + CLOCK_SKEW_MS) << COUNTER_BITS
+
+
+def capped(versions: np.ndarray) -> np.ndarray:
+    """`versions` (uint64s a peer sent: a put's, a removal's) with each past `ceiling()` brought down to it.
+    A worker keeps what it is sent as sent, so one stamped far ahead (a broken clock, a garbage column)
+    would beat every later put of its key, for good; capped, it beats those stamped in the next
+    CLOCK_SKEW_MS only (a writer superseded by it stamps again above it)."""
+    top = ceiling()
+    if versions.size and int(versions.max()) > top:
+        out: np.ndarray = np.minimum(versions, np.uint64(top))
+        return out
+    return versions
 
 
 def observe(version: int) -> None:

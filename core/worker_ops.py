@@ -27,15 +27,19 @@ from .errors import ProtocolError
 from .fastcopy import hash_at
 from .tenants import Tenant, TenantUsage, outside
 from .tiers.dram_tier import block_columns
+from .versions import capped
 from .worker_serving import Conn, ConnectionServing
 
-__all__ = ["RESERVE_SHARE", "RequestHandlers"]
+__all__ = ["RESERVE_SHARE", "MAX_LEASES", "RequestHandlers"]
 
 log = logging.getLogger("kvpool.worker")
 
 
 RESERVE_SHARE = 8
 """A same-node connection may hold at most 1/8 of the arena reserved and not yet committed."""
+MAX_LEASES = 4 * P.MAX_BATCH
+"""Leases one same-node connection may hold at once (each an entry in the worker's memory until its
+RELEASE or the connection's end): a LEASE past it is refused (the client's ProtocolError)."""
 
 
 class RequestHandlers(ConnectionServing):
@@ -145,6 +149,7 @@ class RequestHandlers(ConnectionServing):
         # Per batch, not per block: quota charged, slots reserved under one lock, the blocks received a
         # group per system call and hashed while in cache, the good ones committed under one lock.
         keys, (sizes, csums, versions) = P.unpack_batch(frame.meta, "<i8", "<u8", "<u8")
+        versions = capped(versions)
         lens = sizes.tolist()
         total = sum(lens)  # Python ints: an int64 sum of huge sizes could wrap to data_len
         if (sizes < 0).any() or total != frame.data_len:
@@ -261,9 +266,15 @@ class RequestHandlers(ConnectionServing):
             count = len(held)
             columns = block_columns(held)  # offsets, sizes, checksums, versions
             offsets, sizes = (np.frombuffer(columns, dtype="<i8", count=count, offset=8 * count * j) for j in (0, 1))
+            total = int(sizes.sum())
+            if total > P.MAX_DATA:  # no peer takes such a frame: refused whole (the client splits by its buffers)
+                self._reply(conn, frame, P.pack_json({"error": f"GET of {total} bytes: a reply holds at most "
+                                                               f"{P.MAX_DATA}; ask in smaller batches"}),
+                            status=P.Status.ERROR)
+                return
             view = self.cache.arena.view
             data = list(map(view, offsets.tolist(), sizes.tolist()))
-            self._bytes_out.inc(int(sizes.sum()))
+            self._bytes_out.inc(total)
             if count == len(keys):  # every key a hit (the usual batch): sizes, checksums, versions as they are
                 meta = columns[8 * count:]
             else:  # misses: size ITEM_MISS, checksum 0, the version of the key's removal
@@ -293,12 +304,14 @@ class RequestHandlers(ConnectionServing):
 
     def _remove(self, conn: Conn, frame: P.Frame) -> None:
         keys, (versions,) = P.unpack_batch(frame.meta, "<u8")
+        versions = capped(versions)
         if not self._in_namespace(conn, frame, keys):
             return
         self._reply(conn, frame, _flags(self.cache.remove_as_of(keys, versions.tolist())))
 
     def _supersede(self, conn: Conn, frame: P.Frame) -> None:
         keys, (versions,) = P.unpack_batch(frame.meta, "<u8")
+        versions = capped(versions)
         if not self._in_namespace(conn, frame, keys, reply=False):  # no reply: refused, logged
             return
         self.cache.replicas.supersede(keys, versions.tolist())
@@ -353,18 +366,22 @@ class RequestHandlers(ConnectionServing):
         if not self._in_namespace(conn, frame, keys):  # same-node peers have no tenant today; kept in step
             return
         max_block = self.cache.max_block
-        budget = self.max_reserve - sum(conn.reserved.values())
+        # each block charged at least the smallest slot it takes (a budget of sizes alone let 0-byte blocks
+        # reserve the whole arena)
+        floor = P.RESERVE_FLOOR
+        held = conn.reserved.values()
+        budget = self.max_reserve - sum(held) - floor * sum(1 for n in held if n < floor)
         lens = sizes.tolist()
         too_large: list[int] = []
         want: list[int] | None = None  # None: every block (in range, and within the budget: the usual batch)
-        if not (lens and min(lens) >= 0 and max(lens) <= max_block and sum(lens) <= budget):
+        if not (lens and floor <= min(lens) and max(lens) <= max_block and sum(lens) <= budget):
             want = []
             for i, size in enumerate(lens):
                 if size > max_block or size < 0:
                     too_large.append(i)
-                elif size <= budget:  # else ITEM_FULL: this connection holds its share of the arena uncommitted
+                elif max(size, floor) <= budget:  # else ITEM_FULL: this connection holds its share uncommitted
                     want.append(i)
-                    budget -= size
+                    budget -= max(size, floor)
         wanted = lens if want is None else [lens[i] for i in want]
         got = self.cache.reserve_many(wanted)  # one lock for the batch; None: no room for that block
         if want is None and None not in got:  # a slot for each
@@ -386,6 +403,7 @@ class RequestHandlers(ConnectionServing):
         # read instead (a miss if it fails), so a block nobody reads through the worker (a handoff's
         # layer, which its reader copies in place and checks itself) is never hashed here.
         keys, (offsets, sizes, csums, versions) = P.unpack_batch(frame.meta, "<i8", "<i8", "<u8", "<u8")
+        versions = capped(versions)
         offs, lens = offsets.tolist(), sizes.tolist()
         reserved = conn.reserved
         claimed = list(map(reserved.pop, offs, repeat(None)))
@@ -429,6 +447,10 @@ class RequestHandlers(ConnectionServing):
         if keys is None:
             return
         n = len(keys)
+        if len(conn.leases) + n > MAX_LEASES:
+            why = f"LEASE of {n} blocks on a connection holding {len(conn.leases)}: at most {MAX_LEASES} at once"
+            self._reply(conn, frame, P.pack_json({"error": why + " (release them first)"}), status=P.Status.ERROR)
+            return
         blocks = self.cache.acquire_many(keys)  # one lock for the batch's DRAM hits
         held = [b for b in blocks if b is not None]
         first, count = conn.next_lease, len(held)
