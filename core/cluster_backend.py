@@ -407,7 +407,7 @@ class ClusterBackend:
         def get(t: Transport, idx: list[int]) -> list[int]:
             return t.batch_get_into([keys[i] for i in idx], [buffers[i] for i in idx])
 
-        for _, idx, sizes in self.fanout.each(live, groups, get, deadline):
+        for _, idx, sizes in self.fanout.each(live, groups, get, deadline, reads=True):
             for i, n in zip(idx, sizes):
                 out[i] = n
         return out
@@ -437,7 +437,7 @@ class ClusterBackend:
         for i, ow in enumerate(owners):
             for rank_, w in enumerate(ow):
                 groups.setdefault(w, []).append(i if rank_ == 0 else ~i)
-        for w, idx, (sizes, versions, flags, known) in self.fanout.each(live, groups, first, halfway):
+        for w, idx, (sizes, versions, flags, known) in self.fanout.each(live, groups, first, halfway, reads=True):
             reads = [i for i in idx if i >= 0]
             asks = [~i for i in idx if i < 0]
             for i, size, v in zip(reads, sizes, versions):
@@ -459,7 +459,7 @@ class ClusterBackend:
         def get(t: Transport, idx: list[int]) -> tuple[list[int], list[int]]:
             return t.batch_get_versions_into([keys[i] for i in idx], [buffers[i] for i in idx])
 
-        for _, idx, (sizes, versions) in self.fanout.each(live, fetch, get, deadline):
+        for _, idx, (sizes, versions) in self.fanout.each(live, fetch, get, deadline, reads=True):
             for i, size, v in zip(idx, sizes, versions):
                 if size >= 0 and v >= newest[i][0]:
                     out[i], got[i] = size, v
@@ -479,7 +479,7 @@ class ClusterBackend:
             return t.batch_versions([keys[i] for i in idx])
 
         for w, idx, (flags, versions) in self.fanout.each(live, self._replica_groups(owners), ask,
-                                                          self._deadline()):
+                                                          self._deadline(), reads=True):
             for i, f, v in zip(idx, flags, versions):
                 heard[i][w] = (f, v)
         return [_newest(h)[1] for h in heard]
@@ -574,7 +574,7 @@ class ClusterBackend:
             return None, views
 
         for _, idx, (leasing, views) in self.fanout.each(live, self._replica_groups(self._owners(keys, live)),
-                                                           lease, deadline):
+                                                           lease, deadline, reads=True):
             if leasing is not None:
                 held.push(leasing.__exit__)
             for i, v in zip(idx, views):
@@ -601,7 +601,8 @@ class ClusterBackend:
     def stats(self) -> PoolStats:
         live = self._live()
         out = {w: WorkerStats(info, error="no answer") for w, info in live.items()}
-        for w, _, s in self.fanout.each(live, {w: [] for w in live}, lambda t, idx: t.stats(), self._deadline()):
+        for w, _, s in self.fanout.each(live, {w: [] for w in live}, lambda t, idx: t.stats(), self._deadline(),
+                                        reads=True):
             (out[w],) = s.workers.values()  # a transport's stats: its one worker
         return PoolStats.of_workers(out)
 

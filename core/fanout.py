@@ -1,8 +1,12 @@
 """Connections to a cluster's workers, and asking several of them at once under one deadline.
 
-A worker that fails or misses a deadline is suspect for `SUSPECT_S` seconds: calls skip it (a miss,
-or a replica's hit) instead of waiting on it again, and its connection is dropped. It keeps its place
-in the ranking: its keys are not written elsewhere meanwhile.
+A worker that fails, or leaves a call unanswered for the client's whole `timeout_s`, is suspect for
+`SUSPECT_S` seconds: calls skip it (a miss, or a replica's hit) instead of waiting on it again, and its
+connection is dropped. It keeps its place in the ranking: its keys are not written elsewhere meanwhile.
+One that only missed a shorter deadline (a replicated read's first round gets half the timeout) is slow
+for as long: reads skip it, writes still go to it. A write leaves out only a worker that went unanswered
+for `timeout_s`, which, paused that long (`STALL_S` at most), knows it may have missed writes and
+catches up by itself (README, "Replicas").
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ Transport = TcpTransport | ShmTransport
 
 SUSPECT_S = 2.0
 """How long a worker that failed is treated as down before it is asked again."""
+_WHOLE = 0.95
+"""A call abandoned after this share of `timeout_s` counts as unanswered for the whole timeout."""
 DEPARTED_S = 60.0
 """How long a connected worker may be missing from the members before its connection is closed."""
 
@@ -62,21 +68,26 @@ class FanOut:
         self.tls_ca = tls_ca  # TCP workers over TLS, verified against this CA file (else KVPOOL_TLS_CA's)
         self._transports: dict[str, tuple[tuple[Any, ...], Transport]] = {}
         self._suspect: dict[str, tuple[float, tuple[Any, ...]]] = {}  # worker -> (until, the incarnation that failed)
+        self._slow: dict[str, tuple[float, tuple[Any, ...]]] = {}  # the same, for one that missed a short deadline
         self._departures = Departures()
         self._warned: set[str] = set()  # workers whose failure was logged, until they answer again
         self._lock = threading.Lock()  # guards the two dicts, the departures and `_closed`
         self._closed = False  # a call still running (a read repair) connects nowhere after `close`
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvpool-fanout")
 
-    def _askable(self, live: Mapping[str, WorkerInfo], groups: Mapping[str, list[int]]) -> dict[str, list[int]]:
-        """`groups` less the suspect workers: a call gets nothing from them (a miss, or a put that
-        did not reach them), but placement still counts them, so their keys never land elsewhere
-        meanwhile, where they would outlive a newer version written once the worker is back. A worker
-        is suspect as the process that failed (its incarnation), not as the one restarted under its id."""
+    def _askable(self, live: Mapping[str, WorkerInfo], groups: Mapping[str, list[int]],
+                 reads: bool = False) -> dict[str, list[int]]:
+        """`groups` less the suspect workers (and, for `reads`, the slow ones): a call gets nothing from
+        them (a miss, or a put that did not reach them), but placement still counts them, so their keys
+        never land elsewhere meanwhile, where they would outlive a newer version written once the worker
+        is back. A worker is suspect as the process that failed (its incarnation), not as the one
+        restarted under its id."""
         now = time.monotonic()
         with self._lock:
-            suspect = {w: inc for w, (until, inc) in self._suspect.items() if until > now}
-        return {w: idx for w, idx in groups.items() if suspect.get(w) != live[w].incarnation}
+            skip = {w: inc for w, (until, inc) in self._suspect.items() if until > now}
+            if reads:
+                skip.update((w, inc) for w, (until, inc) in self._slow.items() if until > now and w not in skip)
+        return {w: idx for w, idx in groups.items() if skip.get(w) != live[w].incarnation}
 
     def send_idle(self, live: Mapping[str, WorkerInfo], groups: Mapping[str, list[int]],
                   call: Callable[[Transport, list[int]], None]) -> set[str]:
@@ -132,22 +143,23 @@ class FanOut:
         return known[1]
 
     def failed(self, worker_id: str, incarnation: tuple[Any, ...], err: Exception,
-               in_flight: Future[Any] | None = None) -> None:
-        """Treat the worker's process `incarnation` as down for a while and drop its connection: at once,
-        or (a call still `in_flight` on it past the deadline) when that call ends, never under it. (A
-        call that took an older member list may fail on a process restarted since: the new one's
-        connection stays, and it is not suspect.)"""
+               in_flight: Future[Any] | None = None, *, slow: bool = False) -> None:
+        """Treat the worker's process `incarnation` as down for a while (`slow`: as slow, skipped by reads
+        only) and drop its connection: at once, or (a call still `in_flight` on it past the deadline) when
+        that call ends, never under it. (A call that took an older member list may fail on a process
+        restarted since: the new one's connection stays, and it is not suspect.)"""
         with self._lock:
             first = worker_id not in self._warned  # logged once per outage of the worker: retries every
             self._warned.add(worker_id)            # SUSPECT_S would fill an engine's log
-            self._suspect[worker_id] = (time.monotonic() + SUSPECT_S, incarnation)
+            (self._slow if slow else self._suspect)[worker_id] = (time.monotonic() + SUSPECT_S, incarnation)
             known = self._transports.get(worker_id)
             if known is not None and known[0] == incarnation:
                 del self._transports[worker_id]
             else:
                 known = None
-        (log.warning if first else log.debug)("worker %s failed (%s); treating it as down for %.0f s%s", worker_id,
-                                              err, SUSPECT_S, "" if first else " (again)")
+        (log.warning if first else log.debug)("worker %s failed (%s); treating it as %s for %.0f s%s", worker_id,
+                                              err, "slow (reads skip it)" if slow else "down", SUSPECT_S,
+                                              "" if first else " (again)")
         if known is None:
             return
         if in_flight is None:
@@ -157,13 +169,15 @@ class FanOut:
 
     def each(self, live: Mapping[str, WorkerInfo], groups: Mapping[str, list[int]],
              call: Callable[[Transport, list[int]], T], deadline: float,
-             suspects: bool = False) -> Iterator[tuple[str, list[int], T]]:
+             suspects: bool = False, reads: bool = False) -> Iterator[tuple[str, list[int], T]]:
         """(worker, key indices, result) per worker of `groups` that answered by `deadline` (monotonic
         seconds); the workers are asked in parallel, so one call waits for the slowest worker once, not
-        for each in turn. A worker that fails or misses the deadline is marked down and skipped; one
-        marked down already is not asked, unless `suspects` (a message that must reach it the moment
-        it answers again: `kvpool.core.missed_writes`)."""
+        for each in turn. A worker that fails, or leaves its call unanswered for `timeout_s`, is marked
+        down and skipped; one that misses a shorter deadline, slow. One marked down already is not asked,
+        unless `suspects` (a message that must reach it the moment it answers again:
+        `kvpool.core.missed_writes`); one marked slow is not asked for `reads` (calls that only read)."""
         used: dict[str, Transport] = {}  # the connection each call took, for `_abandon`
+        began: dict[str, float] = {}  # when each call started (it may have waited for a thread)
         gate = threading.Lock()
         abandoned = [False]
 
@@ -173,12 +187,13 @@ class FanOut:
                 if abandoned[0]:
                     raise PoolUnavailable(f"worker {w}: the call was abandoned at its deadline")
                 used[w] = t
+                began[w] = time.monotonic()
             return call(t, idx)
 
         if self._closed:
             raise PoolUnavailable("the client is closed")
         if not suspects:
-            groups = self._askable(live, groups)
+            groups = self._askable(live, groups, reads)
         if not groups:
             return
 
@@ -204,7 +219,7 @@ class FanOut:
         if late:
             with gate:
                 abandoned[0] = True
-            self._abandon({f: futures[f][0] for f in late}, live, used)
+            self._abandon({f: futures[f][0] for f in late}, live, used, began)
         for f in done:
             w, idx = futures[f]
             try:
@@ -216,17 +231,21 @@ class FanOut:
             yield w, idx, result
 
     def _abandon(self, late: dict[Future[Any], str], live: Mapping[str, WorkerInfo],
-                 used: Mapping[str, Transport]) -> None:
-        """Calls past their deadline: each worker is marked down and its connection aborted, and this
-        returns once every such call has stopped (at once: its I/O fails), so that none writes into the
-        caller's buffers, or sends from them, after the caller has them back."""
+                 used: Mapping[str, Transport], began: Mapping[str, float]) -> None:
+        """Calls past their deadline: each worker is marked down (slow, where its call ran for less than
+        `timeout_s`) and its connection aborted, and this returns once every such call has stopped (at
+        once: its I/O fails), so that none writes into the caller's buffers, or sends from them, after
+        the caller has them back."""
         started = []
+        now = time.monotonic()
         for f, w in late.items():
             if f.cancel():
                 continue  # never started (or cancelled by `close`: `wait` would not see it end)
             started.append(f)
+            waited = now - began.get(w, now)
             self.failed(w, live[w].incarnation,
-                        PoolTimeout(f"no answer within the call's {self.timeout_s} s", limit=self.timeout_s), f)
+                        PoolTimeout(f"no answer within {waited:.2f} s of the call's {self.timeout_s} s",
+                                    limit=self.timeout_s), f, slow=waited < _WHOLE * self.timeout_s)
             t = used.get(w)
             if t is not None:
                 t.abort()
@@ -236,10 +255,11 @@ class FanOut:
                       len(running), self.timeout_s)
 
     def _answered(self, worker_id: str) -> None:
-        """The worker answered: a later failure of it is a new outage, logged again."""
+        """The worker answered: a later failure of it is a new outage, logged again; it is no longer slow."""
         if worker_id in self._warned:
             with self._lock:
                 self._warned.discard(worker_id)
+                self._slow.pop(worker_id, None)
             log.info("worker %s answers again", worker_id)
 
     def close(self) -> None:

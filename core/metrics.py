@@ -58,7 +58,8 @@ class WorkerMetrics:
                                        registry=self.registry)
         self.catch_ups = Counter("kvpool_catch_ups", "Times the worker fenced its reads and caught up from its "
                                  "peers after an absence, by cause (stall: the process did not run for over a "
-                                 "second; lapse: its heartbeats lapsed past the member TTL)", ["cause"],
+                                 "second; lapse: its heartbeats lapsed past the member TTL; start: the second catch-up "
+                                 "of a worker back on its kept blocks)", ["cause"],
                                  registry=self.registry)
         self.registry.register(_CacheCollector(cache_stats))
 

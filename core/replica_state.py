@@ -19,6 +19,7 @@ class ReplicaState:
     def __init__(self, stack: TierStack) -> None:
         self._stack = stack
         self._lock = stack.lock
+        self._fences = 0  # `fence(True)`s not yet ended
 
     def batch_versions(self, keys: Sequence[bytes]) -> tuple[list[bool], list[int]]:
         """Whether each key's block is present (as `batch_exists`) and the newest version known of it:
@@ -43,10 +44,18 @@ class ReplicaState:
     def fence(self, on: bool) -> None:
         """While fenced, reads and lookups are misses (a worker that may hold blocks it has not yet
         learnt are outdated), but for blocks stamped after the fence began (later than any clock
-        `CLOCK_SKEW_MS` behind this one): those are newer than anything it can have missed. Writes go on."""
-        floor = ((int(time.time() * 1000) + CLOCK_SKEW_MS) << COUNTER_BITS) if on else 0
+        `CLOCK_SKEW_MS` behind this one): those are newer than anything it can have missed. Writes go on.
+        Fences nest (a catch-up after a start, another after a lapse meanwhile): reads open again at the
+        last `fence(False)`, and only blocks newer than the latest fence's start are read till then."""
         with self._lock:
-            self._stack.fence(floor)
+            if on:
+                self._fences += 1
+                floor = (int(time.time() * 1000) + CLOCK_SKEW_MS) << COUNTER_BITS
+                self._stack.fence(max(floor, int(self._stack.fence_floor)))
+            else:
+                self._fences = max(0, self._fences - 1)
+                if not self._fences:
+                    self._stack.fence(0)
 
     def fence_after(self, seconds: float) -> None:
         """Reads become misses `seconds` from now unless this is called again first (a watchdog: a

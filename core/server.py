@@ -31,6 +31,7 @@ from .stall_watch import StallWatch
 from .state_files import binding, id_file, named_alive_stamp, stored_worker_id, sweep_dead_workers
 from .stats import CacheStats
 from .tenants import Tenant, TenantUsage, load_tenants
+from .versions import CLOCK_SKEW_MS
 from .worker_ops import RESERVE_SHARE, RequestHandlers
 
 __all__ = ["Worker", "is_local_only"]
@@ -191,10 +192,14 @@ class Worker(RequestHandlers):
                 self.membership = Membership(self.config.nats_url, self.config.member_ttl_s,
                                              replicas=self.config.nats_replicas, role="worker",
                                              creds=self.config.nats_credentials())
-                self._catch_up_at_start()
+                caught_up = self._catch_up_at_start()
+                if caught_up is not None:  # blocks kept, peers around: see `_settle`
+                    self.cache.replicas.fence(True)
                 self.membership.register(self.worker_id, self.info, self.config.heartbeat_s,
                                          on_rejoin=self._left_cluster, on_beat=self._beat)
                 self.membership.watch()  # the peers it hears from: whom it asks after an absence
+                if caught_up is not None:
+                    threading.Thread(target=self._settle, args=caught_up, name="kvpool-settle", daemon=True).start()
                 if self._alive is not None:
                     threading.Thread(target=self._keep_alive_stamp, args=(self._alive,), name="kvpool-alive",
                                      daemon=True).start()
@@ -236,22 +241,39 @@ class Worker(RequestHandlers):
 
     # ----- catching up after an absence (`kvpool.core.catch_up`) -------------------------------
 
-    def _catch_up_at_start(self) -> None:
+    def _catch_up_at_start(self) -> tuple[int, float] | None:
         """A start on the state of an earlier run: drop what peers changed since that run's last sign of
-        life (everything, if that cannot be told) before serving."""
+        life (everything, if that cannot be told) before serving. Where it keeps blocks and has peers:
+        when this catch-up began (unix ms, less the clock-skew bound) and time.monotonic(), for `_settle`."""
         cfg = self.config
         last = self._alive.read() if self._alive is not None else None  # None: a new id, or no stamp
         # this run's change log starts now; the last run accepted nothing after its last stamp plus a tick
         self.cache.replicas.covered_since(last + int((2 * cfg.heartbeat_s + 1) * 1000) if last is not None else 0)
         held = self.cache.stats()
         if not _holds(held):
-            return
+            return None
         if last is None:
             log.warning("worker %s: %d blocks from a run that left no alive stamp; dropping them (their age "
                         "cannot be told)", self.worker_id, held.ssd_blocks)
             self.cache.drop_all()
-            return
-        self._catch_up(last, self.membership.peers())
+            return None
+        began = (int(time.time() * 1000) - CLOCK_SKEW_MS, time.monotonic())
+        peers = self.membership.peers()
+        self._catch_up(last, peers)
+        return began if {w for w in peers if w != self.worker_id} and _holds(self.cache.stats()) else None
+
+    def _settle(self, since_ms: int, began: float) -> None:
+        """After a start on kept blocks: reads of them are misses for a member TTL, then a second catch-up
+        learns what peers accepted since the first began (`since_ms`). A client that had not seen this
+        worker register yet (its member view a moment behind; its NATS link held up, within the TTL)
+        wrote this worker's keys to the worker standing in for it, after the first catch-up asked that
+        one (an adversarial check: 96 of 96 such keys served old)."""
+        log.info("worker %s: blocks kept from its last run are misses for %.0f s (member TTL), until it has "
+                 "learnt what clients that had not seen it back wrote elsewhere", self.worker_id,
+                 self.config.member_ttl_s)
+        if not self._stopping.wait(self.config.member_ttl_s):
+            self.metrics.catch_ups.labels("start").inc()
+            self._rejoin(since_ms, began, 0)
 
     def _catch_up(self, since_ms: int, members: dict[str, Any]) -> None:
         peers = {w: info for w, info in members.items() if w != self.worker_id}

@@ -98,6 +98,11 @@ class TierStack:
         """Serve only blocks of version `floor` or newer (0: every block)."""
         self._fence_floor = floor
 
+    @property
+    def fence_floor(self) -> float:
+        """The floor `fence` set (0: none), whatever the heartbeat and stall deadlines say."""
+        return self._fence_floor
+
     def check_open(self) -> None:
         if self.closed:
             raise PoolClosed("the cache is closed")

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -91,20 +91,31 @@ def _serves(port: int) -> bool:
         return False
 
 
+TTL = {"KVPOOL_MEMBER_TTL_S": "3", "KVPOOL_HEARTBEAT_S": "1"}
+"""A short member TTL: a worker back on its kept blocks serves them as misses for that long (`Worker._settle`)."""
+
+
 def _ssd_worker(nats, tmp_path: Path, i: int) -> WorkerProcess:
     """Worker `i` of a test, with an SSD tier on its own state folder (the same one again on a restart)."""
-    return WorkerProcess(tmp_path / f"w{i}", nats_url=nats.url, ssd=True, dram_bytes="64MiB", env=SMALL)
+    return WorkerProcess(tmp_path / f"w{i}", nats_url=nats.url, ssd=True, dram_bytes="64MiB", env={**SMALL, **TTL})
 
 
-def _restart(c: PoolClient, nats, tmp_path: Path, workers: list[WorkerProcess], i: int) -> None:
+def _restart(c: PoolClient, nats, tmp_path: Path, workers: list[WorkerProcess], i: int, keys: Iterable[str]) -> None:
     """SIGTERM worker `i` (its DRAM is flushed to its SSD tier), start it again on the same state, and wait
-    until `c` sees the new process's entry (its view may still hold the old one's)."""
+    until `c` sees the new process's entry (its view may still hold the old one's) and the worker serves
+    what it kept (one of `keys`: after its second catch-up, a member TTL on)."""
     wid = worker_id(workers[i])
     old = c.backend.members()[wid].incarnation
     assert workers[i].stop() == 0
     workers[i] = _ssd_worker(nats, tmp_path, i).wait_ready()
     assert worker_id(workers[i]) == wid
     assert c.wait_for_members(lambda m: wid in m and m[wid].incarnation != old and len(m) == len(workers), 15)
+    names = list(keys)
+    with PoolClient(mode="local", worker=workers[i].address, timeout_s=5) as direct:
+        until = time.monotonic() + 20
+        while not any(direct.batch_exists(names)):
+            assert time.monotonic() < until, "the restarted worker never served what it kept"
+            time.sleep(0.2)
 
 
 @contextmanager
@@ -131,7 +142,7 @@ def test_a_failure_on_a_restarted_workers_old_process_leaves_the_new_one_askable
             wait_members(c, 2)
             c.batch_put(list(keys), [block(k, SIZE) for k in keys])
             before = dict(c.backend.members())
-            _restart(c, nats, tmp_path, workers, 1)
+            _restart(c, nats, tmp_path, workers, 1, keys)
             late = c.backend.fanout.each(before, {restarted: [0]}, lambda t, idx: t.batch_exists([b"s0"]),
                                          time.monotonic() + 5)
             assert list(late) == []  # it failed on the old process
@@ -153,7 +164,7 @@ def test_a_background_job_queued_before_a_restart_reaches_the_new_process(nats, 
             queue = c.backend.supersedes
             assert queue.submit(1, gate.wait)  # the notes queue up behind this
             c.batch_put(list(keys), [block(k, SIZE) for k in keys])
-            _restart(c, nats, tmp_path, workers, 1)
+            _restart(c, nats, tmp_path, workers, 1, keys)
             hits, misses = read_all(c, keys)  # through a connection to the new process
             assert not misses
             held = c.backend.fanout._transports[restarted]
@@ -172,7 +183,7 @@ def test_restart_on_the_same_state_keeps_its_id_and_serves_its_blocks(nats, tmp_
             names = list(keys)
             for i in range(0, len(names), 50):
                 c.batch_put(names[i:i + 50], [block(k, SIZE) for k in names[i:i + 50]])
-            _restart(c, nats, tmp_path, workers, 1)  # keeps its id
+            _restart(c, nats, tmp_path, workers, 1, keys)  # keeps its id
             hits, misses = read_all(c, keys)
         assert not misses, f"{len(misses)} of {len(keys)} blocks missed after a restart on the same state"
 
