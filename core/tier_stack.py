@@ -9,6 +9,7 @@ changes it accepts, for a replica that comes back to catch up from.
 """
 from __future__ import annotations
 
+import logging
 import math
 import operator
 import threading
@@ -26,6 +27,8 @@ from .tiers.ssd_tier import SsdTier
 from .versions import ChangeLog, Clears, Tombstones
 
 __all__ = ["TierStack"]
+
+log = logging.getLogger("kvpool.ssd")
 
 _PREFIX_CHUNK = 512
 """Keys `prefix_match` looks up at a time."""
@@ -71,6 +74,7 @@ class TierStack:
             if cfg.ssd_path:
                 store = SsdStore(cfg.ssd_path, cfg.ssd_map_size, cfg.ssd_sync)
                 self.ssd = SsdTier(store, cfg.policy)  # indexes what a previous run left
+                self._drop_unreadable()
             device = cfg.device
             if device == "auto":
                 device = "cuda" if cuda_available() else None
@@ -193,6 +197,24 @@ class TierStack:
             return False
         self.left(key, "dram", why)
         return True
+
+    def _drop_unreadable(self) -> None:
+        """At open: drop the SSD blocks larger than this run's DRAM max block (a tier written with larger
+        slabs). A read promotes a block into DRAM, so none of them could be read here, yet lookups
+        (`exists`, `prefix_match`) would say them present: an engine would plan to load what every get
+        then misses."""
+        assert self.ssd is not None
+        limit = self.dram.arena.max_block
+        big = self.ssd.larger_than(limit)
+        if not big:
+            return
+        need = max(self.ssd.size_of(k) or 0 for k in big)
+        for k in big:
+            self.drop_ssd(k, "evict")
+        self.ssd.delete_stale()  # (a full disk leaves them queued: the demoter retries)
+        log.warning("SSD tier at %s: %d blocks larger than this worker's largest block (dram_slab_size %d) "
+                    "dropped: a read could never serve them (a slab size of %d or more keeps such blocks)",
+                    self.config.ssd_path, len(big), limit, need)
 
     def drop_ssd(self, key: bytes, why: str) -> None:
         """Unindex the SSD block of `key` and queue its copy for deletion; `why` tells the listeners."""

@@ -102,6 +102,13 @@ class SsdTier:
     def size_of(self, key: bytes) -> int | None:
         return self._sizes.get(key)
 
+    def larger_than(self, limit: int) -> list[bytes]:
+        """The keys of the indexed blocks over `limit` bytes (a pass in C where there are none)."""
+        sizes = self._sizes
+        if not sizes or max(sizes.values()) <= limit:
+            return []
+        return [k for k, n in sizes.items() if n > limit]
+
     def version_of(self, key: bytes) -> int:
         """The version of the indexed block of `key` (0: none indexed, or a block without one)."""
         return self._versions.get(key, 0)

@@ -1,7 +1,8 @@
 """A worker restarted on its SSD tier with a smaller largest block (`dram_slab_size`, e.g. an
 operator lowering KVPOOL_DRAM_SLAB_SIZE): the tier still holds blocks larger than any DRAM slot now.
 Promoting one asks DRAM for a slot of a size class it does not have. The promise: a miss (or a
-typed error), the worker serving every other block, never an untyped failure or a dead connection."""
+typed error), the worker serving every other block, never an untyped failure or a dead connection; and
+lookups agree with reads (such blocks are dropped as the tier opens)."""
 from __future__ import annotations
 
 from kvpool.core import TieredCache
@@ -21,8 +22,14 @@ def test_an_ssd_block_larger_than_the_reopened_caches_max_block_is_a_miss(tmp_pa
         cache.flush()
     with TieredCache(dram_bytes=8 * MiB, dram_slab_size=1 * MiB, prefault=False, ssd_path=ssd) as cache:
         assert cache.get("small") == block("small", 4096)
-        assert cache.get("big") is None  # IndexError from DramArena._take today
+        assert cache.get("big") is None  # IndexError from DramArena._take once
         assert cache.batch_get_into(["big"], [bytearray(4 * MiB)]) == [-1]
+        # and no lookup says present what every get misses (an engine would plan to load it)
+        assert cache.batch_exists(["small", "big"]) == [True, False]
+        assert cache.prefix_match(["small", "big"]) == 1
+    with TieredCache(dram_bytes=32 * MiB, dram_slab_size=4 * MiB, prefault=False, ssd_path=ssd) as cache:
+        assert cache.get("big") is None  # dropped from the tier, not kept unreadable
+        assert cache.get("small") == block("small", 4096)
 
 
 def test_a_worker_restarted_with_a_smaller_max_block_serves_the_rest(tmp_path):
