@@ -26,7 +26,7 @@ from .keys import Key, key_bytes, keys_bytes
 from .replica_state import ReplicaState
 from .stats import CacheStats
 from .tier_moves import TierMoves
-from .tier_stack import TierStack
+from .tier_stack import TierStack, with_prefix
 from .tiers.device import DeviceTier
 from .tiers.dram import DramArena
 from .tiers.dram_tier import BlockRef, DramBlock, new_blocks
@@ -345,16 +345,22 @@ class TieredCache:
         an older put of a key under it that arrives later (a replica back from a pause, a repair) does
         not bring the key back, and a peer that was away learns of it when it catches up."""
         raw = b"" if prefix is None else key_bytes(prefix)
+        stack = self._stack
         with self._lock:
-            stack = self._stack
             stack.check_open()
             version = CLOCK.now()
-            stack.clears.add(raw, version)
+            stack.clears.add(raw, version)  # from here no block under `raw` as old as the clear is admitted
             stack.changes.record_clear(raw, version)
             if prefix is None:
                 stack.clear()
                 return
-            stack.remove(stack.keys_with_prefix(raw))
+            held = stack.key_lists()
+        # The keys under the prefix are picked out without the lock (a pass over every key: a tenant's
+        # clears would otherwise stall the worker), then removed under it unless put again since.
+        doomed = with_prefix(held, raw)
+        with self._lock:
+            stack.check_open()
+            stack.remove([k for k in doomed if stack.version_of(k) <= version])
 
     def drop_all(self) -> None:
         """Drop every block from every tier, as `clear()` does, but remembering no clear: for a worker

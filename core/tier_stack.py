@@ -26,7 +26,7 @@ from .tiers.ssd import SsdStore
 from .tiers.ssd_tier import SsdTier
 from .versions import ChangeLog, Clears, Tombstones
 
-__all__ = ["TierStack"]
+__all__ = ["TierStack", "with_prefix"]
 
 log = logging.getLogger("kvpool.ssd")
 
@@ -305,13 +305,14 @@ class TierStack:
         for listener in self.listeners:
             listener.cleared()
 
+    def key_lists(self) -> list[list[bytes]]:
+        """The keys each tier holds now, device copies included (copies: a caller may go through them
+        without the lock: `with_prefix`)."""
+        return [list(self.dram.blocks), *(list(tier) for tier in (self.ssd, self.device) if tier is not None)]
+
     def keys_with_prefix(self, prefix: bytes) -> list[bytes]:
         """Keys starting with `prefix` that any tier holds, device copies included, sorted."""
-        doomed = {k for k in self.dram.blocks if k.startswith(prefix)}
-        for tier in (self.ssd, self.device):
-            if tier is not None:
-                doomed.update(k for k in tier if k.startswith(prefix))
-        return sorted(doomed)
+        return with_prefix(self.key_lists(), prefix)
 
     def add_listener(self, listener: CacheListener, replay: bool) -> None:
         """See `TieredCache.add_listener`."""
@@ -361,3 +362,8 @@ class TierStack:
                 self.ssd.close()
             self.dram.arena.close()
             self.dram.blocks.clear()
+
+
+def with_prefix(key_lists: list[list[bytes]], prefix: bytes) -> list[bytes]:
+    """The keys of `key_lists` (`TierStack.key_lists`) that start with `prefix`, each once, sorted."""
+    return sorted({k for keys in key_lists for k in keys if k.startswith(prefix)})

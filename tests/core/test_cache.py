@@ -585,6 +585,33 @@ def test_clear_of_a_prefix_leaves_other_namespaces(make_cache: Make, ssd_dir: st
     assert cache.ssd is not None and sorted(k for k, _ in cache.ssd.store.scan()) == sorted(k.encode() for k in theirs)
 
 
+def test_a_prefix_clear_picks_its_keys_without_the_lock(make_cache: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clear of a prefix goes through every key the cache holds: it does that without the cache's lock (a
+    tenant's repeated clears stalled every other request), and a put made meanwhile under the prefix, newer
+    than the clear, stays."""
+    import threading
+
+    from kvpool.core import cache as cache_module
+
+    cache = make_cache()
+    cache.batch_put([f"t/{i}" for i in range(50)] + ["u/0"], [payload(str(i), KiB) for i in range(51)])
+    real = cache_module.with_prefix
+    during: list[bool] = []
+
+    def picking(key_lists: list[list[bytes]], prefix: bytes) -> list[bytes]:
+        other = threading.Thread(target=lambda: cache.put("t/0", payload("new", KiB)))  # (a key being cleared)
+        other.start()
+        other.join(timeout=5)
+        during.append(not other.is_alive())  # the put went through: the lock was free
+        return real(key_lists, prefix)
+
+    monkeypatch.setattr(cache_module, "with_prefix", picking)
+    cache.clear("t/")
+    assert during == [True]
+    assert not any(cache.batch_exists([f"t/{i}" for i in range(1, 50)]))
+    assert cache.get("t/0") == payload("new", KiB) and cache.exists("u/0")
+
+
 def test_replace_updates_every_tier(make_cache: Make, ssd_dir: str) -> None:
     cache = make_cache(dram_bytes=4 * MiB, dram_slab_size=1 * MiB, ssd_path=ssd_dir, ssd_sync=False)
     cache.put("k", payload("v1", 100 * KiB))
