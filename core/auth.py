@@ -18,6 +18,7 @@ import contextlib
 import errno
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import secrets
@@ -30,8 +31,9 @@ from pathlib import Path
 
 from .config import default_state_dir
 from .errors import ConfigError
+from .sparse_log import SparseLog
 
-__all__ = ["NONCE_BYTES", "AuthThrottle", "find_token", "load_or_create_token", "no_auth_env", "peer_uid",
+__all__ = ["NONCE_BYTES", "AuthThrottle", "source_of", "find_token", "load_or_create_token", "no_auth_env", "peer_uid",
            "private_dir", "proof", "same_user", "token_path", "unix_socket_usable", "write_private"]
 
 log = logging.getLogger("kvpool.auth")
@@ -205,40 +207,67 @@ def unix_socket_usable(path: str) -> bool:
     return stat.S_ISSOCK(st.st_mode) and same_user(st.st_uid) and os.access(path, os.W_OK)
 
 
+def source_of(address: str) -> str:
+    """What failed authentications are counted by: an IPv6 address's /64 network (one host may hold all
+    of it), any other address as it is."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address  # ("uid <n>" for a Unix peer)
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
 class AuthThrottle:
-    """Failed authentications by source address: each failure is answered after a delay that doubles
-    with the address's recent failures (BASE_S .. MAX_S; forgotten FORGET_S after the last one), so a
-    guesser gets at most max_unauthenticated / MAX_S answers a second, while a client with the token,
-    whose first try succeeds, is never delayed. A change of an address's state is logged once."""
+    """Failed authentications by source (`source_of`): each failure is answered after a delay that
+    doubles with the source's recent failures (BASE_S .. MAX_S; forgotten FORGET_S after the last one),
+    so a guesser gets at most max_unauthenticated / MAX_S answers a second, while a client with the
+    token, whose first try succeeds, is never delayed. Sources are kept in the order of their last
+    failure (forgetting walks only those due) and at most MAX_SOURCES of them; a source's first failure
+    is a warning, one a minute at most (`SparseLog`: a crowd of addresses must not flood the log)."""
 
     BASE_S = 0.05
     MAX_S = 2.0
     FORGET_S = 60.0
+    MAX_SOURCES = 1 << 16
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._failures: dict[str, tuple[int, float]] = {}  # address -> (count, monotonic time of the last)
+        self._failures: dict[str, tuple[int, float]] = {}  # source -> (count, monotonic time of the last), oldest first
+        self._first = SparseLog(log)
 
     def failed(self, address: str, why: str) -> float:
         """Count a failure from `address`; the seconds to wait before answering it."""
         now = time.monotonic()
+        source = source_of(address)
         with self._lock:
             self._forget(now)
-            count = self._failures.get(address, (0, now))[0] + 1
-            self._failures[address] = (count, now)
+            count = self._failures.pop(source, (0, now))[0] + 1
+            self._failures[source] = (count, now)  # (to the end: the order of last failures)
+            while len(self._failures) > self.MAX_SOURCES:
+                del self._failures[next(iter(self._failures))]
         if count == 1:
-            log.warning("authentication failed from %s (%s); further failures from it are answered ever later "
-                        "(counted in kvpool_auth_failures_total; logged once)", address, why)
+            self._first.log("authentication failed from %s (%s); further failures from it are answered ever later "
+                            "(counted in kvpool_auth_failures_total)", source, why)
         return float(min(self.MAX_S, self.BASE_S * 2 ** (count - 1)))
 
     def succeeded(self, address: str) -> None:
+        source = source_of(address)
         with self._lock:
-            had = self._failures.pop(address, None)
+            had = self._failures.pop(source, None)
         if had:
-            log.info("%s authenticated after %d failed attempt(s)", address, had[0])
+            log.info("%s authenticated after %d failed attempt(s)", source, had[0])
 
     def _forget(self, now: float) -> None:
-        for addr, (count, last) in list(self._failures.items()):
-            if now - last > self.FORGET_S:
-                del self._failures[addr]
-                log.info("forgot %d failed authentication(s) from %s", count, addr)
+        """Drop the sources whose last failure is FORGET_S old: the first ones, in that order."""
+        failures = self._failures
+        while failures:
+            source = next(iter(failures))
+            count, last = failures[source]
+            if now - last <= self.FORGET_S:
+                return
+            del failures[source]
+            log.debug("forgot %d failed authentication(s) from %s", count, source)

@@ -26,6 +26,7 @@ from .cache import BlockRef, TieredCache
 from .config import WorkerConfig
 from .errors import KVPoolError, ProtocolError
 from .metrics import WorkerMetrics
+from .sparse_log import SparseLog
 from .tenants import Tenant
 from .tls import server_context
 
@@ -83,32 +84,6 @@ class Conn:
             self.closing = why
         self.gone.set()
         shutdown(self.sock)
-
-
-class SparseLog:
-    """Warnings of one kind at most one per `every_s` seconds, the rest at debug level and counted in the
-    next warning: a crowd of strangers the worker shuts (displaced, late to authenticate) must not
-    flood its log."""
-
-    def __init__(self, logger: logging.Logger, every_s: float = 60.0) -> None:
-        self._log, self._every_s = logger, every_s
-        self._lock = threading.Lock()
-        self._last = -every_s
-        self._skipped = 0
-
-    def log(self, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        with self._lock:
-            due = now - self._last >= self._every_s
-            skipped = self._skipped if due else 0
-            self._last, self._skipped = (now, 0) if due else (self._last, self._skipped + 1)
-        if not due:
-            self._log.debug(msg, *args)
-        elif skipped:
-            self._log.warning(msg + " (and %d more like it since the last such warning, at debug level)",
-                              *args, skipped)
-        else:
-            self._log.warning(msg, *args)
 
 
 class ConnectionServing:

@@ -18,7 +18,7 @@ from kvpool.core import protocol as P
 from kvpool.core.client import PoolClient
 from kvpool.core.config import CacheConfig, WorkerConfig
 from kvpool.core.server import Worker
-from kvpool.core.worker_serving import SparseLog
+from kvpool.core.sparse_log import SparseLog
 
 SMALL = {"dram_bytes": 32 << 20, "dram_slab_size": 1 << 20, "prefault": False}
 TOKEN = "the-pool-token-" + "x" * 40
