@@ -263,7 +263,9 @@ class ShmTransport(TcpTransport):
     def _put_frame(self, sock: socket.socket, keys: Sequence[bytes], views: Sequence[memoryview], pin_s: float,
                    versions: np.ndarray) -> list[int]:
         """Copy the frame's blocks into slots of the arena part by part (`kvpool.core.shm_put`); the
-        indices of those superseded. Within a session, on its connection `sock`."""
+        indices of those superseded. Within a session, on its connection `sock` (where a frame before
+        this one may have asked for slots: their answer is read first)."""
+        self._spare.read_answer(sock, self.generation)
         arena, pages = self._mapped(writable=True)
         if pin_s > 0:
             send_pin(sock, keys, pin_s)

@@ -120,3 +120,25 @@ def test_slots_of_a_connection_the_worker_closed_are_never_written(worker: Worke
     finally:
         t.close()
         other.close()
+
+
+def test_a_put_of_several_frames_of_one_shape_reads_each_answer_in_turn(tmp_path) -> None:
+    """A put larger than one connection may hold reserved goes in frames, in one session: a frame that
+    asks for the next one's slots (it follows one of its shape) has that answer read before the next frame
+    ALLOCs, never taken for the answer to that ALLOC (a put of two such frames, the second time, failed
+    with a reply out of turn)."""
+    from kvpool.core.config import CacheConfig, WorkerConfig
+
+    w = Worker(WorkerConfig(port=0, unix_path=str(tmp_path / "small.sock")),  # type: ignore[arg-type]
+               CacheConfig(dram_bytes=8 * MiB, dram_slab_size=MiB, prefault=False)).start()  # type: ignore[arg-type]
+    t = ShmTransport(w.unix_path)
+    try:
+        assert t.hello().max_reserve == MiB  # frames of 32 x 32 KiB
+        for i in range(3):
+            blocks = make_blocks(i, *[32 * KiB] * 64)
+            t.batch_put(_keys(f"f{i}-", 64), blocks)
+            assert _read_back(t, _keys(f"f{i}-", 64), blocks)
+        assert w.cache.check() == []
+    finally:
+        t.close()
+        w.stop()
