@@ -59,40 +59,56 @@ class AliveStamp:
 
 
 def catch_up(cache: TieredCache, peers: Mapping[str, WorkerInfo], since_ms: int, *, token: str | None,
-             node_id: str, timeout_s: float = 5.0) -> bool:
+             node_id: str, timeout_s: float = 5.0, partial: bool = False) -> bool:
     """Apply every change each of `peers` accepted since `since_ms` (unix ms) to `cache` (a block older
     than one is dropped). True if every peer answered with a log that reaches back that far; False
-    otherwise (the caller then drops what it cannot prove fresh)."""
+    otherwise (the caller then drops what it cannot prove fresh). `partial`: a peer that cannot is passed
+    over (logged), the others asked all the same."""
     ask_from = max(since_ms - CLOCK_SKEW_MS, 0)  # a peer whose clock runs behind reports all it took
-    dropped = 0
+    dropped, whole = 0, True
     for wid, info in peers.items():
-        same_node = info.node_id == node_id and bool(info.unix) and os.path.exists(info.unix)
-        address = info.unix if same_node else info.tcp
-        try:
-            conn = connect(address, token, timeout_s)
-        except KVPoolError as e:
-            log.warning("catch-up: cannot reach peer %s at %s (%s)", wid, address, e)
-            return False
-        try:
-            answered = conn.hello().worker_id
-            if answered != wid:
-                log.warning("catch-up: peer %s's address %s is worker %s's now: what %s accepted left with it",
-                            wid, address, answered, wid)
+        got = _from_peer(cache, wid, info, ask_from, token, node_id, timeout_s)
+        if got is None:
+            whole = False
+            if not partial:
                 return False
-            seq = 0
-            while True:
-                changes, nxt, covered = conn.changes(ask_from, seq)
-                if covered > ask_from:
-                    log.warning("catch-up: peer %s's log reaches back to %d ms, not to %d ms", wid, covered, ask_from)
-                    return False
-                dropped += cache.replicas.apply_changes([(c.key, c.version, c.kind) for c in changes])
-                if nxt < 0:
-                    break
-                seq = nxt
-        except KVPoolError as e:
-            log.warning("catch-up: peer %s at %s failed (%s)", wid, address, e)
-            return False
-        finally:
-            conn.close()
-    log.info("catch-up from %d peers since %d ms: %d outdated blocks dropped", len(peers), since_ms, dropped)
-    return True
+        else:
+            dropped += got
+    log.info("catch-up from %d peers since %d ms: %d outdated blocks dropped%s", len(peers), since_ms, dropped,
+             "" if whole else " (some peers passed over)")
+    return whole
+
+
+def _from_peer(cache: TieredCache, wid: str, info: WorkerInfo, ask_from: int, token: str | None, node_id: str,
+               timeout_s: float) -> int | None:
+    """Apply what peer `wid` accepted since `ask_from`: the blocks dropped, or None (logged) if it could not
+    tell all of it (unreachable, another worker at its address, a log that does not reach back, a failure)."""
+    same_node = info.node_id == node_id and bool(info.unix) and os.path.exists(info.unix)
+    address = info.unix if same_node else info.tcp
+    try:
+        conn = connect(address, token, timeout_s)
+    except KVPoolError as e:
+        log.warning("catch-up: cannot reach peer %s at %s (%s)", wid, address, e)
+        return None
+    dropped = 0
+    try:
+        answered = conn.hello().worker_id
+        if answered != wid:
+            log.warning("catch-up: peer %s's address %s is worker %s's now: what %s accepted left with it",
+                        wid, address, answered, wid)
+            return None
+        seq = 0
+        while True:
+            changes, nxt, covered = conn.changes(ask_from, seq)
+            if covered > ask_from:
+                log.warning("catch-up: peer %s's log reaches back to %d ms, not to %d ms", wid, covered, ask_from)
+                return None
+            dropped += cache.replicas.apply_changes([(c.key, c.version, c.kind) for c in changes])
+            if nxt < 0:
+                return dropped
+            seq = nxt
+    except KVPoolError as e:
+        log.warning("catch-up: peer %s at %s failed (%s)", wid, address, e)
+        return None
+    finally:
+        conn.close()

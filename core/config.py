@@ -34,8 +34,10 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
-def parse_size(value: str | int) -> int:
-    """Bytes from an int or a string like `64KiB`, `1.5GB`, `1048576`."""
+def parse_size(value: str | int | float) -> int:
+    """Bytes from an int (or a whole float: `4e9`) or a string like `64KiB`, `1.5GB`, `1048576`."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # (`dram_bytes = 4e9` in a file)
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ConfigError(f"size {value!r} is not a number of bytes with an optional unit (KiB, MiB, GiB, GB)")
     if isinstance(value, int):
@@ -79,7 +81,7 @@ def _coerce(name: str, kind: Any, value: Any) -> Any:
     try:
         if kind is bool or text == "bool":
             word = str(value).strip().lower() if isinstance(value, (str, int)) else None
-            if word in _TRUE or word in _FALSE:
+            if word in _TRUE or word in _FALSE or word == "":  # (an empty variable: off)
                 return word in _TRUE
             raise ValueError(f"not a boolean (one of {', '.join(_TRUE)} or {', '.join(_FALSE)})")
         if name.endswith("_bytes") or name.endswith("_size"):
@@ -139,13 +141,13 @@ def _file_values(cls: type[Any], path: str | os.PathLike[str], section: str | No
     names = {f.name for f in dataclasses.fields(cls)}
     section = section or next((n for n, c in SECTIONS.items() if c is cls), None)
     known = set().union(*({f.name for f in dataclasses.fields(c)} for c in SECTIONS.values()))
-    tables = {k for k, v in data.items() if isinstance(v, dict)}
-    stray = sorted(k for k in data if k not in (SECTIONS if k in tables else known | names))
+    tables = {k for k, v in data.items() if isinstance(v, dict)}  # (a name that is also a setting: a setting)
+    stray = sorted(k for k in data if k not in ({*SECTIONS, section} if k in tables else known | names))
     if stray:
         raise ConfigError(f"config file {path}: unknown setting(s) or table(s) {stray} at its top level (tables: "
                           f"[{'], ['.join(SECTIONS)}], whose settings may also sit at the top level)")
     values = {k: v for k, v in data.items() if k in names and k not in tables}
-    if section and section in data:
+    if section and section in data and (section in tables or section not in known):
         table = data[section]
         if not isinstance(table, dict):
             raise ConfigError(f"config file {path}: [{section}] is a {type(table).__name__}, not a table of settings")

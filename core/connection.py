@@ -23,6 +23,7 @@ import numpy as np
 from . import protocol as P
 from .auth import NONCE_BYTES, find_token, no_auth_env, peer_uid, proof, same_user, token_path
 from .errors import (
+    Abandoned,
     AuthError,
     BlockTooLarge,
     CapacityError,
@@ -220,8 +221,8 @@ class Connection:
                 # the socket (and shuts it down) or is seen
                 sock = None if self._aborted else self._sock or self._connect()
                 if sock is None or self._aborted:
-                    raise PoolUnavailable(f"the connection to worker {self.address} was abandoned: its call "
-                                          "ran past its deadline")
+                    raise Abandoned(f"the connection to worker {self.address} was abandoned: a call on it ran past "
+                                    "its deadline")
                 yield sock
                 if self.generation != opened:  # a shut-down socket may still read what had arrived
                     raise PoolUnavailable(f"the connection to worker {self.address} was closed during the call")

@@ -7,8 +7,8 @@ Third-party exceptions (lmdb, sockets, nats) are translated at the boundary that
 from __future__ import annotations
 
 __all__ = ["KVPoolError", "InvalidKey", "InvalidArgument", "BlockTooLarge", "BufferSizeError", "CapacityError",
-    "PoolClosed", "PoolUnavailable", "PoolTimeout", "PartialPut", "AuthError", "NamespaceError", "QuotaExceeded",
-    "ProtocolError",
+    "PoolClosed", "PoolUnavailable", "PoolTimeout", "Abandoned", "PartialPut", "AuthError", "NamespaceError",
+    "QuotaExceeded", "ProtocolError",
     "CorruptBlock", "ConfigError", "StorageError", "ListenError", "BenchError"]
 
 
@@ -54,6 +54,11 @@ class PoolUnavailable(KVPoolError, ConnectionError):
 
 class PoolTimeout(PoolUnavailable, TimeoutError):
     """An operation did not finish within its bound."""
+
+
+class Abandoned(PoolUnavailable):
+    """The connection was given up on by another call that ran past its deadline on it (`Connection.abort`):
+    nothing was sent on it for this call. A call that meets it may try a fresh connection."""
 
 
 class PartialPut(PoolUnavailable):

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from .auth import unix_socket_usable
-from .errors import KVPoolError, PoolTimeout, PoolUnavailable
+from .errors import Abandoned, KVPoolError, PoolTimeout, PoolUnavailable
 from .records import WorkerInfo
 from .transport import ShmTransport, TcpTransport, connect
 
@@ -182,13 +182,21 @@ class FanOut:
         abandoned = [False]
 
         def ask(w: str, idx: list[int]) -> T:
-            t = self.transport(w, live[w])
-            with gate:
-                if abandoned[0]:
-                    raise PoolUnavailable(f"worker {w}: the call was abandoned at its deadline")
-                used[w] = t
-                began[w] = time.monotonic()
-            return call(t, idx)
+            for attempt in (0, 1):
+                t = self.transport(w, live[w])
+                with gate:
+                    if abandoned[0]:
+                        raise PoolUnavailable(f"worker {w}: the call was abandoned at its deadline")
+                    used[w] = t
+                    began.setdefault(w, time.monotonic())
+                try:
+                    return call(t, idx)
+                except Abandoned:
+                    # Another call, past its own (shorter) deadline, gave up on the connection this one
+                    # waited for, and dropped it (`_abandon`): nothing was sent for this call; a fresh one.
+                    if attempt or abandoned[0]:
+                        raise
+            raise AssertionError("unreachable")
 
         if self._closed:
             raise PoolUnavailable("the client is closed")

@@ -287,18 +287,18 @@ _ITEM_META = 2 + MAX_KEY_BYTES + 8 * 5
 _SAFE_BATCH = min(MAX_BATCH, (MAX_META - 4) // _ITEM_META)
 
 
-def frames(n: int, sizes: Sequence[int] | None = None, max_bytes: int = MAX_DATA, floor: int = 0) -> list[slice]:
+def frames(n: int, sizes: Sequence[int] | None = None, max_bytes: int = MAX_DATA, per_item: int = 0) -> list[slice]:
     """Slices of a batch of `n` items such that each fits one frame: at most MAX_BATCH items, their
-    metadata within MAX_META whatever their keys, and (given the items' data `sizes`, each counted as at
-    least `floor`: `RESERVE_FLOOR` for a worker's reservation budget) their data within `max_bytes`
-    (MAX_DATA; an item larger than that goes alone). Almost every batch is one slice; a client splits
-    bigger ones rather than have a healthy worker refuse them."""
-    if n <= _SAFE_BATCH and (sizes is None or sum(sizes) + floor * n <= max_bytes):
+    metadata within MAX_META whatever their keys, and (given the items' data `sizes`, each counted
+    `per_item` bytes more: `RESERVE_FLOOR` for a worker's reservation budget) their data within
+    `max_bytes` (MAX_DATA; an item larger than that goes alone). Almost every batch is one slice; a
+    client splits bigger ones rather than have a healthy worker refuse them."""
+    if n <= _SAFE_BATCH and (sizes is None or sum(sizes) + per_item * n <= max_bytes):
         return [slice(0, n)]
     out: list[slice] = []
     start, data = 0, 0
     for i in range(n):
-        size = 0 if sizes is None else max(int(sizes[i]), floor)
+        size = per_item + (0 if sizes is None else int(sizes[i]))
         if i > start and (i - start >= _SAFE_BATCH or data + size > max_bytes):
             out.append(slice(start, i))
             start, data = i, 0
@@ -384,8 +384,13 @@ def check_reply(frame: Frame, op: int) -> None:
 checksum = xxhash.xxh3_64_intdigest
 """A block's checksum (as `kvpool.core.blocks.checksum`) for what arrives in groups."""
 RESERVE_FLOOR = 256
-"""What a same-node reservation (ALLOC) of a block is charged at least against the connection's
-`max_reserve`: the arena's smallest slot (a 0-byte block takes one too)."""
+"""What a same-node reservation (ALLOC) of a block is charged against the connection's `max_reserve`
+beyond its size: the arena's smallest slot (a 0-byte block takes one too; a larger one at most a quarter
+more than its size, in its size class)."""
+MAX_LEASES = 4 * MAX_BATCH
+"""Leases one same-node connection may hold at once (each an entry in the worker's memory until its
+RELEASE or the connection's end): the worker refuses a LEASE past it; a client's `batch_lease` of more
+keys serves the rest as copies."""
 
 _GROUP_BYTES = 512 << 10
 """Small blocks are received up to this many bytes at a time (one scatter receive), then hashed while

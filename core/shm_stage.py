@@ -121,7 +121,7 @@ class Stager:
         info = self.transport.hello()
         reserve = info.max_reserve or P.MAX_DATA
         budget = reserve // (1 + LOOKAHEAD)
-        total = sum(max(n, P.RESERVE_FLOOR) for n in sizes)  # as the worker charges them
+        total = sum(sizes) + P.RESERVE_FLOOR * len(sizes)  # as the worker charges them
         fit = bool(sizes) and len(P.frames(len(sizes), sizes, budget, P.RESERVE_FLOOR)) == 1 and total <= budget \
             and max(sizes) <= info.max_block
         if fit:

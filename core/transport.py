@@ -287,9 +287,16 @@ class ShmTransport(TcpTransport):
 
     @contextmanager
     def batch_lease(self, keys: Sequence[bytes]) -> Iterator[list[memoryview | None]]:
-        """Read-only views straight into the arena (zero copy), valid until the block exits."""
+        """Read-only views straight into the arena (zero copy), valid until the block exits; past the
+        `MAX_LEASES` a connection may hold, copies (each frame leased, copied and released at once)."""
+        held, rest = keys[:P.MAX_LEASES], keys[P.MAX_LEASES:]
+        copied: list[memoryview | None] = []
+        for f in P.frames(len(rest)):  # (first: while the others are held, no lease is left to take)
+            with self._lease_frame(rest[f]) as leased:
+                copied += [None if v is None else memoryview(v.tobytes()) for v in leased]
         with ExitStack() as stack:
-            yield [view for f in P.frames(len(keys)) for view in stack.enter_context(self._lease_frame(keys[f]))]
+            leased = [view for f in P.frames(len(held)) for view in stack.enter_context(self._lease_frame(held[f]))]
+            yield leased + copied
 
     @contextmanager
     def _lease_frame(self, keys: Sequence[bytes]) -> Iterator[list[memoryview | None]]:

@@ -30,16 +30,13 @@ from .tiers.dram_tier import block_columns
 from .versions import capped
 from .worker_serving import Conn, ConnectionServing
 
-__all__ = ["RESERVE_SHARE", "MAX_LEASES", "RequestHandlers"]
+__all__ = ["RESERVE_SHARE", "RequestHandlers"]
 
 log = logging.getLogger("kvpool.worker")
 
 
 RESERVE_SHARE = 8
 """A same-node connection may hold at most 1/8 of the arena reserved and not yet committed."""
-MAX_LEASES = 4 * P.MAX_BATCH
-"""Leases one same-node connection may hold at once (each an entry in the worker's memory until its
-RELEASE or the connection's end): a LEASE past it is refused (the client's ProtocolError)."""
 
 
 class RequestHandlers(ConnectionServing):
@@ -366,22 +363,21 @@ class RequestHandlers(ConnectionServing):
         if not self._in_namespace(conn, frame, keys):  # same-node peers have no tenant today; kept in step
             return
         max_block = self.cache.max_block
-        # each block charged at least the smallest slot it takes (a budget of sizes alone let 0-byte blocks
-        # reserve the whole arena)
-        floor = P.RESERVE_FLOOR
-        held = conn.reserved.values()
-        budget = self.max_reserve - sum(held) - floor * sum(1 for n in held if n < floor)
+        # each block charged RESERVE_FLOOR beyond its size, as clients frame their puts (a budget of sizes
+        # alone let 0-byte blocks reserve the whole arena)
+        extra = P.RESERVE_FLOOR
+        budget = self.max_reserve - sum(conn.reserved.values()) - extra * len(conn.reserved)
         lens = sizes.tolist()
         too_large: list[int] = []
         want: list[int] | None = None  # None: every block (in range, and within the budget: the usual batch)
-        if not (lens and floor <= min(lens) and max(lens) <= max_block and sum(lens) <= budget):
+        if not (lens and min(lens) >= 0 and max(lens) <= max_block and sum(lens) + extra * len(lens) <= budget):
             want = []
             for i, size in enumerate(lens):
                 if size > max_block or size < 0:
                     too_large.append(i)
-                elif max(size, floor) <= budget:  # else ITEM_FULL: this connection holds its share uncommitted
+                elif size + extra <= budget:  # else ITEM_FULL: this connection holds its share uncommitted
                     want.append(i)
-                    budget -= max(size, floor)
+                    budget -= size + extra
         wanted = lens if want is None else [lens[i] for i in want]
         got = self.cache.reserve_many(wanted)  # one lock for the batch; None: no room for that block
         if want is None and None not in got:  # a slot for each
@@ -447,8 +443,8 @@ class RequestHandlers(ConnectionServing):
         if keys is None:
             return
         n = len(keys)
-        if len(conn.leases) + n > MAX_LEASES:
-            why = f"LEASE of {n} blocks on a connection holding {len(conn.leases)}: at most {MAX_LEASES} at once"
+        if len(conn.leases) + n > P.MAX_LEASES:
+            why = f"LEASE of {n} blocks on a connection holding {len(conn.leases)}: at most {P.MAX_LEASES} at once"
             self._reply(conn, frame, P.pack_json({"error": why + " (release them first)"}), status=P.Status.ERROR)
             return
         blocks = self.cache.acquire_many(keys)  # one lock for the batch's DRAM hits

@@ -161,10 +161,11 @@ def test_a_get_reply_never_exceeds_the_protocols_data_limit(worker: Worker) -> N
     assert worker.cache.stats().dram_leases == 0  # what the GET leased went back with its connection
 
 
-def test_frames_count_each_reserved_block_at_least_the_smallest_slot() -> None:
-    """A client splits a same-node put as the worker charges its reservations (`RESERVE_FLOOR` a block at
-    least), so a frame of tiny blocks is never refused for want of budget the client thought it had."""
+def test_frames_count_each_reserved_block_as_the_worker_charges_it() -> None:
+    """A client splits a same-node put as the worker charges its reservations (`RESERVE_FLOOR` a block beyond
+    its size), so a frame is never refused for want of budget the client thought it had."""
     tiny = [0] * 100
     assert P.frames(len(tiny), tiny, 100 * P.RESERVE_FLOOR, P.RESERVE_FLOOR) == [slice(0, 100)]
     assert P.frames(len(tiny), tiny, 50 * P.RESERVE_FLOOR, P.RESERVE_FLOOR) == [slice(0, 50), slice(50, 100)]
-    assert P.frames(3, [1000, 1000, 1000], 2000, P.RESERVE_FLOOR) == [slice(0, 2), slice(2, 3)]
+    assert P.frames(2, [1000, 1000], 2000 + 2 * P.RESERVE_FLOOR, P.RESERVE_FLOOR) == [slice(0, 2)]
+    assert P.frames(2, [1000, 1000], 2000, P.RESERVE_FLOOR) == [slice(0, 1), slice(1, 2)]
