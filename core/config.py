@@ -49,7 +49,8 @@ def parse_size(value: str | int | float) -> int:
 
 
 def default_state_dir() -> Path:
-    """Where kvpool keeps its SSD tier and service state: $KVPOOL_STATE_DIR or ~/.local/state/kvpool."""
+    """Where kvpool keeps its service state (token, NATS credentials, sockets, worker ids; an SSD tier only
+    where `ssd_path` says so): $KVPOOL_STATE_DIR or ~/.local/state/kvpool."""
     env = os.environ.get("KVPOOL_STATE_DIR")
     return Path(env) if env else Path.home() / ".local" / "state" / "kvpool"
 
