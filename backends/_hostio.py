@@ -431,15 +431,19 @@ class HostIO:
                          lambda st: [st] * len(keys), proves=True)
 
     def clear(self, prefix: str | None = None) -> int:
-        """Remove every block of the pool, or those whose key starts with `prefix`; the number of
-        blocks the pool held before (best effort: a block held by two tiers counts twice; all of the
-        pool's, whatever the prefix), or a negative Status."""
-        def clear_all(c: PoolClient) -> int:
+        """Remove every block of the pool, or those whose key starts with `prefix`; how many that took
+        from the pool (its blocks before less its blocks after, each tier's counted: best effort, as
+        others' puts and evictions meanwhile count too), or a negative Status."""
+        def held(c: PoolClient) -> int:
             total = c.stats().total
-            n = total.dram_blocks + total.ssd_blocks
+            return int(total.dram_blocks + total.ssd_blocks)
+
+        def clear_all(c: PoolClient) -> int:
+            before = held(c)
             c.clear(prefix)
-            self.log.info("kvpool: cleared %s (%d blocks in the pool before)",
-                          f"the keys under {prefix!r}" if prefix else "every block", n)
+            n = max(0, before - held(c))
+            self.log.info("kvpool: cleared %s (%d blocks)", f"the keys under {prefix!r}" if prefix else "every block",
+                          n)
             return n
         return self.call(clear_all, lambda st: int(st), proves=True)
 

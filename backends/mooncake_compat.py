@@ -8,6 +8,7 @@ MooncakeDistributedStore` resolves to this class, so they run on kvpool unchange
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ from typing import Any
 
 from kvpool.core import ClientConfig, KVPoolError, PoolClient, readable
 from kvpool.core import load_config as load
+from kvpool.core.keys import MAX_KEY_BYTES
 
 from ._hostio import HostBuffers, HostIO, Status, prefixed
 from .mooncake_shim import shim_path
@@ -75,6 +77,25 @@ def _env_mode(env: dict[str, str]) -> str:
 def _is_host_port(addr: str) -> bool:
     host, sep, port = addr.rpartition(":")
     return bool(sep and host and port.isdigit()) and "://" not in addr
+
+
+LONG_KEY_MARK = "kvpool-long-key/sha256:"
+"""A key too long for the pool (with its tenant's prefix: over `MAX_KEY_BYTES` bytes) is stored under this
+mark and its key's SHA-256: Mooncake takes keys of any length, and engines build them from model paths."""
+
+
+class BufferHandle(bytes):
+    """An object's bytes as Mooncake's `get_buffer` / `batch_get_buffer` hand them out: the buffer protocol
+    (`memoryview(h)`, `np.frombuffer(h)`), `len(h)` and `h.size()`; `h.ptr()` is the bytes' address (valid
+    while `h` lives)."""
+
+    def size(self) -> int:
+        return len(self)
+
+    def ptr(self) -> int:
+        import ctypes
+
+        return ctypes.cast(ctypes.c_char_p(self), ctypes.c_void_p).value or 0
 
 
 class ReplicateConfig:
@@ -152,7 +173,10 @@ class MooncakeDistributedStore:
         return self.setup("", "", 0, local_buffer_size, master_server_addr=server_address, **kwargs)
 
     def _keys(self, keys: Sequence[str]) -> list[str]:
-        return prefixed(self._prefix, keys)
+        """The pool's names of `keys`: in the tenant's namespace, a long one by its digest (`LONG_KEY_MARK`)."""
+        named = prefixed(self._prefix, keys)
+        return [_digest(self._prefix, n) if isinstance(n, str) and len(n) > MAX_KEY_BYTES // 4
+                and len(n.encode()) > MAX_KEY_BYTES else n for n in named]
 
     # ----- registered buffers -------------------------------------------------------------------
 
@@ -253,6 +277,15 @@ class MooncakeDistributedStore:
     def get_batch(self, keys: Sequence[str]) -> list[bytes]:
         return [self.get(k) for k in keys]
 
+    def get_buffer(self, key: str) -> BufferHandle | None:
+        """The object's bytes as a buffer (`BufferHandle`), None on a miss or when the pool is unreachable."""
+        data = self.get(key)
+        return BufferHandle(data) if data else None
+
+    def batch_get_buffer(self, keys: Sequence[str]) -> list[BufferHandle | None]:
+        """`get_buffer` of each key (LMCache's Mooncake connector reads this way)."""
+        return [self.get_buffer(k) for k in keys]
+
     def get_size(self, key: str) -> int:
         """The object's size in bytes, -704 on a miss, another negative status on failure."""
         name = self._keys([key])[0]
@@ -280,8 +313,10 @@ class MooncakeDistributedStore:
         return [int(s) for s in self._io.batch_remove(self._keys(keys))]
 
     def remove_all(self, force: bool = False) -> int:
-        """Remove every object of the pool, or with a tenant set only the tenant's; how many the pool
-        held before (all tenants), or a negative status."""
+        """Remove every object of the pool, or with a tenant set only the tenant's; how many blocks that
+        took from the pool (its count before less its count after: others' puts meanwhile count against
+        it), or a negative status. The default tenant's is the whole pool's, other tenants' included
+        (a difference from Mooncake, whose default tenant is one among others: here it has no namespace)."""
         return self._io.clear(self._prefix or None)
 
     # ----- lifecycle ----------------------------------------------------------------------------
@@ -298,3 +333,8 @@ class MooncakeDistributedStore:
     def close(self) -> int:
         self._io.close()
         return 0
+
+
+def _digest(prefix: str, name: str) -> str:
+    """The pool's name of a key whose name `name` (with `prefix`) is too long: its SHA-256, marked."""
+    return prefix + LONG_KEY_MARK + hashlib.sha256(name[len(prefix):].encode(errors="surrogatepass")).hexdigest()
