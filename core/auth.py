@@ -225,9 +225,11 @@ class AuthThrottle:
     """Failed authentications by source (`source_of`): each failure is answered after a delay that
     doubles with the source's recent failures (BASE_S .. MAX_S; forgotten FORGET_S after the last one),
     so a guesser gets at most max_unauthenticated / MAX_S answers a second, while a client with the
-    token, whose first try succeeds, is never delayed. Sources are kept in the order of their last
-    failure (forgetting walks only those due) and at most MAX_SOURCES of them; a source's first failure
-    is a warning, one a minute at most (`SparseLog`: a crowd of addresses must not flood the log)."""
+    token, whose first try succeeds, is never delayed (and a success forgets nothing: one client with the
+    token must not reset a guesser's delay on its network). Sources are kept in the order of their last
+    failure (forgetting walks only those due) and at most MAX_SOURCES of them: past that a new source is
+    answered at MAX_S (a crowd of one-time sources must not push a guesser out, back to BASE_S); a
+    source's first failure is a warning, one a minute at most (`SparseLog`: no flood of the log)."""
 
     BASE_S = 0.05
     MAX_S = 2.0
@@ -245,10 +247,10 @@ class AuthThrottle:
         source = source_of(address)
         with self._lock:
             self._forget(now)
+            if source not in self._failures and len(self._failures) >= self.MAX_SOURCES:
+                return self.MAX_S  # (untracked: no room to count it)
             count = self._failures.pop(source, (0, now))[0] + 1
             self._failures[source] = (count, now)  # (to the end: the order of last failures)
-            while len(self._failures) > self.MAX_SOURCES:
-                del self._failures[next(iter(self._failures))]
         if count == 1:
             self._first.log("authentication failed from %s (%s); further failures from it are answered ever later "
                             "(counted in kvpool_auth_failures_total)", source, why)
@@ -257,9 +259,10 @@ class AuthThrottle:
     def succeeded(self, address: str) -> None:
         source = source_of(address)
         with self._lock:
-            had = self._failures.pop(source, None)
+            had = self._failures.get(source)
         if had:
-            log.info("%s authenticated after %d failed attempt(s)", source, had[0])
+            log.info("%s authenticated, %d failed attempt(s) from %s in the last %.0f s", address, had[0], source,
+                     self.FORGET_S)
 
     def _forget(self, now: float) -> None:
         """Drop the sources whose last failure is FORGET_S old: the first ones, in that order."""

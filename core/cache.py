@@ -354,13 +354,17 @@ class TieredCache:
             if prefix is None:
                 stack.clear()
                 return
-            held = stack.key_lists()
+            held, mark = stack.key_lists(), stack.changes.next_seq
         # The keys under the prefix are picked out without the lock (a pass over every key: a tenant's
-        # clears would otherwise stall the worker), then removed under it unless put again since.
+        # clears would otherwise stall the worker), then removed under it but those put since (the change
+        # log says which; where it ran past that, those newer than the clear: a block held before the clear
+        # may carry a later version, from a writer whose clock runs ahead).
         doomed = with_prefix(held, raw)
         with self._lock:
             stack.check_open()
-            stack.remove([k for k in doomed if stack.version_of(k) <= version])
+            since = stack.changes.puts_since(mark)
+            stack.remove([k for k in doomed if k not in since] if since is not None
+                         else [k for k in doomed if stack.version_of(k) <= version])
 
     def drop_all(self) -> None:
         """Drop every block from every tier, as `clear()` does, but remembering no clear: for a worker

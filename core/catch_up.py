@@ -62,16 +62,20 @@ def catch_up(cache: TieredCache, peers: Mapping[str, WorkerInfo], since_ms: int,
              node_id: str, timeout_s: float = 5.0, partial: bool = False) -> bool:
     """Apply every change each of `peers` accepted since `since_ms` (unix ms) to `cache` (a block older
     than one is dropped). True if every peer answered with a log that reaches back that far; False
-    otherwise (the caller then drops what it cannot prove fresh). `partial`: a peer that cannot is passed
-    over (logged), the others asked all the same."""
+    otherwise (the caller then drops what it cannot prove fresh). `partial`: a peer that cannot because it
+    is gone, or (re)started since `since_ms` (its log begins with that run), is passed over (logged), the
+    others asked all the same; one that has served all along and whose log no longer reaches back is still
+    a False."""
     ask_from = max(since_ms - CLOCK_SKEW_MS, 0)  # a peer whose clock runs behind reports all it took
     dropped, whole = 0, True
     for wid, info in peers.items():
-        got = _from_peer(cache, wid, info, ask_from, token, node_id, timeout_s)
+        got = _from_peer(cache, wid, info, ask_from, token, node_id, timeout_s, since_ms if partial else None)
         if got is None:
             whole = False
             if not partial:
                 return False
+        elif got < 0:
+            return False
         else:
             dropped += got
     log.info("catch-up from %d peers since %d ms: %d outdated blocks dropped%s", len(peers), since_ms, dropped,
@@ -80,9 +84,11 @@ def catch_up(cache: TieredCache, peers: Mapping[str, WorkerInfo], since_ms: int,
 
 
 def _from_peer(cache: TieredCache, wid: str, info: WorkerInfo, ask_from: int, token: str | None, node_id: str,
-               timeout_s: float) -> int | None:
+               timeout_s: float, pass_over_since: int | None = None) -> int | None:
     """Apply what peer `wid` accepted since `ask_from`: the blocks dropped, or None (logged) if it could not
-    tell all of it (unreachable, another worker at its address, a log that does not reach back, a failure)."""
+    tell all of it (unreachable, another worker at its address, a log that does not reach back, a failure).
+    With `pass_over_since` (unix ms), a log that does not reach back is -1 unless the peer has been a
+    member only since after that time (a restart: None)."""
     same_node = info.node_id == node_id and bool(info.unix) and os.path.exists(info.unix)
     address = info.unix if same_node else info.tcp
     try:
@@ -92,7 +98,8 @@ def _from_peer(cache: TieredCache, wid: str, info: WorkerInfo, ask_from: int, to
         return None
     dropped = 0
     try:
-        answered = conn.hello().worker_id
+        hello = conn.hello()
+        answered = hello.worker_id
         if answered != wid:
             log.warning("catch-up: peer %s's address %s is worker %s's now: what %s accepted left with it",
                         wid, address, answered, wid)
@@ -102,7 +109,8 @@ def _from_peer(cache: TieredCache, wid: str, info: WorkerInfo, ask_from: int, to
             changes, nxt, covered = conn.changes(ask_from, seq)
             if covered > ask_from:
                 log.warning("catch-up: peer %s's log reaches back to %d ms, not to %d ms", wid, covered, ask_from)
-                return None
+                restarted = (hello.member_since or 0) * 1000 > (pass_over_since or 0)
+                return None if pass_over_since is None or restarted else -1
             dropped += cache.replicas.apply_changes([(c.key, c.version, c.kind) for c in changes])
             if nxt < 0:
                 return dropped

@@ -82,7 +82,7 @@ def _coerce(name: str, kind: Any, value: Any) -> Any:
     try:
         if kind is bool or text == "bool":
             word = str(value).strip().lower() if isinstance(value, (str, int)) else None
-            if word in _TRUE or word in _FALSE or word == "":  # (an empty variable: off)
+            if word in _TRUE or word in _FALSE:
                 return word in _TRUE
             raise ValueError(f"not a boolean (one of {', '.join(_TRUE)} or {', '.join(_FALSE)})")
         if name.endswith("_bytes") or name.endswith("_size"):
@@ -177,7 +177,9 @@ def load(cls: type[C], *, prefix: str = "KVPOOL_", file: str | os.PathLike[str] 
         values.update(_file_values(cls, file, section))
     for name in names:
         if prefix + name.upper() in env:
-            values[name] = env[prefix + name.upper()]
+            text = env[prefix + name.upper()]
+            is_flag = hints[name] is bool or str(hints[name]) == "bool"
+            values[name] = "false" if is_flag and not text.strip() else text  # (a variable set empty: off)
     bad = set(overrides) - names
     if bad:
         raise ConfigError(f"unknown {cls.__name__} option(s) {sorted(bad)}; known: {sorted(names)}")

@@ -41,7 +41,7 @@ from .tls import ca_file, client_context, server_name
 from .versions import CLOCK, Change
 
 __all__ = ["put_outcome", "DEFAULT_MAX_BLOCK", "Busy", "Connection", "raise_item", "refuse_too_large", "send_pin",
-           "pin_request"]
+           "pin_request", "sessions_entered"]
 
 log = logging.getLogger("kvpool.transport")
 
@@ -54,6 +54,15 @@ GATE_WAIT_S = 1.0
 class Busy(KVPoolError):
     """A message meant to go only on an idle connection (`Connection._session(idle=True)`) was not sent:
     the connection is in use, or not open (the caller sends it another way; no call of the API raises it)."""
+
+
+_entered = threading.local()  # .count: sessions this thread has entered (`sessions_entered`)
+
+
+def sessions_entered() -> int:
+    """How many sessions (exchanges on an open connection) this thread has entered so far: a caller can
+    tell whether a failed call got as far as sending anything."""
+    return int(getattr(_entered, "count", 0))
 
 
 class Connection:
@@ -223,6 +232,7 @@ class Connection:
                 if sock is None or self._aborted:
                     raise Abandoned(f"the connection to worker {self.address} was abandoned: a call on it ran past "
                                     "its deadline")
+                _entered.count = getattr(_entered, "count", 0) + 1
                 yield sock
                 if self.generation != opened:  # a shut-down socket may still read what had arrived
                     raise PoolUnavailable(f"the connection to worker {self.address} was closed during the call")

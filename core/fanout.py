@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from .auth import unix_socket_usable
+from .connection import sessions_entered
 from .errors import Abandoned, KVPoolError, PoolTimeout, PoolUnavailable
 from .records import WorkerInfo
 from .transport import ShmTransport, TcpTransport, connect
@@ -189,12 +190,15 @@ class FanOut:
                         raise PoolUnavailable(f"worker {w}: the call was abandoned at its deadline")
                     used[w] = t
                     began.setdefault(w, time.monotonic())
+                entered = sessions_entered()
                 try:
                     return call(t, idx)
                 except Abandoned:
                     # Another call, past its own (shorter) deadline, gave up on the connection this one
-                    # waited for, and dropped it (`_abandon`): nothing was sent for this call; a fresh one.
-                    if attempt or abandoned[0]:
+                    # waited for, and dropped it (`_abandon`): where this call sent nothing yet (it entered
+                    # no session: a call of several frames may have sent some), once more on a fresh one;
+                    # else it fails, the worker only slow (not its fault: writes still go to it).
+                    if attempt or abandoned[0] or sessions_entered() != entered:
                         raise
             raise AssertionError("unreachable")
 
@@ -214,7 +218,7 @@ class FanOut:
             try:
                 result = ask(w, idx)
             except PoolUnavailable as e:
-                self.failed(w, live[w].incarnation, e)
+                self.failed(w, live[w].incarnation, e, slow=isinstance(e, Abandoned))
                 return
             self._answered(w)
             yield w, idx, result
@@ -233,7 +237,7 @@ class FanOut:
             try:
                 result = f.result()
             except PoolUnavailable as e:
-                self.failed(w, live[w].incarnation, e)
+                self.failed(w, live[w].incarnation, e, slow=isinstance(e, Abandoned))
                 continue
             self._answered(w)
             yield w, idx, result

@@ -20,6 +20,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from . import protocol as P
 from .auth import load_or_create_token, private_dir, token_path
 from .cache import TieredCache
 from .catch_up import AliveStamp, catch_up
@@ -148,7 +149,7 @@ class Worker(RequestHandlers):
         except BaseException:
             self._close_listeners()
             raise
-        self.max_reserve = max(self.cache.max_block, self.cache.arena.size // RESERVE_SHARE)
+        self.max_reserve = max(self.cache.max_block + P.RESERVE_FLOOR, self.cache.arena.size // RESERVE_SHARE)
         """Bytes one same-node connection may hold allocated but not committed: a client that stalls
         between ALLOC and COMMIT (it writes the arena itself, so its slots cannot be taken back while
         it lives) blocks at most this much of the arena."""
@@ -280,10 +281,13 @@ class Worker(RequestHandlers):
             peers = {w: info for w, info in {**self.membership.heard_since(began), **self.membership.peers()}.items()
                      if w != self.worker_id}
             with self._catching_up:
-                # A peer that cannot answer for the window (restarted meanwhile, as in a rolling restart) is
-                # passed over, not taken as a reason to drop every block: the first catch-up covered the
-                # time this worker was away; this one only its first member TTL back.
-                catch_up(self.cache, peers, since_ms, token=self.token, node_id=self.node_id, partial=True)
+                # A peer gone or restarted meanwhile (a rolling restart) is passed over, not taken as a reason
+                # to drop every block: the first catch-up covered the time this worker was away, this one only
+                # its first member TTL back. One serving all along whose log no longer reaches back is.
+                if not catch_up(self.cache, peers, since_ms, token=self.token, node_id=self.node_id, partial=True):
+                    log.warning("worker %s: a peer could not tell what it accepted since this worker came back; "
+                                "dropping its blocks (misses, never outdated bytes)", self.worker_id)
+                    self.cache.drop_all()
         except KVPoolError as e:  # closed under it (stopping)
             log.debug("second catch-up ended: %s", e)
         finally:

@@ -19,6 +19,7 @@ import functools
 import logging
 import mmap
 import socket
+import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
@@ -181,6 +182,8 @@ class ShmTransport(TcpTransport):
         self._pages_rw: ArenaPages | None = None
         self._spare = SpareSlots()
         """Slots reserved for the next put of the last one's shape (`kvpool.core.shm_put`)."""
+        self._leased = (0, 0)  # (connection generation, leases held on it): `batch_lease` keeps to MAX_LEASES
+        self._leased_lock = threading.Lock()
 
     @contextmanager
     def _session(self, generation: int | None = None, *, idle: bool = False) -> Iterator[socket.socket]:
@@ -289,7 +292,8 @@ class ShmTransport(TcpTransport):
     def batch_lease(self, keys: Sequence[bytes]) -> Iterator[list[memoryview | None]]:
         """Read-only views straight into the arena (zero copy), valid until the block exits; past the
         `MAX_LEASES` a connection may hold, copies (each frame leased, copied and released at once)."""
-        held, rest = keys[:P.MAX_LEASES], keys[P.MAX_LEASES:]
+        room = max(0, P.MAX_LEASES - self._leases_held(self.generation))  # (other calls' leases count too)
+        held, rest = keys[:room], keys[room:]
         copied: list[memoryview | None] = []
         for f in P.frames(len(rest)):  # (first: while the others are held, no lease is left to take)
             with self._lease_frame(rest[f]) as leased:
@@ -316,6 +320,7 @@ class ShmTransport(TcpTransport):
             views = [None if off < 0 else arena[off:off + size] for off, size in zip(offsets.tolist(), sizes.tolist())]
             generation = self.generation
         held = ids[offsets >= 0]
+        self._count_leases(generation, held.size)
         try:
             yield views
         except BaseException:
@@ -324,7 +329,18 @@ class ShmTransport(TcpTransport):
             raise
         finally:
             _let_go(views)
+            self._count_leases(generation, -held.size)
         self._release(held, generation)
+
+    def _count_leases(self, generation: int, n: int) -> None:
+        with self._leased_lock:
+            gen, held = self._leased
+            self._leased = (generation, (held if gen == generation else 0) + n)
+
+    def _leases_held(self, generation: int) -> int:
+        """Leases this process holds on connection `generation` (none on another: they ended with theirs)."""
+        gen, held = self._leased
+        return held if gen == generation else 0
 
     def _lease_reply(self, sock: socket.socket, n: int, pages: ArenaPages) -> tuple[np.ndarray, ...]:
         """A LEASE reply's columns for `n` keys: lease ids, offsets, sizes (the arena readied where they

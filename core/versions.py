@@ -8,6 +8,7 @@ tombstone) changes nothing, so replicas converge whatever order writes reach the
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import OrderedDict, deque
@@ -234,6 +235,19 @@ class ChangeLog:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number of the next change recorded."""
+        return self._first_seq + len(self._entries)
+
+    def puts_since(self, seq: int) -> set[bytes] | None:
+        """The keys of the puts recorded from sequence number `seq` on; None where the log no longer
+        reaches back that far. (Walks those entries only, from the newest.)"""
+        n = self.next_seq - seq
+        if seq < self._first_seq or n < 0:
+            return None
+        return {key for key, _, kind, _ in itertools.islice(reversed(self._entries), n) if kind == PUT}
 
     def record(self, keys: Iterable[bytes], versions: Iterable[int], removed: bool) -> None:
         self._add(keys, versions, REMOVE if removed else PUT)

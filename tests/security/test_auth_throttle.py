@@ -19,14 +19,18 @@ def test_an_ipv6_hosts_addresses_are_one_source() -> None:
     assert source_of("uid 1001") == "uid 1001"
 
 
-def test_sources_are_bounded_and_forgotten_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sources_are_bounded_and_a_crowd_does_not_push_a_guesser_out(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(AuthThrottle, "MAX_SOURCES", 100)
     t = AuthThrottle()
-    for i in range(1000):
-        t.failed(f"10.0.{i // 256}.{i % 256}", "a wrong proof")
+    for _ in range(6):
+        t.failed("192.0.2.1", "a guess")  # at the longest delay
+    for i in range(1000):  # a crowd of one-time sources past the bound: answered at the longest delay
+        assert t.failed(f"10.0.{i // 256}.{i % 256}", "a wrong proof") == (t.BASE_S if i < 99 else t.MAX_S)
     assert len(t._failures) == 100
-    assert next(iter(t._failures)) == "10.0.3.132"  # the 900th: the 900 before it went, oldest first
-    assert t.failed("10.0.3.231", "again") == 2 * t.BASE_S  # a kept source's count goes on
+    assert t.failed("192.0.2.1", "again") == t.MAX_S  # still counted
+    t.succeeded("192.0.2.2")  # a neighbour with the token forgets nothing of it
+    t.succeeded("192.0.2.1")
+    assert t.failed("192.0.2.1", "again") == t.MAX_S
 
 
 def test_a_crowd_of_sources_logs_one_warning(caplog: pytest.LogCaptureFixture) -> None:
