@@ -79,26 +79,31 @@ def _coerce(name: str, kind: Any, value: Any) -> Any:
     if value is None:
         return None
     text = str(kind)
+    why = ""
     try:
         if kind is bool or text == "bool":
             word = str(value).strip().lower() if isinstance(value, (str, int)) else None
             if word in _TRUE or word in _FALSE:
                 return word in _TRUE
-            raise ValueError(f"not a boolean (one of {', '.join(_TRUE)} or {', '.join(_FALSE)})")
-        if name.endswith("_bytes") or name.endswith("_size"):
+            why = f"not a boolean (one of {', '.join(_TRUE)} or {', '.join(_FALSE)})"
+        elif name.endswith("_bytes") or name.endswith("_size"):
             return parse_size(value)
-        if kind is int or text in ("int", "int | None"):
+        elif kind is int or text in ("int", "int | None"):
             if isinstance(value, (bool, float)) or not isinstance(value, (int, str)):
-                raise ValueError("not a whole number")
-            return int(value)
-        if kind is float or text in ("float", "float | None"):
+                why = "not a whole number"
+            else:
+                return int(value)
+        elif kind is float or text in ("float", "float | None"):
             if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-                raise ValueError("not a number")
-            return float(value)
-        if (kind is str or text in ("str", "str | None")) and not isinstance(value, str):
-            raise ValueError(f"a {type(value).__name__}, not a string")
+                why = "not a number"
+            else:
+                return float(value)
+        elif (kind is str or text in ("str", "str | None")) and not isinstance(value, str):
+            why = f"a {type(value).__name__}, not a string"
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config {name}={value!r}: {e}") from e
+    if why:
+        raise ConfigError(f"config {name}={value!r}: {why}")
     return value
 
 
