@@ -12,7 +12,7 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,19 +94,6 @@ def kv_round_trip(fd: FastDeployMooncakeStore, blocks: int = 4, tag: str = "h") 
     got = fd.batch_get(k + v, [read.ptr + i * STRIDE for i in range(2 * blocks)], [STRIDE] * 2 * blocks)
     assert got == [STRIDE] * 2 * blocks
     assert np.array_equal(read.array, write.array)
-
-
-@pytest.fixture
-def small_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVPOOL_DRAM_SLAB_SIZE", "2MiB")  # the pool's size comes from global_segment_size
-    monkeypatch.setenv("KVPOOL_PREFAULT", "false")
-
-
-@pytest.fixture
-def store() -> Iterator[MooncakeDistributedStore]:
-    s = MooncakeDistributedStore()
-    yield s
-    s.close()
 
 
 def test_fastdeploy_flow_on_the_embedded_pool(store: MooncakeDistributedStore, small_env: None) -> None:

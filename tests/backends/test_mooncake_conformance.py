@@ -8,29 +8,14 @@ answer; the default tenant's `remove_all` empties the whole pool, tenants' objec
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import pytest
 
 from kvpool.backends.mooncake_compat import MooncakeDistributedStore
 
 from bkhelp import MiB, payload
-
-
-@pytest.fixture
-def small_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As in test_mooncake_compat.py: a quick embedded pool whose size comes from global_segment_size."""
-    monkeypatch.setenv("KVPOOL_DRAM_SLAB_SIZE", "1MiB")
-    monkeypatch.setenv("KVPOOL_PREFAULT", "false")
-
-
-@pytest.fixture
-def store() -> Iterator[MooncakeDistributedStore]:
-    s = MooncakeDistributedStore()
-    yield s
-    s.close()
 
 
 def _embedded(store: MooncakeDistributedStore) -> MooncakeDistributedStore:

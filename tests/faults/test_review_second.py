@@ -8,19 +8,16 @@ from pathlib import Path
 import pytest
 
 from kvpool.core import protocol as P
-from kvpool.core.config import CacheConfig, WorkerConfig
+from kvpool.core.config import CacheConfig
 from kvpool.core.server import Worker
 
-
-def _worker(tmp_path: Path, **cache: object) -> Worker:
-    return Worker(WorkerConfig(port=0, unix_path=str(tmp_path / "w.sock"), no_auth=True),  # type: ignore[arg-type]
-                  CacheConfig(prefault=False, **cache)).start()  # type: ignore[arg-type]
+from faulthelp import inproc_worker
 
 
 @pytest.fixture
 def small_worker(tmp_path: Path) -> Iterator[Worker]:
     """A worker whose arena is 8 slabs of 1 MiB: a connection may reserve max(max_block, arena / 8) = 1 MiB."""
-    w = _worker(tmp_path, dram_bytes=8 << 20, dram_slab_size=1 << 20)
+    w = inproc_worker(tmp_path, dram_bytes=8 << 20, dram_slab_size=1 << 20)
     assert w.cache.max_block == 1 << 20 and w.max_reserve >= w.cache.max_block
     yield w
     w.stop()
@@ -66,7 +63,7 @@ def test_a_call_retried_after_meeting_an_abandoned_connection_reports_what_it_di
     from kvpool.core.records import WorkerInfo
     from kvpool.core.versions import CLOCK
 
-    w = _worker(tmp_path, dram_bytes=64 << 20, dram_slab_size=1 << 20)
+    w = inproc_worker(tmp_path, dram_bytes=64 << 20, dram_slab_size=1 << 20)
     fan = FanOut("elsewhere", None, 5.0)
     try:
         info = WorkerInfo.from_dict({**w.info(), "node_id": "another-node"})  # TCP, as to a worker on another node
@@ -186,7 +183,7 @@ def test_a_batch_lease_within_max_leases_on_a_connection_already_leasing_is_serv
     it. Expected: both served (the rest by copy), as the fix promises for any batch."""
     from kvpool.core.client import PoolClient
 
-    w = _worker(tmp_path, dram_bytes=32 << 20, dram_slab_size=1 << 20)
+    w = inproc_worker(tmp_path, dram_bytes=32 << 20, dram_slab_size=1 << 20)
     try:
         with PoolClient(mode="local", worker=w.unix_path, timeout_s=10) as c:
             c.put("outer", b"O" * 64)
