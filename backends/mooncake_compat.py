@@ -14,9 +14,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.core import ClientConfig, KVPoolError, PoolClient, readable
+from kvpool.core import MAX_KEY_BYTES, ClientConfig, KVPoolError, PoolClient, readable
 from kvpool.core import load_config as load
-from kvpool.core.keys import MAX_KEY_BYTES
 
 from ._hostio import HostBuffers, HostIO, Status, prefixed
 from .mooncake_shim import shim_path
