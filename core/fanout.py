@@ -72,7 +72,7 @@ class FanOut:
         self._slow: dict[str, tuple[float, tuple[Any, ...]]] = {}  # the same, for one that missed a short deadline
         self._departures = Departures()
         self._warned: set[str] = set()  # workers whose failure was logged, until they answer again
-        self._lock = threading.Lock()  # guards the two dicts, the departures and `_closed`
+        self._lock = threading.Lock()  # guards the dicts above, the departures and `_closed`
         self._closed = False  # a call still running (a read repair) connects nowhere after `close`
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvpool-fanout")
 
