@@ -21,7 +21,7 @@ from .background import Background
 from .buffers import byte_size, readable, readable_all
 from .cluster import Membership, rank
 from .config import default_node_id
-from .connection import DEFAULT_MAX_BLOCK, refuse_too_large
+from .connection import max_block_of, refuse_too_large
 from .errors import KVPoolError, PartialPut, PoolUnavailable
 from .fanout import FanOut, Transport
 from .missed_writes import MissedWrites
@@ -315,7 +315,7 @@ class ClusterBackend:
                           buffers: Sequence[Any]) -> None:
         """BlockTooLarge, before any block is sent, for the first block larger than one of its owners takes
         (`refuse_too_large`): a batch with one stores none, on no worker."""
-        limit = {w: info.max_block or DEFAULT_MAX_BLOCK for w, info in live.items()}
+        limit = {w: max_block_of(info) for w, info in live.items()}
         sizes = [byte_size(b) for b in buffers]
         if len(set(limit.values())) == 1:  # one max block across the cluster (the usual case): one check
             refuse_too_large(keys, sizes, next(iter(limit.values())))

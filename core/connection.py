@@ -41,7 +41,7 @@ from .tls import ca_file, client_context, server_name
 from .versions import CLOCK, Change
 
 __all__ = ["put_outcome", "DEFAULT_MAX_BLOCK", "Busy", "Connection", "raise_item", "refuse_too_large", "send_pin",
-           "pin_request", "sessions_entered"]
+           "pin_request", "sessions_entered", "max_block_of"]
 
 log = logging.getLogger("kvpool.transport")
 
@@ -64,6 +64,11 @@ def sessions_entered() -> int:
     tell whether a failed call got as far as sending anything."""
     return int(getattr(_entered, "count", 0))
 
+
+
+def max_block_of(info: WorkerInfo) -> int:
+    """The largest block worker `info` takes (DEFAULT_MAX_BLOCK where it does not say)."""
+    return info.max_block or DEFAULT_MAX_BLOCK
 
 class Connection:
     """A socket to one worker, one request at a time, reconnecting after a failure. A process forked
@@ -327,7 +332,7 @@ class Connection:
 
     @property
     def max_block(self) -> int:
-        return self.hello().max_block or DEFAULT_MAX_BLOCK
+        return max_block_of(self.hello())
 
     def put_as_of(self, keys: Sequence[bytes], buffers: Sequence[Any], pin_s: float,
                   versions: Sequence[int] | None) -> list[int]:

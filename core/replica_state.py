@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 
 from .tier_stack import TierStack
-from .versions import CLEAR, CLOCK, CLOCK_SKEW_MS, COUNTER_BITS, REMOVE, Change
+from .versions import CLEAR, CLOCK, CLOCK_SKEW_MS, COUNTER_BITS, REMOVE, Change, ceiling
 
 __all__ = ["ReplicaState"]
 
@@ -50,8 +50,7 @@ class ReplicaState:
         with self._lock:
             if on:
                 self._fences += 1
-                floor = (int(time.time() * 1000) + CLOCK_SKEW_MS) << COUNTER_BITS
-                self._stack.fence(max(floor, int(self._stack.fence_floor)))
+                self._stack.fence(max(ceiling(), int(self._stack.fence_floor)))
             else:
                 self._fences = max(0, self._fences - 1)
                 if not self._fences:

@@ -31,7 +31,7 @@ from . import protocol as P
 from .arena_pages import ArenaPages
 from .blocks import checksum
 from .buffers import Destination, destination_views, destinations, finish_all, readable_all
-from .connection import DEFAULT_MAX_BLOCK, Busy, Connection, put_outcome, refuse_too_large, send_pin
+from .connection import Busy, Connection, max_block_of, put_outcome, refuse_too_large, send_pin
 from .errors import BufferSizeError, PoolUnavailable, ProtocolError
 from .fastcopy import copy_from, writable_all
 from .pool_backend import leases_by_copy
@@ -258,7 +258,7 @@ class ShmTransport(TcpTransport):
         superseded: list[int] = []
         with self._session() as sock:  # one exchange for the batch (a session is ~10 µs of Python)
             info = self.info
-            refuse_too_large(keys, lens, info.max_block or DEFAULT_MAX_BLOCK)
+            refuse_too_large(keys, lens, max_block_of(info))
             for f in P.frames(len(keys), lens, info.max_reserve or P.MAX_DATA, P.RESERVE_FLOOR):
                 superseded += [f.start + i for i in self._put_frame(sock, keys[f], views[f], pin_s, stamps[f])]
         return superseded
@@ -279,7 +279,7 @@ class ShmTransport(TcpTransport):
         except BaseException:
             self.close()  # replies may be unread; the worker frees the slots of a closed connection
             raise
-        superseded = put_outcome(put.status.tolist(), keys, put.lens, self.info.max_block or DEFAULT_MAX_BLOCK)
+        superseded = put_outcome(put.status.tolist(), keys, put.lens, max_block_of(self.info))
         sizes = put.sizes
         if superseded:  # not stored: they lie nowhere
             kept = put.status == 0

@@ -45,7 +45,7 @@ def check_writable(path: str | os.PathLike[str]) -> None:
         with open(path, "a", newline=""):
             pass
     except OSError as e:
-        raise ConfigError(f"--csv {os.fspath(path)!r}: cannot write it ({e.strerror or e})") from e
+        raise _unwritable(path, e) from e
 
 
 def write(path: str | os.PathLike[str], rows: Sequence[dict[str, object]]) -> None:
@@ -59,4 +59,8 @@ def write(path: str | os.PathLike[str], rows: Sequence[dict[str, object]]) -> No
                 w.writeheader()
             w.writerows(rows)
     except OSError as e:
-        raise ConfigError(f"--csv {os.fspath(path)!r}: cannot write it ({e.strerror or e})") from e
+        raise _unwritable(path, e) from e
+
+
+def _unwritable(path: str | os.PathLike[str], e: OSError) -> ConfigError:
+    return ConfigError(f"--csv {os.fspath(path)!r}: cannot write it ({e.strerror or e})")

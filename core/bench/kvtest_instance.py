@@ -41,8 +41,8 @@ from ..nats_server import NatsServer
 from ..procs import WorkerProcess
 from ..records import WorkerInfo
 
-__all__ = ["DEFAULT_NATS", "WAIT_FOR_PEER_S", "Instance", "instance_cluster", "wait_for_peer", "run_started",
-    "run_ended", "run_failed", "peer_failure"]
+__all__ = ["DEFAULT_NATS", "WAIT_FOR_PEER_S", "Instance", "check_listen_port", "instance_cluster", "wait_for_peer",
+    "run_started", "run_ended", "run_failed", "peer_failure"]
 
 log = logging.getLogger("kvpool.bench")
 
@@ -50,6 +50,12 @@ DEFAULT_NATS = "nats://127.0.0.1:4222"
 WAIT_FOR_PEER_S = 60.0
 """How long a run waits for `remote_worker` to join, in seconds (the other instance may start later)."""
 
+
+
+def check_listen_port(port: int) -> None:
+    """ConfigError unless `port` (a kvtest config's `listen_port`) is a TCP port a worker can listen on."""
+    if not 0 < port < 65536:
+        raise ConfigError(f"listen_port {port} is not a TCP port (1-65535)")
 
 @dataclasses.dataclass
 class Instance:
@@ -60,8 +66,7 @@ class Instance:
     nats_url: str = DEFAULT_NATS
 
     def __post_init__(self) -> None:
-        if not 0 < self.listen_port < 65536:
-            raise ConfigError(f"listen_port {self.listen_port} is not a TCP port (1-65535)")
+        check_listen_port(self.listen_port)
         if self.remote_worker is not None:
             _host_port(self.remote_worker, "remote_worker")
 

@@ -33,6 +33,7 @@ from ..errors import ConfigError, PoolUnavailable
 from ..procs import WorkerProcess
 from . import cache_options, kvtest_csv
 from .content import BlockContent, memcpy_gbps
+from .kvtest_instance import check_listen_port
 from .measure import emit, gbps
 from .pacing import Pacer
 
@@ -68,8 +69,8 @@ class KvtestOptions:
                               f"must be >= 1, target_qps {self.target_qps} >= 0")
         if (self.listen_port is None) != (self.remote_worker is None):
             raise ConfigError("listen_port and remote_worker name this node's and the other node's worker: give both")
-        if self.listen_port is not None and not 0 < self.listen_port < 65536:
-            raise ConfigError(f"listen_port {self.listen_port} is not a TCP port (1-65535)")
+        if self.listen_port is not None:
+            check_listen_port(self.listen_port)
         if not self.sizes or min(self.sizes) < cache_options.MIN_BLOCK:
             raise ConfigError(f"data_sizes {self.sizes}: every size must be >= {cache_options.MIN_BLOCK} bytes")
 
