@@ -21,6 +21,8 @@ import numpy as np
 
 from kvpool.core import CapacityError, InvalidArgument, KVPoolError, PartialPut, PoolClient, PoolUnavailable, key_bytes
 
+from ._mapped import first_inaccessible
+
 T = TypeVar("T")
 
 
@@ -83,6 +85,11 @@ class HostBuffers:
         if ptr <= 0 or size <= 0:
             raise InvalidArgument(f"cannot register buffer at {ptr:#x} of {size} bytes: need a non-null pointer and "
                                   "size > 0", size=size)
+        bad = first_inaccessible(ptr, size)
+        if bad is not None:  # a copy would kill the engine with SIGSEGV
+            raise InvalidArgument(f"cannot register buffer at {ptr:#x} of {size} bytes: {bad:#x} is not host memory "
+                                  "this process can read and write (GPU memory? kvpool's pointer calls take host "
+                                  "buffers: pinned CPU memory)", size=size)
         arr = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(ptr))
         with self._lock:
             self._regions[ptr] = arr

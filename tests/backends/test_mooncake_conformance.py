@@ -8,6 +8,10 @@ answer; the default tenant's `remove_all` empties the whole pool, tenants' objec
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -130,3 +134,28 @@ def test_get_buffer_returns_a_buffer_protocol_handle(store: MooncakeDistributedS
 
     assert handle is not None and handle.size() == len(handle) == 1000
     assert np.array_equal(np.frombuffer(handle, dtype=np.uint8), data)
+
+
+def test_register_refuses_memory_the_process_cannot_touch() -> None:
+    # An engine written against Mooncake registers its GPU KV allocations (Mooncake moves them by RDMA).
+    # Taken as host memory, the first copy killed the engine with SIGSEGV: in a child process here, so
+    # that such a crash fails the test rather than the run. GPU memory lies, for the CPU, in ranges
+    # mapped with no access, as a PROT_NONE mapping does; a read-only one and an unmapped one alike.
+    code = textwrap.dedent("""
+        import mmap, numpy as np
+        from kvpool.backends.mooncake_compat import MooncakeDistributedStore
+        s = MooncakeDistributedStore()
+        assert s.setup("localhost", "P2PHANDSHAKE", 32 << 20, 16 << 20, "tcp", "", "embedded") == 0
+        none = mmap.mmap(-1, 1 << 16, prot=0)  # PROT_NONE
+        ro = mmap.mmap(-1, 1 << 16, prot=mmap.PROT_READ)
+        ok = np.zeros(1 << 16, np.uint8)
+        ptr = lambda m: np.frombuffer(m, np.uint8).ctypes.data
+        codes = [s.register_buffer(ptr(none), 4096), s.register_buffer(ptr(ro), 4096), s.register_buffer(8, 4096),
+                 s.register_buffer(ok.ctypes.data, ok.nbytes + (1 << 40)), s.register_buffer(ok.ctypes.data, ok.nbytes)]
+        print(codes, s.put("k", b"v" * 100), s.batch_get_into(["k"], [ptr(none)], [4096]), flush=True)
+        s.close()
+    """)
+    env = {**os.environ, "KVPOOL_DRAM_SLAB_SIZE": "2MiB", "KVPOOL_PREFAULT": "false"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["[-600,", "-600,", "-600,", "-600,", "0]", "0", "[-600]"]
