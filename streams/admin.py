@@ -7,6 +7,7 @@ stream refuses publishes (`StreamFull`) instead of dropping old messages: produc
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 from typing import Any
@@ -69,8 +70,8 @@ class StreamConfig:
             raise ConfigError(f"replicas is {self.replicas}; JetStream keeps 1 to 5 copies",
                               size=self.replicas, limit=5)
         for name in ("max_age_s", "max_bytes", "max_msgs"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} is {getattr(self, name)}; it must be >= 0 (0 = unlimited)")
+            if not 0 <= getattr(self, name) < math.inf:  # NaN too
+                raise ConfigError(f"{name} is {getattr(self, name)}; it must be finite and >= 0 (0 = unlimited)")
 
     def to_nats(self, name: str) -> api.StreamConfig:
         return api.StreamConfig(
@@ -120,6 +121,7 @@ def stream_info(nats_url: str, name: str) -> dict[str, Any]:
     """Messages, bytes, first/last sequence, limits and consumer count of stream `name`.
 
     Raises StreamNotFound if there is none."""
+    check_token(name, "stream name")
     link = Link(nats_url)
     try:
         return _describe(link.call(link.js.stream_info(name), f"stream {name!r}"))
@@ -141,6 +143,7 @@ def list_streams(nats_url: str) -> list[dict[str, Any]]:
 def delete_stream(nats_url: str, name: str) -> None:
     """Delete stream `name` and its consumers. Raises StreamNotFound if there is none. Pool blocks that its
     messages referenced are left to the pool's eviction."""
+    check_token(name, "stream name")
     link = Link(nats_url, role="admin")  # configuring streams is the admin user's (see nats_creds)
     try:
         link.call(link.js.delete_stream(name), f"delete stream {name!r}")

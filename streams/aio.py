@@ -31,7 +31,7 @@ from kvpool.core import PoolClient
 from . import envelope as env
 from ._link import connect, translate
 from .admin import check_token, subject
-from .consumer import MAX_DELIVER, Checks, Start, bury, consumer_config, decode
+from .consumer import MAX_DELIVER, POLL_S, Checks, Start, bury, consumer_config, decode, pull_one
 from .errors import PayloadError, StreamError, StreamUnavailable
 from .message import BaseMessage
 
@@ -108,6 +108,7 @@ class AsyncConsumer:
         self._filter = subject(stream, ">" if topic == ">" else check_token(topic, "topic"))
         self._url, self._timeout_s = nats_url, timeout_s
         self._nc: Any = None
+        self._js: Any = None
         self._sub: Any = None
 
     async def open(self) -> AsyncConsumer:
@@ -116,7 +117,8 @@ class AsyncConsumer:
         if self.group is None:
             self._cfg.inactive_threshold = 60.0
         try:
-            self._sub = await self._nc.jetstream(timeout=self._timeout_s).pull_subscribe(
+            self._js = self._nc.jetstream(timeout=self._timeout_s)
+            self._sub = await self._js.pull_subscribe(
                 self._filter, durable=self.group, stream=self.stream, config=self._cfg)
         except Exception as e:
             await self._nc.close()
@@ -130,11 +132,12 @@ class AsyncConsumer:
 
     async def receive(self, timeout: float = 1.0, into: Any = None) -> AsyncMessage | None:
         """The next message, or None if none arrives within `timeout` seconds (see Consumer.receive)."""
+        timeout = max(timeout, POLL_S)
         deadline = time.monotonic() + timeout
         wait = timeout
         while True:
             try:
-                (raw,) = await self._sub.fetch(1, timeout=wait)
+                raw = await pull_one(self._js, self._sub, self.stream, self.group or self._sub._consumer, wait)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 return None
             except Exception as e:
@@ -168,7 +171,7 @@ class AsyncConsumer:
         message never stops the loop. A message that cannot be decoded ('invalid') or whose payload
         cannot be delivered intact (PayloadError) never reaches the callback: it is logged, sent to the
         dead-letter subject and terminated. While NATS is unreachable the loop waits for it to come
-        back. Returns the handle that stops it."""
+        back; a deleted stream (or consumer) ends it with StreamNotFound. Returns the handle that stops it."""
         return Consuming(asyncio.get_running_loop().create_task(self._consume(callback, nak_delay_s)))
 
     async def _consume(self, callback: Callback, nak_delay_s: float) -> None:

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.core import Subparsers
+from kvpool.core import InvalidArgument, Subparsers
 
 from .admin import StreamConfig, create_stream, delete_stream, list_streams, stream_info
 from .errors import MalformedMessage
@@ -123,6 +124,8 @@ def _rm(args: argparse.Namespace) -> int:
 def _tail(args: argparse.Namespace) -> int:
     from .consumer import Consumer
 
+    if not 0 <= args.idle_s < math.inf or args.count < 0:
+        raise InvalidArgument(f"--idle-s {args.idle_s} and --count {args.count} must be finite and >= 0 (0 = never)")
     start: Any = int(args.start) if args.start.isdigit() else args.start
     seen = 0
     with Consumer(args.name, args.nats_url, start=start, fetch=False) as c:
@@ -149,18 +152,26 @@ def _json_or_none(msg: Any) -> Any:
         return None
 
 
+def _payload(args: argparse.Namespace) -> Any:
+    """What `pub` publishes: the file's bytes, or DATA (stdin's bytes if absent) as they are or as JSON."""
+    try:
+        if args.file:
+            with open(args.file, "rb") as f:
+                return f.read()
+        data = args.data.encode() if args.data is not None else sys.stdin.buffer.read()
+        return json.loads(data) if args.json else data
+    except OSError as e:
+        raise InvalidArgument(f"cannot read {args.file or 'stdin'}: {e.strerror or e}") from e
+    except ValueError as e:  # not JSON, or JSON not in UTF-8
+        raise InvalidArgument(f"--json: the data is not JSON: {e}") from e
+
+
 def _pub(args: argparse.Namespace) -> int:
     from kvpool.core import PoolClient
 
     from .producer import INLINE_MAX, Producer, encode
 
-    payload: Any
-    if args.file:
-        with open(args.file, "rb") as f:
-            payload = f.read()
-    else:
-        text = args.data if args.data is not None else sys.stdin.read()
-        payload = json.loads(text) if args.json else text.encode()
+    payload = _payload(args)
     by_reference = len(encode(payload)[0]) > INLINE_MAX
     pool = PoolClient(mode="cluster", nats_url=args.nats_url) if by_reference else None
     try:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import time
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import nats.errors
+import nats.js.errors
 from nats.js import api
 
 from kvpool.core import ConfigError, PoolClient
@@ -37,6 +39,10 @@ time (timezone-aware datetime). A group that already exists keeps its position."
 
 MAX_DELIVER = 5
 """Default deliveries of one message to one consumer (or group) before it is dead-lettered."""
+POLL_S = 0.01
+"""How long a receive of no time (`timeout` <= 0, a poll) waits for the server's answer: a fetch needs a
+positive wait."""
+
 LIMITS_S = 0.5
 """How long a consumer goes on with the pool's max block it last asked for."""
 _REASON_CHARS = 300
@@ -44,8 +50,9 @@ _REASON_CHARS = 300
 
 def consumer_config(start: Start, ack_wait_s: float, max_ack_pending: int) -> api.ConsumerConfig:
     """The JetStream consumer config for a start position and ack bounds."""
-    if ack_wait_s <= 0 or max_ack_pending < 1:
-        raise ConfigError(f"ack_wait_s={ack_wait_s} must be > 0 s and max_ack_pending={max_ack_pending} >= 1")
+    if not 0 < ack_wait_s < math.inf or max_ack_pending < 1:
+        raise ConfigError(f"ack_wait_s={ack_wait_s} must be finite and > 0 s, "
+                          f"and max_ack_pending={max_ack_pending} >= 1")
     cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.EXPLICIT, ack_wait=ack_wait_s,
                              max_ack_pending=max_ack_pending)
     if isinstance(start, datetime.datetime):
@@ -130,6 +137,19 @@ async def bury(nc: Any, stream: str, consumer: str, raw: Any, reason: str) -> No
     await raw.term()
 
 
+async def pull_one(js: Any, sub: Any, stream: str, consumer: str, wait: float) -> Any:
+    """The next message of pull subscription `sub` within `wait` seconds (TimeoutError if none). A pull
+    nobody answers is JetStream's answer for a consumer or stream deleted as well as for JetStream away:
+    asked which, a deleted one raises NotFoundError (StreamNotFound once translated), not the retryable
+    'unavailable' for ever."""
+    try:
+        (raw,) = await sub.fetch(1, timeout=wait)
+    except nats.js.errors.ServiceUnavailableError:
+        await js.consumer_info(stream, consumer)
+        raise
+    return raw
+
+
 M = TypeVar("M", bound=BaseMessage)
 
 
@@ -184,14 +204,15 @@ class Subscription:
         self.name = group or self._sub._consumer
 
     def receive(self, timeout: float, into: Any = None) -> Message | None:
-        """The next message, or None if none arrives within `timeout` seconds. Messages past
-        `max_deliver` are dead-lettered on the way and never returned."""
+        """The next message, or None if none arrives within `timeout` seconds (<= 0: a poll, `POLL_S`).
+        Messages past `max_deliver` are dead-lettered on the way and never returned."""
+        timeout = max(timeout, POLL_S)
         deadline = time.monotonic() + timeout
         wait = timeout
         while True:
             try:
-                (raw,) = self._link.call(self._sub.fetch(1, timeout=wait), f"receive from stream {self.stream!r}",
-                                         timeout=wait)
+                raw = self._link.call(pull_one(self._link.js, self._sub, self.stream, self.name, wait),
+                                      f"receive from stream {self.stream!r}", timeout=wait)
             except TimeoutError:
                 return None
             reason = self.checks.exhausted(raw)

@@ -67,5 +67,5 @@ class ForgedMessage(StreamError, AuthError):
 
 class HandoffError(StreamError):
     """A handoff request's own producer sent an inconsistent sequence (an `end` whose layer count
-    disagrees with the layers that arrived, a layer twice, a layer out of range), or two producers
+    disagrees with the layers that arrived, a layer twice), or two producers
     claim one request id. Raised instead of ever returning a short or mixed request."""

@@ -132,7 +132,7 @@ class HandoffReceiver:
         self.stream, self.pool = check_token(stream, "stream name"), pool
         self._checks = Checks(self.stream, pool, limits, 0, secret)
         self.counts = {"rejected": 0, "recovered": 0, "in_place": 0, "from_pool": 0}
-        self._purges: set[concurrent.futures.Future[Any]] = set()  # purges under way (`_purge`)
+        self._purges: dict[str, concurrent.futures.Future[Any]] = {}  # purges under way by subject (`_purge`)
         self._purges_lock = threading.Lock()
         self._link = Link(nats_url, timeout_s)
         try:
@@ -154,6 +154,10 @@ class HandoffReceiver:
         background: the loop ends with the last layer; `close` waits for the purges under way), which
         also ends the producer's pins on their blocks."""
         filt = subject(self.stream, "req", check_token(request_id, "request id"))
+        with self._purges_lock:
+            earlier = self._purges.get(filt)
+        if earlier is not None:  # the id read again: the earlier request's messages go first, or they are read as
+            concurrent.futures.wait([earlier], self._purge_s())  # this one's (stale layers)
         feed = Feed(self._link, self._wire, self.stream, filt)
         rejected = [0]
         req = _Request(request_id, lambda raw, err: self._reject(request_id, raw, err, rejected))
@@ -233,15 +237,20 @@ class HandoffReceiver:
         stream = self.stream
 
         async def purge() -> None:
-            if end.seq is None:
+            upto = end.seq
+            if upto is None:
                 deadline, pause = time.monotonic() + _END_STORED_S, 0.001
                 while True:
                     last = await stored_last(link, stream, filt)
-                    if (last is not None and last.data == end.data) or time.monotonic() > deadline:
+                    if last is not None and last.data == end.data:
+                        upto = last.seq
+                        break
+                    if time.monotonic() > deadline:
                         break
                     await asyncio.sleep(pause)
                     pause = min(2 * pause, 0.05)  # a stream that never stores it is not asked 1000 times
-            await link.js.purge_stream(stream, subject=filt)
+            # up to the end only: a request of the same id published after it keeps its messages
+            await link.js.purge_stream(stream, subject=filt, seq=None if upto is None else upto + 1)
 
         async def bounded() -> None:
             try:
@@ -253,17 +262,22 @@ class HandoffReceiver:
         if link.io.loop.is_closed():
             return
         with self._purges_lock:
-            running = list(self._purges)
+            running = list(self._purges.values())
         if len(running) >= _PURGING:  # JetStream slower than the requests end: no queue without bound
             concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
         future = link.io.spawn(bounded())
         with self._purges_lock:
-            self._purges.add(future)
-        future.add_done_callback(self._purged)
+            self._purges[filt] = future
+        future.add_done_callback(lambda done: self._purged(filt, done))
 
-    def _purged(self, future: concurrent.futures.Future[Any]) -> None:
+    def _purged(self, filt: str, future: concurrent.futures.Future[Any]) -> None:
         with self._purges_lock:
-            self._purges.discard(future)
+            if self._purges.get(filt) is future:
+                del self._purges[filt]
+
+    def _purge_s(self) -> float:
+        """The longest one purge takes (`_purge`'s bound), and a second."""
+        return self._link.timeout_s + _END_STORED_S + 1
 
     def _not_purged(self, request_id: str, err: StreamError) -> None:
         log.warning("stream %r: request %r read whole, but its messages were not purged: %s",
@@ -303,8 +317,8 @@ class HandoffReceiver:
     def close(self) -> None:
         """Close, once the purges under way have ended (each is bounded by the connection's timeout)."""
         with self._purges_lock:
-            purges = list(self._purges)
-        concurrent.futures.wait(purges, self._link.timeout_s + _END_STORED_S + 1)
+            purges = list(self._purges.values())
+        concurrent.futures.wait(purges, self._purge_s())
         try:
             self._wire.close()
         finally:

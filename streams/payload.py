@@ -71,6 +71,14 @@ def fetch(pool: PoolClient, ref: Ref, into: Any = None, *,
     return fetch_many(pool, [ref], [into], [what])[0]
 
 
+def _bytes_of(into: Any, what: str) -> memoryview:
+    """`into` as one flat run of bytes; PayloadError if it is not one (not a buffer, not contiguous)."""
+    try:
+        return memoryview(into).cast("B")
+    except (TypeError, ValueError) as e:
+        raise PayloadError(f"{what}: the buffer to read into is not one contiguous run of bytes ({e})") from e
+
+
 def fetch_many(pool: PoolClient, refs: Sequence[Ref], intos: Sequence[Any], whats: Sequence[str],
                counts: dict[str, int] | None = None) -> list[tuple[memoryview, list[memoryview]]]:
     """`fetch` for several payloads in one pool request (one round trip per worker, not per payload; none
@@ -78,7 +86,7 @@ def fetch_many(pool: PoolClient, refs: Sequence[Ref], intos: Sequence[Any], what
     read each way."""
     bufs, views, keys, sizes, sums, labels, places = [], [], [], [], [], [], []
     for ref, into, what in zip(refs, intos, whats):
-        buf = memoryview(bytearray(ref.total) if into is None else into).cast("B")
+        buf = _bytes_of(bytearray(ref.total) if into is None else into, what)
         if buf.readonly or len(buf) < ref.total:
             raise PayloadError(f"{what}: buffer of {len(buf)} bytes (readonly={buf.readonly}) cannot take "
                                f"{ref.total} bytes", size=ref.total, limit=len(buf))

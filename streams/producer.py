@@ -103,6 +103,10 @@ class Producer:
         announced nothing: the layer may be published again (e.g. once NATS is back)."""
         if len(block_keys) != len(tensors):
             raise InvalidArgument(f"{len(block_keys)} block keys but {len(tensors)} tensors")
+        most = env.Limits().max_keys
+        if not 0 < len(block_keys) <= most:  # what a receiver takes (it would drop the layer, then time out)
+            raise InvalidArgument(f"a layer of {len(block_keys)} blocks: a layer has 1 to {most}",
+                                  size=len(block_keys), limit=most)
         limit = env.Limits().max_layer
         if not isinstance(layer, numbers.Integral) or isinstance(layer, bool) or not 0 <= layer <= limit:
             raise InvalidArgument(f"layer {layer!r} must be an integer from 0 to {limit}", limit=limit)

@@ -42,6 +42,8 @@ _READ = 256 << 10
 """Bytes one read asks the socket for."""
 _MAX_LINE = 64 << 10
 """Longest protocol line (INFO, MSG headers line, -ERR) taken from a server."""
+_MAX_PAYLOAD = 1 << 20
+"""nats-server's default max_payload: a server's INFO that names none."""
 _MAX_ERRORS = 16
 """-ERR lines kept (the newest)."""
 
@@ -116,6 +118,8 @@ class Wire:
         self.error_count = 0
         """-ERR lines so far (a waiter in `next` wakes at one)."""
         self.reconnects = 0
+        self.max_payload = _MAX_PAYLOAD
+        """The largest message (headers and body) the server takes: its INFO's, at the last connect."""
         self._closed = False
         with self._io:
             self._connect()
@@ -145,6 +149,7 @@ class Wire:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             info = self._info(self._line(sock))
+            self.max_payload = int(info.get("max_payload") or _MAX_PAYLOAD)
             tls = self._tls if self._tls is not None or not info.get("tls_required") else ssl.create_default_context()
             if info.get("tls_required") or (tls is not None and info.get("tls_available")):
                 assert tls is not None
@@ -248,8 +253,11 @@ class Wire:
     def publish(self, subj: str, body: bytes, headers: dict[str, str] | None = None, reply: str = "") -> None:
         """Send one message (with `reply` as its reply subject); returns once the kernel has it."""
         r = f" {reply}" if reply else ""
+        hdr = _header_block(headers) if headers else b""
+        if len(hdr) + len(body) > self.max_payload:  # the server would drop the connection, and a resend fail alike
+            raise StreamRefused(f"a message of {len(hdr) + len(body)} bytes to {subj!r}: the server takes at most "
+                                f"{self.max_payload} (its max_payload)")
         if headers:
-            hdr = _header_block(headers)
             self._write(b"".join((f"HPUB {subj}{r} {len(hdr)} {len(hdr) + len(body)}\r\n".encode(), hdr, body,
                                   b"\r\n")))
         else:
