@@ -11,6 +11,7 @@ import bisect
 import ctypes
 import enum
 import functools
+import hashlib
 import logging
 import threading
 import time
@@ -59,6 +60,18 @@ def prefixed(prefix: str, keys: Sequence[Any]) -> list[Any]:
     if not prefix:
         return list(keys)
     return [prefix + k if isinstance(k, str) else None for k in keys]
+
+
+MODEL_CHARS = 128
+"""Longest model name kept as it is in keys (`model_part`)."""
+
+
+def model_part(name: str) -> str:
+    """A model's part of every key: its name, or beyond MODEL_CHARS characters its SHA-256 (a long
+    model path pushed every key past the pool's 511 bytes, and every block was refused)."""
+    if len(name) <= MODEL_CHARS:
+        return name
+    return "sha256-" + hashlib.sha256(name.encode(errors="surrogatepass")).hexdigest()
 
 
 def status_of(err: BaseException) -> Status:

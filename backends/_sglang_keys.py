@@ -44,6 +44,21 @@ def split_factor(cfg: HiCacheStorageConfig) -> int:
 
 
 def page_format(host: Any) -> str:
-    """`<layout>/<dtype>/` of a host pool."""
+    """`<layout>/<dtype>/` of a host pool, the dtype its bytes mean: SGLang stores every fp8 KV format
+    as uint8, so a uint8 pool is named by the server's `--kv-cache-dtype` (`kv_cache_dtype`)."""
     dtype = str(getattr(host, "dtype", "")).removeprefix("torch.")
+    if dtype == "uint8":
+        dtype = kv_cache_dtype() or dtype
     return f"{getattr(host, 'layout', '')}/{dtype}/"
+
+
+def kv_cache_dtype() -> str | None:
+    """The server's `--kv-cache-dtype` as the KV bytes mean it (`auto` stores uint8 only for a checkpoint
+    quantized to FP8: e4m3); None where this process has no server arguments to ask."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        asked = str(get_server_args().kv_cache_dtype)
+    except (ImportError, AttributeError, RuntimeError, ValueError):  # none published in this process (or older SGLang)
+        return None
+    return "fp8_e4m3" if asked == "auto" else asked

@@ -36,7 +36,9 @@ class PagedKV:
     """The KV tensors of one worker, indexed by vLLM block id.
 
     `layers` are vLLM's per-layer views with blocks as the first dimension (`[B, H, N, C]` in vLLM
-    0.32; a view split into kernel blocks is regrouped into `num_blocks` blocks). All layers must
+    0.32). A view split into kernel blocks (`[k*B, H, N/k, C]`: an attention backend whose kernel takes
+    smaller blocks) is regrouped into `num_blocks` blocks, and moved in the order of an unsplit one
+    (`[H, N, C]`: an instance of the other backend reads the same KV from the same key). All layers must
     have the same block shape and dtype, on one device (the CPU, or one CUDA device). A token block is
     `[layers, *block shape]` of their bytes, stored as one pool block per `layer_groups` part.
     """
@@ -67,6 +69,11 @@ class PagedKV:
         """Each layer as [blocks, words] when every layer's blocks are contiguous, else None."""
         self._cap = max(1, staging_bytes // self.block_bytes)
         self._stage: torch.Tensor | None = None
+        g = grouped[0]  # kernel-split blocks [B, k, H, n, C]: moved as [H, k*n, C], through a second buffer
+        self._split = (g.shape[1], g.shape[2], g.shape[3], g.shape[4] * g.element_size()) \
+            if g is not layers[0] and g.dim() == 5 else None
+        """(k, H, n, bytes of C) of kernel-split blocks, else None."""
+        self._ordered: torch.Tensor | None = None
 
     @property
     def fast(self) -> bool:
@@ -96,10 +103,12 @@ class PagedKV:
             for i, b in enumerate(block_ids):
                 for j, t in enumerate(self._layers):
                     stage[i, j].view(t.dtype).view(t.shape[1:]).copy_(t[b])
-        return stage
+        return stage if self._split is None else self._reorder(stage, split=False)
 
     def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> None:
         """Write `src` ([n, layers, words], as gather returns) into the blocks."""
+        if self._split is not None:
+            src = self._reorder(src, split=True)
         if self._rows is not None:
             idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
             for j, rows in enumerate(self._rows):
@@ -108,6 +117,21 @@ class PagedKV:
             for i, b in enumerate(block_ids):
                 for j, t in enumerate(self._layers):
                     t[b].copy_(src[i, j].view(t.dtype).view(t.shape[1:]))
+
+    def _reorder(self, src: torch.Tensor, split: bool) -> torch.Tensor:
+        """`src` ([n, layers, words]) with each layer block's kernel blocks interleaved (`split`: from
+        `[H, k*n, C]` to `[k, H, n, C]`; else back), in a buffer of its own (valid until the next call)."""
+        assert self._split is not None
+        k, heads, n, c = self._split
+        out = self._ordered
+        if out is None or out.shape[0] < src.shape[0]:
+            out = self._ordered = torch.empty((self._cap, *src.shape[1:]), dtype=src.dtype, device=src.device)
+        out = out[:src.shape[0]]
+        kernel_first = (src.shape[0], src.shape[1], k, heads, n, c)
+        heads_first = (src.shape[0], src.shape[1], heads, k, n, c)
+        to, fro = (kernel_first, heads_first) if split else (heads_first, kernel_first)
+        out.view(torch.uint8).view(to).copy_(src.view(torch.uint8).view(fro).transpose(2, 3))
+        return out
 
     def chunks(self, n: int) -> list[range]:
         """Index ranges of at most one staging buffer of blocks each."""

@@ -7,6 +7,7 @@ which pool the connector's extra config names.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -34,26 +35,29 @@ def pool_config(extra: dict[str, Any] | None) -> ClientConfig:
     return cfg
 
 
-def namespace(model: str, dtype: str, block_size: int, tp_rank: int, tp_size: int, layout: str) -> str:
-    """The namespace hashed into every key: blocks of another model, KV dtype, block size, TP shard
-    or byte layout never share a key. It holds no process id or time, so keys are the same across
-    restarts, and across hosts that name the model the same way."""
-    return f"vllm|{model}|{dtype}|bs{block_size}|tp{tp_rank}of{tp_size}|{layout}"
+def namespace(model: str, dtype: str, block_size: int, tp_rank: int, tp_size: int, layout: str, *,
+              revision: str | None = None, quantization: str | None = None) -> str:
+    """The namespace hashed into every key: blocks of another model (or revision of it, or quantization
+    of its weights), KV dtype, block size, TP shard or byte layout never share a key. It holds no process
+    id or time, so keys are the same across restarts, and across hosts that name the model the same way.
+    Its fields are a JSON list: no two sets of them render alike."""
+    return _fields("vllm", model, revision, quantization, dtype, f"bs{block_size}", f"tp{tp_rank}of{tp_size}", layout)
 
 
-def request_namespace(base: str, *, lora: str | None = None, cache_salt: str | None = None,
-                      mm_hashes: Sequence[str] = ()) -> str:
+def request_namespace(base: str, *, lora: str | None = None, lora_path: str | None = None,
+                      cache_salt: str | None = None, mm_hashes: Sequence[str] = ()) -> str:
     """`base` plus what makes one request's KV differ from another's with the same token ids: its
-    LoRA adapter, its cache salt (vLLM's per-tenant prefix-cache isolation) and its multimodal
-    inputs (placeholder tokens are equal for different images)."""
-    parts = [base]
-    if lora:
-        parts.append(f"lora={lora}")
-    if cache_salt:
-        parts.append(f"salt={cache_salt}")
-    if mm_hashes:
-        parts.append("mm=" + ",".join(mm_hashes))
-    return "|".join(parts)
+    LoRA adapter (its name and path: one name may be loaded from another path), its cache salt (vLLM's
+    per-tenant prefix-cache isolation) and its multimodal inputs (placeholder tokens are equal for
+    different images). `base` itself without any."""
+    if not (lora or cache_salt or mm_hashes):
+        return base
+    return _fields(base, lora, lora_path, cache_salt, list(mm_hashes))
+
+
+def _fields(*fields: Any) -> str:
+    """Fields as one string that no other fields render as (compact ASCII JSON: no spaces in the log)."""
+    return json.dumps(fields, separators=(",", ":"))
 
 
 def pool_keys(token_ids: Sequence[int], block_size: int, ns: str) -> list[str]:

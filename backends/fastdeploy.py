@@ -15,7 +15,7 @@ from typing import Any
 
 from kvpool.core import InvalidArgument, PoolClient
 
-from ._hostio import HostIO, Status, prefixed
+from ._hostio import HostIO, Status, model_part, prefixed
 
 try:  # FastDeploy's base class needs paddle; its manager only duck-types, so a plain class also works
     from fastdeploy.cache_manager.transfer_factory.kvcache_storage import KVCacheStorage as _Base
@@ -51,12 +51,13 @@ class KVPoolStore(_Base):
                  cache_dtype: str | None = None, client: PoolClient | None = None, retry_s: float = 1.0,
                  **pool_options: Any) -> None:
         super().__init__()
-        self.namespace = namespace or ""
+        self.namespace = model_part(namespace.rstrip("/")) if namespace else ""
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         # FastDeploy's own keys carry the block hash and the rank, not the model, the TP size or the KV
         # dtype: keys are namespaced by all three, so that two deployments sharing a pool never read each
-        # other's blocks (a TP-2 rank's bf16 block is as large as a TP-1 block_wise_fp8 one)
+        # other's blocks (a TP-2 rank's bf16 block is as large as a TP-1 block_wise_fp8 one). The model is
+        # its path as FastDeploy was given it (the patch's): two fine-tunes in folders of one name differ
         self._prefix = "/".join([*([self.namespace] if self.namespace else []), f"tp{tp_size}",
                                  *([cache_dtype] if cache_dtype else [])]) + "/"
         self._short_logged = False

@@ -117,7 +117,7 @@ def _branch_edit(lines: list[str]) -> list[_Edit]:
         f'{ind}elif args.kvcache_storage_backend == "kvpool":',
         f"{body}from kvpool.backends.fastdeploy import KVPoolStore",
         f'{body}logger.info("Start initialize kvpool store...")',
-        f'{body}self.storage_backend = KVPoolStore(namespace=getattr(self, "model_id", None), '
+        f'{body}self.storage_backend = KVPoolStore(namespace=args.model_path or getattr(self, "model_id", None), '
         f'tp_rank=self.rank, tp_size=getattr(self, "n_ranks", 1), cache_dtype=getattr(self, "cache_dtype", None))',
         f"{body}self._init_storage_buffer(args)",
         f'{body}logger.info("Initialized kvpool store successfully")',

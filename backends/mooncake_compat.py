@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
@@ -161,7 +162,8 @@ class MooncakeDistributedStore:
             self._io = HostIO(None, logger=log, buffers=self._buffers)
             return int(Status.INVALID_PARAMS)
         self._hostname = local_hostname
-        self._prefix = "" if tenant == DEFAULT_TENANT else f"tenant/{tenant}/"
+        # quoted: tenant "team" with key "x/k" and tenant "team/x" with key "k" were one object
+        self._prefix = "" if tenant == DEFAULT_TENANT else f"tenant/{urllib.parse.quote(str(tenant), safe='')}/"
         log.info("kvpool Mooncake-API store: %s%s", opts or "KVPOOL_* settings",
                  f", tenant {tenant!r}" if self._prefix else "")
         return 0
@@ -175,7 +177,7 @@ class MooncakeDistributedStore:
         """The pool's names of `keys`: in the tenant's namespace, a long one by its digest (`LONG_KEY_MARK`)."""
         named = prefixed(self._prefix, keys)
         return [_digest(self._prefix, n) if isinstance(n, str) and len(n) > MAX_KEY_BYTES // 4
-                and len(n.encode()) > MAX_KEY_BYTES else n for n in named]
+                and len(n.encode(errors="surrogatepass")) > MAX_KEY_BYTES else n for n in named]
 
     # ----- registered buffers -------------------------------------------------------------------
 

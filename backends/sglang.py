@@ -31,7 +31,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvpool.core import PoolClient
 
-from ._hostio import HostIO, Status
+from ._hostio import HostIO, Status, model_part
 from ._sglang_keys import page_format, shard, side_shard, split_factor
 from ._sglang_v2 import SidePools, fold_hits, host_regions
 
@@ -142,7 +142,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         extra = dict(storage_config.extra_config or {})
         self.storage_config = storage_config
         self.v1 = bool(extra.get("interface_v1", 0))
-        self._model = f"sglang/{storage_config.model_name or 'model'}/"
+        self._model = f"sglang/{model_part(storage_config.model_name or 'model')}/"
         self._shard = shard(storage_config)
         self._format = ""  # "<layout>/<dtype>/" of the host pool, once registered
         self._kv: list[tuple[str, str]] = []  # (prefix, suffix) of each part of a page on the v1 path

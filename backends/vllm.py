@@ -113,11 +113,12 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
         self._layer_block_bytes = _layer_block_bytes(spec)
         self._parts = len(layer_groups(len(layer_names), self._layer_block_bytes))
-        model = str(extra.get("model_name") or vllm_config.model_config.model)
-        dtype = str(spec.dtype).removeprefix("torch.")
+        mc = vllm_config.model_config
+        model = str(extra.get("model_name") or mc.model)
         layout = f"{current_platform.device_type}/{type(spec).__name__}/{len(layer_names)}L/" + \
             "x".join(str(d) for d in compute_layer_kv_cache_shape_bytes(spec, 1)[1:])
-        self._namespace = namespace(model, dtype, self._block_size, 0, 1, layout)
+        self._namespace = namespace(model, _kv_dtype(vllm_config, spec), self._block_size, 0, 1, layout,
+                                    revision=mc.revision, quantization=mc.quantization)
         client_cfg = pool_config(extra)
         self._io = HostIO(lambda: PoolClient(client_cfg), logger=log, retry_s=float(extra.get("retry_s", 1.0)))
         self._planner = Planner(self._block_size)
@@ -181,10 +182,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         return False, None
 
     def _keys(self, request: Request) -> list[str]:
-        if request.prompt_token_ids is None:  # prompt embeddings: no token ids to name the KV by
-            return []
-        lora = request.lora_request.lora_name if request.lora_request is not None else None
-        ns = request_namespace(self._namespace, lora=lora, cache_salt=request.cache_salt,
+        if request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None:
+            return []  # prompt embeddings (alone or beside ids): the ids do not name the KV
+        lora = request.lora_request
+        ns = request_namespace(self._namespace, lora=lora.lora_name if lora else None,
+                               lora_path=lora.lora_path if lora else None, cache_salt=request.cache_salt,
                                mm_hashes=[f.identifier for f in request.mm_features])
         return pool_keys(request.prompt_token_ids, self._block_size, ns)
 
@@ -295,6 +297,16 @@ def _check_supported(cfg: VllmConfig, kv_cache_config: KVCacheConfig | None) -> 
         raise ConfigError(f"KV cache block size {spec.block_size} differs from cache_config.block_size "
                           f"{cfg.cache_config.block_size}; the kvpool connector needs them equal")
     return spec, list(group.layer_names)
+
+
+def _kv_dtype(cfg: VllmConfig, spec: AttentionSpec) -> str:
+    """The KV cache's element type as its bytes mean it: vLLM stores every fp8 format (and other
+    quantized ones) as uint8 (`spec.dtype`), so the cache dtype it was asked for names them apart
+    (`fp8` is `fp8_e4m3`), with the spec's quantization mode where it has one."""
+    asked = str(cfg.cache_config.cache_dtype)
+    dtype = str(spec.dtype).removeprefix("torch.") if asked == "auto" else {"fp8": "fp8_e4m3"}.get(asked, asked)
+    mode = getattr(spec, "kv_quant_mode", None)
+    return dtype if mode is None else f"{dtype}/{mode}"
 
 
 def _layer_block_bytes(spec: AttentionSpec) -> int:

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from kvpool.backends import fastdeploy_patch as fp
+from kvpool.backends._hostio import model_part
 from kvpool.backends.fastdeploy import KVPoolStore
 
 from bkhelp import FASTDEPLOY_SRC, SMALL_ENV, payload
@@ -163,8 +164,9 @@ def test_write_back_then_read_through_fastdeploy_code(patched_pkg: Path, tmp_pat
     m = make_manager(patched_pkg, tmp_path, fp8)
     try:
         assert isinstance(m.storage_backend, KVPoolStore) and m.storage_backend_type == "kvpool"
-        assert m.storage_backend.namespace == "ERNIE-4.5-0.3B-Paddle"
-        assert m.storage_backend._prefix == f"ERNIE-4.5-0.3B-Paddle/tp1/{m.cache_dtype}/"  # the layout names the keys
+        model = model_part(str(tmp_path / "ERNIE-4.5-0.3B-Paddle"))  # the model's path, as FastDeploy was given it
+        assert m.storage_backend.namespace == model
+        assert m.storage_backend._prefix == f"{model}/tp1/{m.cache_dtype}/"  # the layout names the keys
         assert len(m.storage_backend._io.buffers) == (4 if fp8 else 2)
         for group in gpu_tensors(m):
             for layer, t in enumerate(group):
