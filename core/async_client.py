@@ -3,8 +3,9 @@
 Every call runs the blocking `PoolClient` call in a thread (`asyncio.to_thread`), so the event loop
 never waits on the pool, and calls from many tasks overlap (PoolClient is thread-safe: each
 connection is used by one call at a time, the cluster bookkeeping is locked). Semantics, errors and
-timeouts are PoolClient's. `lease` / `batch_lease` (zero-copy views valid inside a `with`) stay
-synchronous: use `client.sync.batch_lease(...)`.
+timeouts are PoolClient's; a cancelled call raises CancelledError once its thread's call has ended.
+`lease` / `batch_lease` (zero-copy views valid inside a `with`) stay synchronous: use
+`client.sync.batch_lease(...)`.
 """
 from __future__ import annotations
 
@@ -32,7 +33,21 @@ class AsyncPoolClient:
         self.sync = client if client is not None else PoolClient(**options)
 
     async def _run(self, fn: Callable[P, T], *args: P.args, **kw: P.kwargs) -> T:
-        return await asyncio.to_thread(fn, *args, **kw)
+        """`fn` in a thread. Cancelled (`asyncio.wait_for`, `task.cancel()`), the call still ends its
+        thread's call first (bounded by the client's `timeout_s`), so that nothing is written into (or
+        sent from) the caller's buffers once the caller has them back."""
+        call = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kw))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            while not call.done():
+                try:
+                    await asyncio.wait([call])
+                except asyncio.CancelledError:
+                    continue
+            if not call.cancelled():
+                call.exception()  # (its outcome goes with the cancellation: retrieved, not logged)
+            raise
 
     async def put(self, key: Key, data: Any, *, pin_s: float = 0.0) -> None:
         await self._run(self.sync.put, key, data, pin_s=pin_s)

@@ -165,7 +165,7 @@ class PoolClient:
             self.backend = open_backend(cfg, cache, rest)
         # Engines drop their store without close() and rely on the destructor or process exit: this
         # closes what the client holds then (an embedded cache's SSD tier included), once.
-        self._finalizer = weakref.finalize(self, self.backend.close)
+        self._finalizer = weakref.finalize(self, getattr(self.backend, "shut", self.backend.close))
 
     # ----- blocks ------------------------------------------------------------------------------
 

@@ -10,8 +10,10 @@ an exception or a hang.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
@@ -129,6 +131,20 @@ class Repairs:
         self._queue.close()
 
 
+_BACKENDS: weakref.WeakSet[ClusterBackend] = weakref.WeakSet()
+"""Every ClusterBackend of this process, for `_forked`."""
+
+
+def _forked() -> None:
+    """In a forked child: the parent's cluster clients refuse calls (their threads, NATS loop and
+    fan-out pool did not come along: a call waited out its timeout and took every key for a miss)."""
+    for backend in list(_BACKENDS):
+        backend._forked = True
+        backend.fanout.forked()
+
+
+os.register_at_fork(after_in_child=_forked)
+
 JOIN_TIMEOUT_S = 10.0  # the least a client waits for NATS at start: a JetStream cluster electing answers nothing
 
 
@@ -145,6 +161,8 @@ class ClusterBackend:
         self.replication = replication
         self.local = local
         self.timeout_s = timeout_s
+        self._forked = False
+        _BACKENDS.add(self)
         self.membership = Membership(nats_url, connect_timeout_s=max(timeout_s, JOIN_TIMEOUT_S))
         self.membership.watch()
         self.fanout = FanOut(node_id or default_node_id(), token, timeout_s, tls_ca)
@@ -613,6 +631,8 @@ class ClusterBackend:
         return self.membership.wait_for(predicate, timeout_s)
 
     def close(self) -> None:
+        if self._forked:
+            return  # its threads and connections are the parent's: nothing of the child's to release
         self.supersedes.close(flush=True)  # first: what the puts made owe the workers below the owners
         self.missed.close()  # then what is owed to owners that missed writes, tried once more
         self.fanout.close()  # then: a repair under way fails fast, and connects nowhere new

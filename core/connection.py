@@ -13,6 +13,7 @@ import secrets
 import socket
 import ssl
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -86,10 +87,15 @@ class Connection:
         self._tls = client_context(self.tls_ca) if self.tls_ca else None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self._timed_out_at = 0.0
+        """When an exchange last ran past `timeout_s` (monotonic): calls that were waiting for the
+        connection then fail at once, rather than each wait `timeout_s` more on a worker not answering."""
         self._gate = threading.Lock()
         """Held while this process copies into slots reserved on the connection (`ShmTransport.copying`);
         `close` and `abort` take it, so that no such copy lands once the worker may have freed them."""
         self._aborted = False
+        self._shut = False
+        """Closed for good (`shut`): a call raises PoolUnavailable, and no connection is made again."""
         self._unclosed: list[socket.socket] = []
         """Sockets shut down by `close` while an exchange was under way: closed when it ends (`_session`),
         not under it. Guarded, with `_exchanging`, by `_fd_lock`."""
@@ -219,9 +225,18 @@ class Connection:
         block, a destination too small, a stager's earlier failure), or close it above (a refused
         request's AuthError, a ProtocolError), or by the code that raised them with replies still due
         (`ShmTransport._put_frame`, `_get_frame`)."""
-        if not self._lock.acquire(blocking=not idle):
-            raise Busy(f"the connection to worker {self.address} is in use")
+        asked = time.monotonic()
+        if not (self._lock.acquire(blocking=False) if idle else self._lock.acquire(timeout=self.timeout_s)):
+            if idle:
+                raise Busy(f"the connection to worker {self.address} is in use")
+            raise PoolTimeout(f"worker {self.address}: its connection stayed busy for {self.timeout_s} s (a call "
+                              "before this one is waiting on it)", limit=self.timeout_s)
         try:
+            if self._shut:
+                raise PoolUnavailable("the client is closed")
+            if self._timed_out_at > asked:
+                raise PoolTimeout(f"worker {self.address} did not answer a call before this one within "
+                                  f"{self.timeout_s} s", limit=self.timeout_s)
             if idle and (self._sock is None or self._aborted):
                 raise Busy(f"no open connection to worker {self.address}")
             if generation is not None and generation != self.generation:
@@ -245,6 +260,7 @@ class Connection:
                 self.close()
                 raise
             except TimeoutError as e:
+                self._timed_out_at = time.monotonic()
                 self.close()
                 raise PoolTimeout(f"worker {self.address} did not answer within {self.timeout_s} s",
                                   limit=self.timeout_s) from e
@@ -280,6 +296,12 @@ class Connection:
         """The worker's description, connecting first if need be."""
         with self._session():
             return self.info
+
+    def shut(self) -> None:
+        """Close for good: the connection, and every later call (PoolUnavailable, no new connection),
+        as a closed client's calls are. (`close` only drops the connection: the next call opens another.)"""
+        self._shut = True
+        self.close()
 
     def abort(self) -> None:
         """From another thread: end the exchange in progress at once (its blocked send or receive fails)

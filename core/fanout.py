@@ -74,6 +74,7 @@ class FanOut:
         self._warned: set[str] = set()  # workers whose failure was logged, until they answer again
         self._lock = threading.Lock()  # guards the dicts above, the departures and `_closed`
         self._closed = False  # a call still running (a read repair) connects nowhere after `close`
+        self._why_closed = "the client is closed"
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvpool-fanout")
 
     def _askable(self, live: Mapping[str, WorkerInfo], groups: Mapping[str, list[int]],
@@ -128,7 +129,7 @@ class FanOut:
         stale: Transport | None = None
         with self._lock:  # one transport per worker, however many threads ask at once
             if self._closed:
-                raise PoolUnavailable("the client is closed")
+                raise PoolUnavailable(self._why_closed)
             known = self._transports.get(worker_id)
             if known is not None and known[0] != info.incarnation:
                 stale, known = known[1], None
@@ -153,16 +154,19 @@ class FanOut:
             first = worker_id not in self._warned  # logged once per outage of the worker: retries every
             self._warned.add(worker_id)            # SUSPECT_S would fill an engine's log
             (self._slow if slow else self._suspect)[worker_id] = (time.monotonic() + SUSPECT_S, incarnation)
-            known = self._transports.get(worker_id)
-            if known is not None and known[0] == incarnation:
-                del self._transports[worker_id]
-            else:
-                known = None
         (log.warning if first else log.debug)("worker %s failed (%s); treating it as %s for %.0f s%s", worker_id,
                                               err, "slow (reads skip it)" if slow else "down", SUSPECT_S,
                                               "" if first else " (again)")
-        if known is None:
-            return
+        self._drop(worker_id, incarnation, in_flight)
+
+    def _drop(self, worker_id: str, incarnation: tuple[Any, ...], in_flight: Future[Any] | None = None) -> None:
+        """Drop the connection to the worker's process `incarnation` (the next call opens another): at once,
+        or when the call `in_flight` on it ends."""
+        with self._lock:
+            known = self._transports.get(worker_id)
+            if known is None or known[0] != incarnation:
+                return
+            del self._transports[worker_id]
         if in_flight is None:
             known[1].close()
         else:
@@ -203,7 +207,7 @@ class FanOut:
             raise AssertionError("unreachable")
 
         if self._closed:
-            raise PoolUnavailable("the client is closed")
+            raise PoolUnavailable(self._why_closed)
         if not suspects:
             groups = self._askable(live, groups, reads)
         if not groups:
@@ -227,7 +231,13 @@ class FanOut:
             futures = {self._pool.submit(ask, w, idx): (w, idx) for w, idx in groups.items()}
         except RuntimeError as e:  # `close` shut the pool down meanwhile (what was submitted fails fast)
             raise PoolUnavailable("the client is closed") from e
-        done, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+        try:
+            done, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+        except BaseException:  # interrupted (Ctrl-C, a signal handler's exception): none may land later
+            with gate:
+                abandoned[0] = True
+            self._abandon({f: futures[f][0] for f in futures if not f.done()}, live, used, began, blame=False)
+            raise
         if late:
             with gate:
                 abandoned[0] = True
@@ -243,11 +253,11 @@ class FanOut:
             yield w, idx, result
 
     def _abandon(self, late: dict[Future[Any], str], live: Mapping[str, WorkerInfo],
-                 used: Mapping[str, Transport], began: Mapping[str, float]) -> None:
+                 used: Mapping[str, Transport], began: Mapping[str, float], blame: bool = True) -> None:
         """Calls past their deadline: each worker is marked down (slow, where its call ran for less than
-        `timeout_s`) and its connection aborted, and this returns once every such call has stopped (at
-        once: its I/O fails), so that none writes into the caller's buffers, or sends from them, after
-        the caller has them back."""
+        `timeout_s`; not at all unless `blame`: the caller was interrupted) and its connection aborted,
+        and this returns once every such call has stopped (at once: its I/O fails), so that none writes
+        into the caller's buffers, or sends from them, after the caller has them back."""
         started = []
         now = time.monotonic()
         for f, w in late.items():
@@ -255,9 +265,12 @@ class FanOut:
                 continue  # never started (or cancelled by `close`: `wait` would not see it end)
             started.append(f)
             waited = now - began.get(w, now)
-            self.failed(w, live[w].incarnation,
-                        PoolTimeout(f"no answer within {waited:.2f} s of the call's {self.timeout_s} s",
-                                    limit=self.timeout_s), f, slow=waited < _WHOLE * self.timeout_s)
+            if blame:
+                self.failed(w, live[w].incarnation,
+                            PoolTimeout(f"no answer within {waited:.2f} s of the call's {self.timeout_s} s",
+                                        limit=self.timeout_s), f, slow=waited < _WHOLE * self.timeout_s)
+            else:
+                self._drop(w, live[w].incarnation, f)
             t = used.get(w)
             if t is not None:
                 t.abort()
@@ -273,6 +286,14 @@ class FanOut:
                 self._warned.discard(worker_id)
                 self._slow.pop(worker_id, None)
             log.info("worker %s answers again", worker_id)
+
+    def forked(self) -> None:
+        """In a forked child: refuse every call (its threads and the parent's connections are not the
+        child's to use; PoolUnavailable tells the caller to make a client of its own)."""
+        self._lock = threading.Lock()
+        self._closed = True
+        self._why_closed = "this client was made in the parent process: make a new PoolClient in the forked child"
+        self._transports = {}
 
     def close(self) -> None:
         with self._lock:

@@ -333,9 +333,15 @@ class ShmTransport(TcpTransport):
         self._release(held, generation)
 
     def _count_leases(self, generation: int, n: int) -> None:
+        """Count `n` leases more (or fewer) on connection `generation`; those of a connection older than
+        the one counted ended with it, and change nothing (a lease held across a reconnect had reset the
+        newer connection's count)."""
         with self._leased_lock:
             gen, held = self._leased
-            self._leased = (generation, (held if gen == generation else 0) + n)
+            if generation == gen:
+                self._leased = (gen, held + n)
+            elif generation > gen:
+                self._leased = (generation, n)
 
     def _leases_held(self, generation: int) -> int:
         """Leases this process holds on connection `generation` (none on another: they ended with theirs)."""

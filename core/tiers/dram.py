@@ -117,8 +117,8 @@ class DramArena:
 
     def __init__(self, size: int, slab_size: int = 16 << 20, name: str | None = None,
                  prefault: bool = True, shared: bool = True) -> None:
-        """`shared=False`: no other process will `attach`, so the name is unlinked at once (the memory
-        lives as long as this mapping, and nothing is left in /dev/shm however the process ends)."""
+        """`shared=False`: no other process will `attach`, so the memory is private to this process
+        (anonymous: nothing is left in /dev/shm however the process ends)."""
         if slab_size % mmap.PAGESIZE or size < slab_size:
             raise ConfigError(f"arena of {size} bytes / slab of {slab_size}: slab must be page-aligned "
                               f"({mmap.PAGESIZE} bytes) and fit", size=slab_size, limit=size)
@@ -127,35 +127,13 @@ class DramArena:
         self.size = size // slab_size * slab_size
         """Bytes of slots (whole slabs); the shared object is `length` bytes, slabs from `PHASE` on."""
         self.length = self.size + PHASE
-        if name and shared:
-            _take_if_dead(name)  # a configured name its last owner (killed) left
-        try:
-            fd = _posixshmem.shm_open("/" + self.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-        except FileExistsError:
-            raise ConfigError(f"the DRAM arena name {self.name!r} is taken in /dev/shm by a live worker: give "
-                              "each worker its own") from None
-        if not shared:
-            _posixshmem.shm_unlink("/" + self.name)
-        else:  # locked before it is sized, and held while this process lives: see sweep_dead_arenas
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        try:
-            # Reserving the pages up front turns a too-small /dev/shm into an error here instead
-            # of a SIGBUS at first touch.
-            if prefault:
-                os.posix_fallocate(fd, 0, self.length)
-            else:
-                os.ftruncate(fd, self.length)
-            self._mmap = mmap.mmap(fd, self.length)
-        except OSError as e:
-            os.close(fd)
-            if shared:
-                _posixshmem.shm_unlink("/" + self.name)
-            raise CapacityError(f"cannot create a DRAM arena of {self.length} bytes in /dev/shm: {e}") from e
+        self._lock_fd: int | None = None
         if shared:
-            self._lock_fd: int | None = fd  # its lock says the arena is live; closed (released) with the arena
+            self._mmap, self._lock_fd = self._create_shared(name, prefault)
         else:
-            os.close(fd)
-            self._lock_fd = None
+            # private and anonymous: nothing in /dev/shm however the process ends, and a forked child's
+            # writes are its own (copy on write), never into the blocks its parent's index names
+            self._mmap = mmap.mmap(-1, self.length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._owner = shared  # the creator of a shared arena unlinks its name on close
         self.buf = np.frombuffer(self._mmap, dtype=np.uint8)
         self._view = memoryview(self._mmap)  # sliced per block: `view`
@@ -166,6 +144,30 @@ class DramArena:
         self._slabs: dict[int, _Slab] = {}
         self._partial: list[dict[int, None]] = [{} for _ in self.classes]
         self.used_bytes = 0  # bytes in allocated slots
+
+    def _create_shared(self, name: str | None, prefault: bool) -> tuple[mmap.mmap, int]:
+        """The arena's object in /dev/shm, mapped, and its descriptor, which holds its lock (it says the
+        arena is live; closed, released, with the arena: see sweep_dead_arenas)."""
+        if name:
+            _take_if_dead(name)  # a configured name its last owner (killed) left
+        try:
+            fd = _posixshmem.shm_open("/" + self.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        except FileExistsError:
+            raise ConfigError(f"the DRAM arena name {self.name!r} is taken in /dev/shm by a live worker: give "
+                              "each worker its own") from None
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked before it is sized
+        try:
+            # Reserving the pages up front turns a too-small /dev/shm into an error here instead
+            # of a SIGBUS at first touch.
+            if prefault:
+                os.posix_fallocate(fd, 0, self.length)
+            else:
+                os.ftruncate(fd, self.length)
+            return mmap.mmap(fd, self.length), fd
+        except OSError as e:
+            os.close(fd)
+            _posixshmem.shm_unlink("/" + self.name)
+            raise CapacityError(f"cannot create a DRAM arena of {self.length} bytes in /dev/shm: {e}") from e
 
     @classmethod
     def attach(cls, name: str, size: int, writable: bool = False) -> memoryview:
