@@ -292,7 +292,10 @@ def frames(n: int, sizes: Sequence[int] | None = None, max_bytes: int = MAX_DATA
     metadata within MAX_META whatever their keys, and (given the items' data `sizes`, each counted
     `per_item` bytes more: `RESERVE_FLOOR` for a worker's reservation budget) their data within
     `max_bytes` (MAX_DATA; an item larger than that goes alone). Almost every batch is one slice; a
-    client splits bigger ones rather than have a healthy worker refuse them."""
+    client splits bigger ones rather than have a healthy worker refuse them. None for no items (no
+    request: an empty one was a round trip for nothing)."""
+    if n == 0:
+        return []
     if n <= _SAFE_BATCH and (sizes is None or sum(sizes) + per_item * n <= max_bytes):
         return [slice(0, n)]
     out: list[slice] = []
