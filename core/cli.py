@@ -108,7 +108,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     faulthandler.enable()  # a worker that crashes or is sent SIGABRT leaves every thread's stack
     done = _stop_signal()
     worker = _build_worker(args).start()
-    print(f"kvpool worker {worker.worker_id}: tcp {worker.address}, same-node {worker.unix_path}", flush=True)
+    metrics = "" if worker.metrics_port is None else f", metrics port {worker.metrics_port}"
+    print(f"kvpool worker {worker.worker_id}: tcp {worker.address}, same-node {worker.unix_path}{metrics}", flush=True)
     parent = os.environ.get(PARENT_ENV)
     _wait_for_stop(done, int(parent) if parent and parent.isdigit() else None)
     worker.stop()

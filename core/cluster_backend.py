@@ -366,6 +366,8 @@ class ClusterBackend:
             if any(stored):  # the others were: the caller may tell them apart (those an owner held newer
                 # were not stored either: their put again, with a fresh version, is not made now)
                 raise PartialPut(why, failed=sorted({i for i, n in enumerate(stored) if not n} | superseded))
+            if answered or set(live) - set(groups):  # the pool answers, only these blocks' owners did not:
+                raise PartialPut(why, failed=list(range(len(keys))))  # not an outage of the pool
             raise PoolUnavailable(why)
         return sorted(superseded)
 

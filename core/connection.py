@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import protocol as P
+from . import request_ids
 from .auth import NONCE_BYTES, find_token, no_auth_env, peer_uid, proof, same_user, token_path
 from .errors import (
     Abandoned,
@@ -30,6 +31,7 @@ from .errors import (
     CapacityError,
     CorruptBlock,
     KVPoolError,
+    NamespaceError,
     PoolTimeout,
     PoolUnavailable,
     ProtocolError,
@@ -245,6 +247,7 @@ class Connection:
             with self._fd_lock:
                 self._exchanging = True
             opened = self.generation
+            sock: socket.socket | None = None
             try:
                 # checked before connecting, and again once the socket is in place: `abort` either sees
                 # the socket (and shuts it down) or is seen
@@ -256,6 +259,10 @@ class Connection:
                 yield sock
                 if self.generation != opened:  # a shut-down socket may still read what had arrived
                     raise PoolUnavailable(f"the connection to worker {self.address} was closed during the call")
+            except NamespaceError:  # a tenant's refused request: the connection stays where its exchange is whole
+                if sock is None or request_ids.owed(sock):
+                    self.close()
+                raise
             except (AuthError, PoolUnavailable):
                 self.close()
                 raise

@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from .errors import ListenError
+from .metrics_http import MetricsServer
 
 __all__ = ["WorkerMetrics"]
 
@@ -23,7 +21,7 @@ class WorkerMetrics:
 
     def __init__(self, cache_stats: Callable[[], dict[str, int]]) -> None:
         self.registry = CollectorRegistry()
-        self._http: tuple[Any, threading.Thread] | None = None  # (server, its thread) while serving
+        self._http: MetricsServer | None = None  # while serving
         self.ops = Counter("kvpool_ops", "Requests served, by operation", ["op"], registry=self.registry)
         self.bytes = Counter("kvpool_bytes", "Block bytes moved, by direction", ["direction"], registry=self.registry)
         self.latency = Histogram("kvpool_op_seconds", "Request latency in seconds, by operation", ["op"],
@@ -63,21 +61,16 @@ class WorkerMetrics:
                                  registry=self.registry)
         self.registry.register(_CacheCollector(cache_stats))
 
-    def serve(self, host: str, port: int) -> None:
-        """Serve the registry over HTTP on host:port (a thread of its own) until `close`."""
-        try:
-            self._http = start_http_server(port, addr=host, registry=self.registry)
-        except OSError as e:
-            raise ListenError(f"cannot serve metrics on {host}:{port}: {e.strerror or e}") from e
+    def serve(self, host: str, port: int) -> int:
+        """Serve the registry over HTTP on host:port (`metrics_http`) until `close`; the port bound."""
+        self._http = MetricsServer(self.registry, host, port)
+        return self._http.port
 
     def close(self) -> None:
         """Stop serving (the port is free again when this returns); nothing if not serving."""
         http, self._http = self._http, None
         if http is not None:
-            server, thread = http
-            server.shutdown()
-            server.server_close()
-            thread.join()
+            http.close()
 
 
 class _CacheCollector:

@@ -20,7 +20,7 @@ from typing import Any
 
 from .errors import ProtocolError
 
-__all__ = ["issue", "check"]
+__all__ = ["issue", "check", "owed"]
 
 _MAX = 0xFFFFFFFF
 """Ids are u32 on the wire; 0 is never used (a peer that does not number its requests sends 0)."""
@@ -56,3 +56,9 @@ def check(sock: Any, req_id: int) -> None:
     if req_id != want:
         raise ProtocolError(f"reply to request {req_id} where the reply to request {want} was due "
                             "(a stray reply on the connection): dropped, and the connection with it")
+
+
+def owed(sock: Any) -> int:
+    """How many replies `sock` still owes (0: every exchange on it is whole)."""
+    ids = _BY_SOCKET.get(sock)
+    return 0 if ids is None else len(ids.owed)

@@ -120,6 +120,8 @@ class Worker(RequestHandlers):
         self.node_id = cfg.node_id or default_node_id()
         self._init_serving()
         self.membership: Any = None
+        self.metrics_port: int | None = None
+        """The port its Prometheus metrics are served on, from `start` (None: not served)."""
         self.events: Any = None  # block-event publishing (--events, --events-zmq), from start() to stop()
         # Sockets first: a port in use must fail before a pre-faulted arena of many GiB exists.
         try:
@@ -186,7 +188,7 @@ class Worker(RequestHandlers):
         NATS unreachable), everything the worker holds is released, its arena first, and the error raised."""
         try:
             if self.config.metrics_port is not None:
-                self.metrics.serve(self.config.host, self.config.metrics_port)
+                self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
             if self.config.nats_url:
                 from .cluster import Membership
 
@@ -218,8 +220,9 @@ class Worker(RequestHandlers):
             self.cache.close()
             raise
         self._serve_in_background()
-        log.info("worker %s serving tcp %s and %s (arena %s, %d bytes)", self.worker_id, self.address,
-                 self.unix_path, self.cache.arena.name, self.cache.arena.size)
+        log.info("worker %s serving tcp %s and %s (arena %s, %d bytes)%s", self.worker_id, self.address,
+                 self.unix_path, self.cache.arena.name, self.cache.arena.size,
+                 "" if self.metrics_port is None else f", metrics on port {self.metrics_port}")
         return self
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -295,6 +295,7 @@ class TierMoves:
                     for i in bad:
                         dram.release(cast(DramBlock, found[i]))
                         found[i] = None
+                    stack.counters.hits_dram -= len(bad)  # not served: `_acquire_one` counts its miss
                 hits -= len(bad)
         if hits < len(found):
             found = [b if b is not None else self._acquire_one(k) for k, b in zip(keys, found)]

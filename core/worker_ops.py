@@ -23,7 +23,7 @@ import numpy as np
 
 from . import protocol as P
 from .auth import NONCE_BYTES, proof
-from .errors import ProtocolError
+from .errors import AuthError, ProtocolError
 from .fastcopy import hash_at
 from .tenants import Tenant, TenantUsage, outside
 from .tiers.dram_tier import block_columns
@@ -97,7 +97,7 @@ class RequestHandlers(ConnectionServing):
             if conn.gone.wait(self.throttle.failed(conn.peer, why)):  # (a shut connection waits no longer)
                 raise ConnectionError(f"connection from {conn.peer} shut while its failed AUTH was throttled")
             self._reply(conn, frame, P.pack_json({"error": "authentication failed"}), status=P.Status.AUTH_FAILED)
-            raise ProtocolError(f"authentication failed from {conn.peer}: {why}")
+            raise AuthError(f"authentication failed from {conn.peer}: {why}")  # (closes it; logged by the throttle)
         self.throttle.succeeded(conn.peer)
         conn.authed = True
         conn.tenant = self.tenants[tenant] if tenant is not None else None

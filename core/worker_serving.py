@@ -24,7 +24,7 @@ from . import protocol as P
 from .auth import AuthThrottle, peer_pid, peer_uid, same_user
 from .cache import BlockRef, TieredCache
 from .config import WorkerConfig
-from .errors import KVPoolError, ProtocolError
+from .errors import AuthError, KVPoolError, ProtocolError
 from .metrics import WorkerMetrics
 from .sparse_log import SparseLog
 from .tenants import Tenant
@@ -262,8 +262,18 @@ class ConnectionServing:
                     why = f"a request not done within io_timeout_s ({cfg.io_timeout_s} s)"
                 else:
                     continue
-                self.metrics.deadline_closes.labels("auth" if not c.authed else "io").inc()
-                c.shut(why)
+                if self._late(c, why):
+                    c.shut()
+
+    def _late(self, conn: Conn, why: str) -> bool:
+        """Mark `conn` closed for a deadline (`why`) and count it, once: the watchdog and an unauthenticated
+        connection's own receive timeout (`auth_timeout_s`) may both see it late. False if marked already."""
+        with self._conns_lock:
+            if conn.closing:
+                return False
+            conn.closing = why
+        self.metrics.deadline_closes.labels("auth" if not conn.authed else "io").inc()
+        return True
 
     def _accept_failed(self, transport: str, err: OSError) -> None:
         self.metrics.accept_errors.labels(transport).inc()
@@ -288,15 +298,22 @@ class ConnectionServing:
                 latency.observe(t1 - t0)
                 conn.busy = False
                 conn.request_since = 0.0
+        except AuthError:
+            pass  # a failed AUTH: counted (kvpool_auth_failures_total) and logged by the throttle
         except ProtocolError as e:
             self.metrics.protocol_errors.inc()
-            log.warning("closing %s connection: %s", conn.transport, e)
+            if conn.authed:
+                log.warning("closing %s connection: %s", conn.transport, e)
+            else:  # a stranger's bytes (a port scan, an HTTP health check): no flood of warnings
+                self._closed_log.log("closing %s connection from %s: %s", conn.transport, conn.peer, e)
         except KVPoolError as e:  # e.g. a full disk under REMOVE or CLEAR, or the cache closing under us
             log.warning("closing %s connection: %s: %s", conn.transport, type(e).__name__, e)
         except ssl.SSLError as e:  # a record that fails its MAC (altered on the way), a TLS alert
             log.warning("closed a TLS connection from %s: %s", conn.peer, conn.closing or e)
-        except (ConnectionError, OSError):
-            if conn.closing:  # the watchdog's doing, not the client's
+        except (ConnectionError, OSError) as e:
+            if not conn.authed and isinstance(e, TimeoutError):  # its receive timeout: auth_timeout_s
+                self._late(conn, f"not authenticated within auth_timeout_s ({self.config.auth_timeout_s} s)")
+            if conn.closing:  # the worker's doing (a deadline, a displacement), not the client's
                 self._closed_log.log("closed a %s connection: %s", conn.transport, conn.closing)
         finally:
             conn.busy = False
