@@ -313,8 +313,9 @@ class TieredCache:
         return [o == REMOVED for o in self.remove_as_of(keys, versions)]
 
     def remove_as_of(self, keys: Sequence[Key], versions: Sequence[int] | None = None) -> list[int]:
-        """`batch_remove`, each key's outcome told apart: REMOVED, 0 (nothing to remove) or SUPERSEDED
-        (its block is as new as the removal or newer, and stays)."""
+        """`batch_remove`, each key's outcome told apart: REMOVED (a block a read would have served was
+        removed), 0 (nothing to remove, or only a block no read would serve: fenced off, expired) or
+        SUPERSEDED (its block is as new as the removal or newer, and stays)."""
         raw_keys = keys_bytes(keys)
         stamps = list(versions) if versions is not None else CLOCK.batch(len(raw_keys))
         if len(stamps) != len(raw_keys):
@@ -332,7 +333,10 @@ class TieredCache:
                 else:  # a block as new or newer: the removal changes nothing
                     kept.add(k)
             stack.changes.record(doomed, doomed.values(), True)
-            found = dict(zip(doomed, stack.remove(list(doomed))))
+            gone = list(doomed)
+            seen = dict(zip(gone, stack.presence(gone, time.time())))  # as a read would have said: not a
+            # block fenced off (a worker back from an absence) nor an expired one
+            found = {k: held and seen[k] for k, held in zip(gone, stack.remove(gone))}
         out = []
         for k in raw_keys:  # a key named twice was removed by its first mention
             out.append(REMOVED if found.pop(k, False) else SUPERSEDED if k in kept and k not in doomed else 0)
