@@ -224,9 +224,14 @@ class Connection:
         mid-receive): a reply, or part of one, may be unread, and the next request would find it in its
         place (its id refuses a whole stray reply, `request_ids`; part of one would be read as a header).
         The pool's own errors keep it: they are raised where the exchange is whole (a refused
-        block, a destination too small, a stager's earlier failure), or close it above (a refused
-        request's AuthError, a ProtocolError), or by the code that raised them with replies still due
-        (`ShmTransport._put_frame`, `_get_frame`)."""
+        block, a destination too small, a stager's earlier failure, a tenant's request refused as outside
+        its namespace with no other reply due), or close it above (a refused request's AuthError, a
+        ProtocolError), or by the code that raised them with replies still due (`ShmTransport._put_frame`,
+        `_get_frame`).
+
+        A call waits at most `timeout_s` for the connection (PoolTimeout), and fails at once if a call
+        before it ran past `timeout_s` meanwhile: threads sharing a client behind a hung worker do not
+        wait `timeout_s` each in turn."""
         asked = time.monotonic()
         if not (self._lock.acquire(blocking=False) if idle else self._lock.acquire(timeout=self.timeout_s)):
             if idle:
