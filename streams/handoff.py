@@ -209,11 +209,13 @@ class HandoffReceiver:
                 if refs or end is not None:
                     last, quiet = time.monotonic(), RECOVER_S
                 recover = req.gap and live  # a live message ahead of its place: one was lost, read back
-                got = fetch_many(self.pool, refs, [into(r.layer, r.total) if into is not None else None for r in refs],
-                                 [f"layer {r.layer} of request {request_id!r}" for r in refs],
-                                 self.counts) if refs else []
-                for ref, (_, blocks) in zip(refs, got):
-                    yield ref.layer, ref.keys, blocks
+                for part in _by_bytes(refs, self._checks.limits.max_bytes):  # (a burst read back may name
+                    # thousands of layers: what is read ahead of the caller stays within one message's bound)
+                    got = fetch_many(self.pool, part,
+                                     [into(r.layer, r.total) if into is not None else None for r in part],
+                                     [f"layer {r.layer} of request {request_id!r}" for r in part], self.counts)
+                    for ref, (_, blocks) in zip(part, got):
+                        yield ref.layer, ref.keys, blocks
                 if end is not None:
                     req.drop_waiting()
                     try:
@@ -329,3 +331,17 @@ class HandoffReceiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _by_bytes(refs: list[env.Ref], most: int) -> Iterator[list[env.Ref]]:
+    """`refs` in runs of at most `most` bytes (a larger one alone), in order."""
+    run: list[env.Ref] = []
+    total = 0
+    for ref in refs:
+        if run and total + ref.total > most:
+            yield run
+            run, total = [], 0
+        run.append(ref)
+        total += ref.total
+    if run:
+        yield run

@@ -229,3 +229,16 @@ def test_cli_pub_publishes_stdins_bytes_as_they_are(nats, make_stream, capsys, m
     assert code == 0, err
     with Consumer(s, nats.url) as c:
         assert c.receive(5).data == b"\xff\xfe\x00binary"
+
+
+# A burst read back (a request whose producer finished first: thousands of layers, each up to Limits.max_bytes)
+# was fetched whole before the first layer went out: with buffers of its own per layer, the receiver held
+# all of it at once. It goes in runs of at most one message's bound.
+def test_a_burst_is_fetched_in_runs_of_at_most_one_messages_bytes() -> None:
+    from types import SimpleNamespace
+
+    from kvpool.streams.handoff import _by_bytes
+
+    refs = [SimpleNamespace(total=t) for t in (400, 400, 300, 900, 1500, 1, 1)]
+    runs = [[r.total for r in run] for run in _by_bytes(refs, 1000)]  # type: ignore[arg-type]
+    assert runs == [[400, 400], [300], [900], [1500], [1, 1]]
