@@ -37,12 +37,15 @@ from .fastcopy import copy_from, writable_all
 from .pool_backend import leases_by_copy
 from .shm_put import PartedPut, SpareSlots
 from .shm_refs import committed, recording_now
+from .sparse_log import SparseLog
 from .tiers.dram import DramArena
 from .versions import CLOCK
 
 __all__ = ["TcpTransport", "ShmTransport", "connect"]
 
 log = logging.getLogger("kvpool.transport")
+_CORRUPT_LOG = SparseLog(log)
+"""Blocks that arrived corrupt (a flaky link): a warning a minute at most, not one per block per call."""
 
 _FRAME_BYTES = 4 << 20
 """A TCP put sends its batch in frames of a quarter of it, at most this many bytes ..."""
@@ -156,8 +159,8 @@ class TcpTransport(Connection):
                 else:
                     out.append(-1)
                     self.checksum_failures += 1
-                    log.warning("block %r from worker %s failed its checksum; served as a miss", key[:24],
-                                self.address)
+                    _CORRUPT_LOG.log("block %r from worker %s failed its checksum; served as a miss", key[:24],
+                                     self.address)
         if too_small:
             key, size, room = too_small
             raise BufferSizeError(f"block {key[:24]!r} is {size} bytes; the destination holds {room}",

@@ -3,6 +3,7 @@ the wire (block data or frame metadata, either direction). Each is caught by a c
 costs a miss or a typed error for that block only; the pool serves everything else."""
 from __future__ import annotations
 
+import logging
 import struct
 
 import numpy as np
@@ -152,3 +153,17 @@ def test_a_flipped_byte_in_frame_metadata_drops_only_that_connection(proxied):
         via.batch_exists(KEYS)
     assert metric(port, "kvpool_protocol_errors_total") == 1
     assert read_all(via, dict.fromkeys(KEYS, SIZE))[1] == []  # reconnected
+
+
+def test_blocks_arriving_corrupt_again_and_again_are_one_warning(proxied, caplog):
+    # A flaky link corrupting a block of every get had the client warn once per block per call: an
+    # engine's log flooded. A warning a minute at most (the rest at debug level, counted in the next).
+    proxy, via, direct, _ = proxied
+    direct.batch_put(KEYS, [block(k, SIZE) for k in KEYS])
+    bufs = [bytearray(SIZE) for _ in KEYS]
+    with caplog.at_level(logging.DEBUG, logger="kvpool.transport"):
+        for _ in range(5):
+            proxy.arm("down", P.HEADER.size + 24 * len(KEYS) + 3 * SIZE + 100)
+            assert via.batch_get_into(KEYS, bufs)[3] == -1
+    corrupt = [r for r in caplog.records if "failed its checksum" in r.getMessage()]
+    assert len(corrupt) == 5 and [r.levelno for r in corrupt].count(logging.WARNING) <= 1
