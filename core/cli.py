@@ -222,6 +222,17 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _tables(text: str) -> int:
+    """An argparse type: a count of tables, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: want a whole number, 0 or more")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvpool", description="kvpool: a shared, tiered KV-cache pool")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -247,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--watch", action="store_true", help="live rates per worker, redrawn every --interval seconds")
     s.add_argument("--interval", type=_positive_seconds, default=2.0, help="seconds between redraws with --watch (2)")
-    s.add_argument("--count", type=int, default=0, help="with --watch: stop after this many tables (0 = until Ctrl-C)")
+    s.add_argument("--count", type=_tables, default=0,
+                   help="with --watch: stop after this many tables (0 = until Ctrl-C)")
     s.set_defaults(func=cmd_status)
     for name, module in COMMANDS.items():
         add_command(sub, name, module)

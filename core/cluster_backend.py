@@ -9,6 +9,7 @@ an exception or a hang.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -623,7 +624,8 @@ class ClusterBackend:
         out = {w: WorkerStats(info, error="no answer") for w, info in live.items()}
         for w, _, s in self.fanout.each(live, {w: [] for w in live}, lambda t, idx: t.stats(), self._deadline(),
                                         reads=True):
-            (out[w],) = s.workers.values()  # a transport's stats: its one worker
+            (got,) = s.workers.values()  # a transport's stats: its one worker; its entry's heartbeat
+            out[w] = dataclasses.replace(got, info=dataclasses.replace(got.info, ts=live[w].ts))  # from NATS
         return PoolStats.of_workers(out)
 
     def members(self) -> dict[str, WorkerInfo]:

@@ -2,9 +2,11 @@
 rates rather than negative ones; against a live cluster the table shows each worker and its traffic."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -75,3 +77,15 @@ def test_columns_stay_aligned_under_a_long_node_id() -> None:
     for row in rows:  # each column begins where its heading does
         assert row.index("127.0.0.1:7461") == head.index("address")
         assert len(row) == len(rows[0])
+
+
+def test_status_json_gives_each_workers_last_heartbeat(nats, spawn) -> None:
+    # `kvpool status --json` showed "ts": 0.0 for every worker (a STATS reply carries no heartbeat time)
+    spawn(nats_url=nats.url)
+    with PoolClient(mode="cluster", nats_url=nats.url) as pool:
+        assert pool.wait_for_members(lambda m: len(m) == 1, 15)
+    done = subprocess.run([sys.executable, "-m", "kvpool.core.cli", "status", "--nats-url", nats.url, "--json"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    (entry,) = json.loads(done.stdout).values()
+    assert abs(entry["ts"] - time.time()) < 30, entry

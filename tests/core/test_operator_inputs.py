@@ -218,6 +218,15 @@ def test_status_watch_negative_interval_is_a_usage_error(monkeypatch: pytest.Mon
     assert rc == 2
 
 
+def test_status_watch_negative_count_is_a_usage_error() -> None:
+    """`kvpool status --watch --count -1` drew one table and stopped, as if asked for one."""
+    from kvpool.core import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["status", "--watch", "--count", "-1"])
+    assert e.value.code == 2
+
+
 def test_abbreviated_token_flag_is_kept_out_of_the_command_line() -> None:
     """Regression: argparse accepts abbreviations (`--tok SECRET` is `--token SECRET`), but `_secrets_out_of_sight`
     matches only the exact `--token`/`--nats-url`, so an abbreviated secret stays in the re-exec'd command line,
