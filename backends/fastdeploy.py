@@ -71,7 +71,7 @@ class KVPoolStore(_Base):
     def register_buffer(self, buffer_ptr: int, buffer_size: int) -> None:
         """Register [buffer_ptr, buffer_ptr + buffer_size) of host memory (called at start-up, 2 to 4
         times: K and V read/write staging buffers, plus the fp8 scale buffers). Raises ValueError for a
-        null pointer or a size <= 0."""
+        null pointer, a size <= 0, or memory this process cannot read and write (GPU memory)."""
         self._io.buffers.register(buffer_ptr, buffer_size)
 
     # ----- the data path ------------------------------------------------------------------------

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
@@ -162,8 +161,9 @@ class MooncakeDistributedStore:
             self._io = HostIO(None, logger=log, buffers=self._buffers)
             return int(Status.INVALID_PARAMS)
         self._hostname = local_hostname
-        # quoted: tenant "team" with key "x/k" and tenant "team/x" with key "k" were one object
-        self._prefix = "" if tenant == DEFAULT_TENANT else f"tenant/{urllib.parse.quote(str(tenant), safe='')}/"
+        # '/' (and '%') escaped: tenant "team" with key "x/k" and tenant "team/x" with key "k" were one object
+        escaped = str(tenant).replace("%", "%25").replace("/", "%2F")
+        self._prefix = "" if tenant == DEFAULT_TENANT else f"tenant/{escaped}/"
         log.info("kvpool Mooncake-API store: %s%s", opts or "KVPOOL_* settings",
                  f", tenant {tenant!r}" if self._prefix else "")
         return 0

@@ -70,6 +70,11 @@ class Announcer:
         self._unacked[token] = (subj, body, headers, keys, nbytes)
         try:
             self._wire.publish(subj, body, headers, reply=f"{self._inbox}.{token}")
+        except StreamRefused:  # not sent, and never will be (over the server's max_payload)
+            del self._unacked[token]
+            if keys:
+                self._on_refused(keys)  # nothing will read its blocks through the stream
+            raise
         except BaseException:
             del self._unacked[token]  # not sent (a send that fails leaves no whole message): nor resent later
             raise

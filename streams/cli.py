@@ -158,10 +158,11 @@ def _payload(args: argparse.Namespace) -> Any:
         if args.file:
             with open(args.file, "rb") as f:
                 return f.read()
-        data = args.data.encode() if args.data is not None else sys.stdin.buffer.read()
-        return json.loads(data) if args.json else data
+        data = os.fsencode(args.data) if args.data is not None else sys.stdin.buffer.read()
     except OSError as e:
         raise InvalidArgument(f"cannot read {args.file or 'stdin'}: {e.strerror or e}") from e
+    try:
+        return json.loads(data) if args.json else data
     except ValueError as e:  # not JSON, or JSON not in UTF-8
         raise InvalidArgument(f"--json: the data is not JSON: {e}") from e
 

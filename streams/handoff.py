@@ -35,7 +35,7 @@ from ._link import Link, translate
 from .admin import check_token, subject
 from .consumer import Checks
 from .errors import ForgedMessage, HandoffError, HandoffTimeout, MalformedMessage, StreamError
-from .live import Feed, Raw, stored_last
+from .live import Feed, Raw, stored_last, stored_seq
 from .payload import fetch_many
 from .sealing import ChainCheck, verify
 from .wire import Wire
@@ -61,6 +61,9 @@ _PURGING = 64
 _END_STORED_S = 1.0
 """How long a receiver's purge of a request whose end came live waits for the stream to have stored the
 end, so that the purge takes it too."""
+_SCAN = 70000
+"""Messages of a request's subject looked through for its end, where the end came live and the subject's
+last stored message is not it (a request of the same id published after it): a request's layers and end."""
 
 Into = Callable[[int, int], Any]
 """into(layer, nbytes) -> a writable buffer of at least `nbytes` for that layer's blocks, back to back."""
@@ -157,7 +160,10 @@ class HandoffReceiver:
         with self._purges_lock:
             earlier = self._purges.get(filt)
         if earlier is not None:  # the id read again: the earlier request's messages go first, or they are read as
-            concurrent.futures.wait([earlier], self._purge_s())  # this one's (stale layers)
+            concurrent.futures.wait([earlier], min(timeout, self._purge_s()))  # this one's (stale layers)
+            if not earlier.done():
+                raise HandoffTimeout(f"request {request_id!r} on stream {self.stream!r}: the earlier request of this "
+                                     f"id was not purged within {timeout} s (is NATS reachable?)")
         feed = Feed(self._link, self._wire, self.stream, filt)
         rejected = [0]
         req = _Request(request_id, lambda raw, err: self._reject(request_id, raw, err, rejected))
@@ -247,12 +253,14 @@ class HandoffReceiver:
                     if last is not None and last.data == end.data:
                         upto = last.seq
                         break
-                    if time.monotonic() > deadline:
+                    if time.monotonic() > deadline:  # stored, with a request of the same id after it? or
+                        upto = await stored_seq(link, stream, filt, end.data, _SCAN)  # not stored at all
                         break
                     await asyncio.sleep(pause)
                     pause = min(2 * pause, 0.05)  # a stream that never stores it is not asked 1000 times
-            # up to the end only: a request of the same id published after it keeps its messages
-            await link.js.purge_stream(stream, subject=filt, seq=None if upto is None else upto + 1)
+            if upto is None:  # never without a bound: it would take a later request of the same id too
+                raise StreamError("its end is not among the stream's messages (the stream's limits drop them)")
+            await link.js.purge_stream(stream, subject=filt, seq=upto + 1)  # up to the end only
 
         async def bounded() -> None:
             try:

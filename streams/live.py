@@ -52,6 +52,20 @@ async def stored_last(link: Link, stream: str, subj: str) -> Raw | None:
     return Raw(str(m.subject or subj), dict(m.headers or {}), bytes(m.data or b""), m.seq)
 
 
+async def stored_seq(link: Link, stream: str, subj: str, data: bytes, most: int) -> int | None:
+    """The sequence of the first message `stream` holds on subject `subj` whose body is `data`, among
+    the first `most` there; None if none is."""
+    seq = 1
+    for _ in range(most):
+        m = await _get(link, stream, seq=seq, subject=subj, next=True)
+        if m is None or m.seq is None:
+            return None
+        if bytes(m.data or b"") == data:
+            return int(m.seq)
+        seq = int(m.seq) + 1
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Raw:
     """One message as delivered: live (`seq` None) or read back from the stream (`seq` its sequence)."""
