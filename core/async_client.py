@@ -3,7 +3,8 @@
 Every call runs the blocking `PoolClient` call in a thread (`asyncio.to_thread`), so the event loop
 never waits on the pool, and calls from many tasks overlap (PoolClient is thread-safe: each
 connection is used by one call at a time, the cluster bookkeeping is locked). Semantics, errors and
-timeouts are PoolClient's; a cancelled call raises CancelledError once its thread's call has ended.
+timeouts are PoolClient's; a cancelled call that reads or writes the caller's buffers (a put, a get into
+them) raises CancelledError once its thread's call has ended.
 `lease` / `batch_lease` (zero-copy views valid inside a `with`) stay synchronous: use
 `client.sync.batch_lease(...)`.
 """
@@ -33,9 +34,14 @@ class AsyncPoolClient:
         self.sync = client if client is not None else PoolClient(**options)
 
     async def _run(self, fn: Callable[P, T], *args: P.args, **kw: P.kwargs) -> T:
-        """`fn` in a thread. Cancelled (`asyncio.wait_for`, `task.cancel()`), the call still ends its
-        thread's call first (bounded by the client's `timeout_s`), so that nothing is written into (or
-        sent from) the caller's buffers once the caller has them back."""
+        """`fn` in a thread (a cancelled call returns at once: it holds none of the caller's buffers)."""
+        return await asyncio.to_thread(fn, *args, **kw)
+
+    async def _run_on_buffers(self, fn: Callable[P, T], *args: P.args, **kw: P.kwargs) -> T:
+        """`fn`, which reads or writes the caller's buffers, in a thread. Cancelled (`asyncio.wait_for`,
+        `task.cancel()`), the call still ends its thread's call first (bounded by the client's
+        `timeout_s`), so that nothing is written into (or sent from) the buffers once the caller has
+        them back."""
         call = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kw))
         try:
             return await asyncio.shield(call)
@@ -50,19 +56,19 @@ class AsyncPoolClient:
             raise
 
     async def put(self, key: Key, data: Any, *, pin_s: float = 0.0) -> None:
-        await self._run(self.sync.put, key, data, pin_s=pin_s)
+        await self._run_on_buffers(self.sync.put, key, data, pin_s=pin_s)
 
     async def batch_put(self, keys: Sequence[Key], buffers: Sequence[Any], *, pin_s: float = 0.0) -> None:
-        await self._run(self.sync.batch_put, keys, buffers, pin_s=pin_s)
+        await self._run_on_buffers(self.sync.batch_put, keys, buffers, pin_s=pin_s)
 
     async def get(self, key: Key) -> bytes | None:
         return await self._run(self.sync.get, key)
 
     async def get_into(self, key: Key, buffer: Any) -> int:
-        return await self._run(self.sync.get_into, key, buffer)
+        return await self._run_on_buffers(self.sync.get_into, key, buffer)
 
     async def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[int]:
-        return await self._run(self.sync.batch_get_into, keys, buffers)
+        return await self._run_on_buffers(self.sync.batch_get_into, keys, buffers)
 
     async def exists(self, key: Key) -> bool:
         return await self._run(self.sync.exists, key)

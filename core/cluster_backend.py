@@ -163,10 +163,10 @@ class ClusterBackend:
         self.local = local
         self.timeout_s = timeout_s
         self._forked = False
-        _BACKENDS.add(self)
         self.membership = Membership(nats_url, connect_timeout_s=max(timeout_s, JOIN_TIMEOUT_S))
         self.membership.watch()
         self.fanout = FanOut(node_id or default_node_id(), token, timeout_s, tls_ca)
+        _BACKENDS.add(self)  # (once it has a fan-out to refuse calls with, in a forked child)
         self.repairs = Repairs(self.fanout, self._live, timeout_s)
         self.missed = MissedWrites(self.fanout, self._live, timeout_s)
         """Removals owed to owners that a put or remove went on without (`kvpool.core.missed_writes`)."""
@@ -367,8 +367,8 @@ class ClusterBackend:
             if any(stored):  # the others were: the caller may tell them apart (those an owner held newer
                 # were not stored either: their put again, with a fresh version, is not made now)
                 raise PartialPut(why, failed=sorted({i for i, n in enumerate(stored) if not n} | superseded))
-            if answered or set(live) - set(groups):  # the pool answers, only these blocks' owners did not:
-                raise PartialPut(why, failed=list(range(len(keys))))  # not an outage of the pool
+            if self.fanout.answering(others_than=groups):  # the pool answers, only these blocks' owners did
+                raise PartialPut(why, failed=list(range(len(keys))))  # not: not an outage of the pool
             raise PoolUnavailable(why)
         return sorted(superseded)
 

@@ -229,15 +229,12 @@ class Connection:
         ProtocolError), or by the code that raised them with replies still due (`ShmTransport._put_frame`,
         `_get_frame`).
 
-        A call waits at most `timeout_s` for the connection (PoolTimeout), and fails at once if a call
-        before it ran past `timeout_s` meanwhile: threads sharing a client behind a hung worker do not
-        wait `timeout_s` each in turn."""
+        A call that waited for the connection fails at once (PoolTimeout) if the call before it ran past
+        `timeout_s` meanwhile: threads sharing a client behind a hung worker do not wait `timeout_s`
+        each in turn. (One behind a long transfer that is answered in time waits for it.)"""
         asked = time.monotonic()
-        if not (self._lock.acquire(blocking=False) if idle else self._lock.acquire(timeout=self.timeout_s)):
-            if idle:
-                raise Busy(f"the connection to worker {self.address} is in use")
-            raise PoolTimeout(f"worker {self.address}: its connection stayed busy for {self.timeout_s} s (a call "
-                              "before this one is waiting on it)", limit=self.timeout_s)
+        if not self._lock.acquire(blocking=not idle):
+            raise Busy(f"the connection to worker {self.address} is in use")
         try:
             if self._shut:
                 raise PoolUnavailable("the client is closed")

@@ -72,6 +72,7 @@ class FanOut:
         self._slow: dict[str, tuple[float, tuple[Any, ...]]] = {}  # the same, for one that missed a short deadline
         self._departures = Departures()
         self._warned: set[str] = set()  # workers whose failure was logged, until they answer again
+        self._answered_at: dict[str, float] = {}  # when each worker last answered (monotonic)
         self._lock = threading.Lock()  # guards the dicts above, the departures and `_closed`
         self._closed = False  # a call still running (a read repair) connects nowhere after `close`
         self._why_closed = "the client is closed"
@@ -234,9 +235,7 @@ class FanOut:
         try:
             done, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
         except BaseException:  # interrupted (Ctrl-C, a signal handler's exception): none may land later
-            with gate:
-                abandoned[0] = True
-            self._abandon({f: futures[f][0] for f in futures if not f.done()}, live, used, began, blame=False)
+            self._interrupted(futures, gate, abandoned, live, used, began)
             raise
         if late:
             with gate:
@@ -251,6 +250,23 @@ class FanOut:
                 continue
             self._answered(w)
             yield w, idx, result
+
+    def _interrupted(self, futures: Mapping[Future[Any], tuple[str, list[int]]], gate: threading.Lock,
+                     abandoned: list[bool], live: Mapping[str, WorkerInfo], used: Mapping[str, Transport],
+                     began: Mapping[str, float]) -> None:
+        """The caller was interrupted while its calls ran: those not begun never begin, those under way
+        end first (each within `timeout_s`), so that none lands in the caller's buffers later. Their
+        connections are not aborted (other threads' calls may be on them, and the workers are not at
+        fault), unless the wait itself is interrupted or runs out: then they are, as at a deadline."""
+        with gate:
+            abandoned[0] = True
+        running = [f for f in futures if not f.cancel()]
+        try:
+            _, running_set = wait(running, timeout=self.timeout_s)
+            running = list(running_set)
+        finally:
+            if running:
+                self._abandon({f: futures[f][0] for f in running if not f.done()}, live, used, began, blame=False)
 
     def _abandon(self, late: dict[Future[Any], str], live: Mapping[str, WorkerInfo],
                  used: Mapping[str, Transport], began: Mapping[str, float], blame: bool = True) -> None:
@@ -279,8 +295,15 @@ class FanOut:
             log.error("%d abandoned call(s) still running %.0f s after their connections were aborted",
                       len(running), self.timeout_s)
 
+    def answering(self, others_than: Iterable[str]) -> bool:
+        """Whether a worker other than `others_than` answered this client within SUSPECT_S: the pool is
+        reachable, whatever those workers are."""
+        now, excluded = time.monotonic(), set(others_than)
+        return any(now - at < SUSPECT_S for w, at in list(self._answered_at.items()) if w not in excluded)
+
     def _answered(self, worker_id: str) -> None:
         """The worker answered: a later failure of it is a new outage, logged again; it is no longer slow."""
+        self._answered_at[worker_id] = time.monotonic()
         if worker_id in self._warned:
             with self._lock:
                 self._warned.discard(worker_id)

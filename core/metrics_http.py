@@ -9,8 +9,10 @@ shuts the oldest down), and a failing accept (no descriptors left) backs off ins
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import socketserver
+import sys
 import threading
 import time
 from typing import Any
@@ -27,6 +29,8 @@ SCRAPERS = 8
 SCRAPE_TIMEOUT_S = 10.0
 """How long a connection may take to send its request (and take its answer)."""
 _ACCEPT_BACKOFF_S = 0.1
+
+log = logging.getLogger("kvpool.metrics")
 
 
 class _Handler(WSGIRequestHandler):
@@ -51,6 +55,11 @@ class _Server(socketserver.ThreadingMixIn, WSGIServer):
         except OSError:
             time.sleep(_ACCEPT_BACKOFF_S)  # (EMFILE: readable again at once; serve_forever would spin)
             raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that failed (an idle one timed out, a peer gone): closed, no traceback on stderr
+        (socketserver prints one per failure: a flood, at a stranger's pace)."""
+        log.debug("metrics connection from %s failed: %r", client_address, sys.exc_info()[1])
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._lock:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import _posixshmem
 import bisect
+import errno
 import fcntl
 import mmap
 import os
@@ -133,7 +134,10 @@ class DramArena:
         else:
             # private and anonymous: nothing in /dev/shm however the process ends, and a forked child's
             # writes are its own (copy on write), never into the blocks its parent's index names
-            self._mmap = mmap.mmap(-1, self.length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            try:
+                self._mmap = mmap.mmap(-1, self.length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            except OSError as e:
+                raise CapacityError(f"cannot map a DRAM arena of {self.length} bytes: {e}") from e
         self._owner = shared  # the creator of a shared arena unlinks its name on close
         self.buf = np.frombuffer(self._mmap, dtype=np.uint8)
         self._view = memoryview(self._mmap)  # sliced per block: `view`
@@ -198,8 +202,10 @@ class DramArena:
             try:
                 self._mmap.madvise(populate)
                 return
-            except OSError:
-                pass
+            except OSError as e:
+                if e.errno == errno.ENOMEM:  # touching the pages instead would bring the OOM killer
+                    self.close()
+                    raise CapacityError(f"no memory for a DRAM arena of {self.length} bytes: {e}") from e
         self.buf[::mmap.PAGESIZE] = 0
 
     @property
