@@ -124,6 +124,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._planner = Planner(self._block_size)
         self._kv: PagedKV | None = None
         self._failed_blocks: set[int] = set()
+        self._saves_skipped = 0  # steps whose saves are skipped still (after a failed load)
         if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.info("kvpool: kv_load_failure_policy %r -> 'recompute' (a block the pool loses between match "
                      "and load is recomputed, not an error)", self._kv_transfer_config.kv_load_failure_policy)
@@ -239,6 +240,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                 n = 0
             if n < len(t.keys):
                 self._failed_blocks.update(t.block_ids[n:])
+                self._saves_skipped = _SKIP_SAVES_STEPS
                 self._io.once("partial load", "kvpool: request %s: %d of %d planned blocks loaded; vLLM "
                               "recomputes the rest (later ones are logged at debug level)", t.req_id, n, len(t.keys))
 
@@ -252,17 +254,23 @@ class KVPoolConnector(KVConnectorBase_V1):
     @_fail_soft(lambda *a, **k: None)
     def wait_for_save(self) -> None:
         """Store the prompt blocks completed by this step (one pool block per token block, all layers).
-        Blocks of a request whose load failed in this step are skipped: they were computed on top of
-        blocks vLLM is about to recompute."""
+        Nothing is stored in a step where a load failed, nor in the next: blocks computed on top of a
+        block vLLM is about to recompute may belong to other requests too (vLLM's own prefix cache
+        shares the failed block), and under async scheduling the next step was planned before vLLM
+        learned of the failure. (Those blocks are misses later, never wrong KV.)"""
         if not self.has_connector_metadata() or self._kv is None:
             return
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVPoolConnectorMetadata):
             return
-        failed_reqs = {t.req_id for t in meta.plan.loads if self._failed_blocks.intersection(t.block_ids)}
+        if self._saves_skipped:
+            self._saves_skipped -= 1
+            if meta.plan.saves:
+                self._io.once("saves skipped", "kvpool: a load failed: this step's and the next step's saves are "
+                              "skipped (computed on blocks vLLM recomputes; later ones logged at debug level)")
+            return
         for t in meta.plan.saves:
-            if t.req_id not in failed_reqs:
-                self._kv.save(self._io, t.keys, t.block_ids)
+            self._kv.save(self._io, t.keys, t.block_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks planned for loading in this step that were not loaded whole (vLLM recomputes them)."""
@@ -272,6 +280,10 @@ class KVPoolConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         """Close the pool client (vLLM calls it when the scheduler or worker shuts down)."""
         self._io.close()
+
+
+_SKIP_SAVES_STEPS = 2
+"""Steps whose saves a failed load skips: its own, and the one vLLM planned meanwhile (async scheduling)."""
 
 
 def _check_supported(cfg: VllmConfig, kv_cache_config: KVCacheConfig | None) -> tuple[AttentionSpec, list[str]]:
