@@ -20,7 +20,7 @@ from .buffers import Destination, destinations, readable_all
 from .cache_events import CacheListener
 from .config import CacheConfig, load
 from .demoter import Demoter
-from .errors import BlockTooLarge, BufferSizeError, InvalidArgument
+from .errors import BlockTooLarge, BufferSizeError, InvalidArgument, PoolClosed
 from .fastcopy import copy, copy_hash
 from .keys import Key, key_bytes, keys_bytes
 from .replica_state import ReplicaState
@@ -120,12 +120,24 @@ class TieredCache:
         n = data.nbytes
         offset = self._reserve(n)
         try:  # outside the lock: the slot is ours alone
-            csum = copy_hash(self._dram.arena.buf[offset:offset + n], data)
+            with self._closing_met():
+                csum = copy_hash(self._dram.arena.buf[offset:offset + n], data)
         except BaseException:
             self.abort(offset)
             raise
         block = DramBlock(key, offset, n, csum, expires, version=version)
         return block if self._commit(block, pin_s) else None
+
+    @contextmanager
+    def _closing_met(self) -> Iterator[None]:
+        """A copy into or out of the arena, outside the lock: where the cache was closed meanwhile (the
+        arena released under it), PoolClosed rather than the buffer's own ValueError or TypeError."""
+        try:
+            yield
+        except (ValueError, TypeError):
+            if self._stack.closed:
+                raise PoolClosed("the cache was closed during the call") from None
+            raise
 
     def _reserve(self, n: int) -> int:
         with self._lock:
@@ -199,8 +211,9 @@ class TieredCache:
         if b is None:
             return None
         try:
-            view = self._readable(b)
-            return None if view is None else view.tobytes()
+            with self._closing_met():
+                view = self._readable(b)
+                return None if view is None else view.tobytes()
         finally:
             self.release(b)
 
@@ -234,7 +247,8 @@ class TieredCache:
                                       key=k, size=b.size, limit=dest.nbytes)
             if not self._moves.verified(b):
                 return -1
-            copy(dest.view[:b.size], self._dram.arena.view(b.offset, b.size))
+            with self._closing_met():
+                copy(dest.view[:b.size], self._dram.arena.view(b.offset, b.size))
         finally:
             self.release(b)
         dest.finish(b.size)
@@ -271,7 +285,10 @@ class TieredCache:
 
     def _readable(self, b: DramBlock) -> memoryview | None:
         """A read-only view of the leased block `b`, or None if it failed verification."""
-        return self._dram.view(b).toreadonly() if self._moves.verified(b) else None
+        if not self._moves.verified(b):
+            return None
+        with self._closing_met():
+            return self._dram.view(b).toreadonly()
 
     # ----- lookups, removal, pins ---------------------------------------------------------------
 
@@ -515,6 +532,7 @@ class TieredCache:
                 return
             self._stack.closed = True
             self._stack.demote_due.notify_all()
+            self._moves.wait_for_ssd()  # a flush's write, a read's copy out of LMDB's map: ended first
         self._demoter.join()
         self._stack.close()
 

@@ -52,6 +52,7 @@ class TierMoves:
     def __init__(self, stack: TierStack) -> None:
         self._stack = stack
         self._writes = 0  # batches being written to SSD outside the lock, each holding its blocks leased
+        self._reads = 0  # promotions reading SSD outside the lock (`wait_for_ssd`)
         self._written = stack.written  # notified as each lets go of them
 
     def alloc(self, n: int) -> int:
@@ -124,6 +125,12 @@ class TierMoves:
     def wait_for_writes(self) -> None:
         """Until no SSD write is in flight (each has written copies it has not indexed yet). Lock held."""
         while self._writes:
+            self._written.wait()
+
+    def wait_for_ssd(self) -> None:
+        """Until no SSD write nor read is in flight (a read copies out of LMDB's map): the store may
+        close. Lock held."""
+        while self._writes or self._reads:
             self._written.wait()
 
     def demote(self, blocks: list[DramBlock]) -> int:
@@ -218,10 +225,12 @@ class TierMoves:
             size = ssd.size_of(k)
             if size is None or size > dram.arena.max_block:  # (a tier written with larger slabs: a miss here)
                 return None
+            sized = ssd.version_of(k)  # the copy the slot is sized for
             try:
                 offset = self.alloc(size)
             except CapacityError:
                 return None
+            self._reads += 1
 
         def into_slot(meta: BlockMeta, payload: memoryview) -> BlockMeta | None:
             if meta.size != size or (meta.expires and meta.expires <= now):
@@ -229,12 +238,17 @@ class TierMoves:
             dram.arena.buf[offset:offset + size] = payload
             return meta
 
-        meta = ssd.store.read(k, into_slot)
+        try:
+            meta = ssd.store.read(k, into_slot)
+        finally:
+            with stack.lock:
+                self._reads -= 1
+                self._written.notify_all()
         with stack.lock:
             if meta is None:
                 dram.unreserve(offset)
-                if k in ssd:
-                    stack.drop_ssd(k, "corrupt")
+                if k in ssd and ssd.version_of(k) == sized:  # that copy did not read whole: corrupt (or expired);
+                    stack.drop_ssd(k, "corrupt")  # another is a newer one put and flushed meanwhile: a miss now
                 return None
             current = dram.blocks.get(k)
             if current is not None or k not in ssd or ssd.version_of(k) != meta.version:
@@ -409,6 +423,8 @@ class TierMoves:
             # at most an eighth of the SSD tier a transaction: what a write makes room for first (`demote`)
             for batch in _batches(pending, min(_FLUSH_BATCH_BYTES, int(ssd.capacity) // 8),
                                   lambda b: ssd.footprint(b.key, b.size)):
+                with stack.lock:
+                    stack.check_open()  # a close waits for the batch under way, not for the rest (PoolClosed)
                 written += self.demote(batch)
         finally:
             with stack.lock:
