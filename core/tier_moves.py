@@ -16,7 +16,7 @@ import numpy as np
 
 from .blocks import BlockMeta
 from .buffers import Destination
-from .errors import BufferSizeError, CapacityError
+from .errors import BufferSizeError, CapacityError, PoolClosed
 from .fastcopy import hash_at
 from .tier_stack import TierStack
 from .tiers.dram_tier import DramBlock, block_meta
@@ -240,6 +240,10 @@ class TierMoves:
 
         try:
             meta = ssd.store.read(k, into_slot)
+        except BaseException:
+            with stack.lock:
+                dram.unreserve(offset)  # (a read that failed: its slot back)
+            raise
         finally:
             with stack.lock:
                 self._reads -= 1
@@ -357,8 +361,11 @@ class TierMoves:
             return [True] * len(blocks)
         offsets = np.fromiter((b.offset for b in todo), dtype="<i8", count=len(todo))
         sizes = np.fromiter((b.size for b in todo), dtype="<i8", count=len(todo))
+        buf = stack.dram.arena.buf  # (held here, the memory stays mapped through a close meanwhile)
+        if buf is None:
+            raise PoolClosed("the cache was closed during the call")
         bad: set[int] = set()
-        for b, got in zip(todo, hash_at(stack.dram.arena.buf, offsets, sizes).tolist()):
+        for b, got in zip(todo, hash_at(buf, offsets, sizes).tolist()):
             if got == b.checksum:
                 b.checked = True
             else:

@@ -61,6 +61,9 @@ _PURGING = 64
 _END_STORED_S = 1.0
 """How long a receiver's purge of a request whose end came live waits for the stream to have stored the
 end, so that the purge takes it too."""
+_SCAN_AFTER_S = 0.01
+"""How long a purge waits for the end it took live to be the subject's last stored message before it looks
+through the subject for it (a request of the same id stored after it)."""
 _SCAN = 70000
 """Messages of a request's subject looked through for its end, where the end came live and the subject's
 last stored message is not it (a request of the same id published after it): a request's layers and end."""
@@ -247,14 +250,20 @@ class HandoffReceiver:
         async def purge() -> None:
             upto = end.seq
             if upto is None:
-                deadline, pause = time.monotonic() + _END_STORED_S, 0.001
+                start = time.monotonic()
+                pause = 0.001
                 while True:
                     last = await stored_last(link, stream, filt)
                     if last is not None and last.data == end.data:
                         upto = last.seq
                         break
-                    if time.monotonic() > deadline:  # stored, with a request of the same id after it? or
-                        upto = await stored_seq(link, stream, filt, end.data, _SCAN)  # not stored at all
+                    late = time.monotonic() - start
+                    if last is not None and late > _SCAN_AFTER_S:  # the end is stored by now, as a rule: a
+                        # request of the same id after it? (a scan, once the end had time to be stored)
+                        upto = await stored_seq(link, stream, filt, end.data, _SCAN)
+                        if upto is not None:
+                            break
+                    if late > _END_STORED_S:
                         break
                     await asyncio.sleep(pause)
                     pause = min(2 * pause, 0.05)  # a stream that never stores it is not asked 1000 times

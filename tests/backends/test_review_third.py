@@ -57,7 +57,7 @@ def test_purge_of_a_live_end_keeps_the_next_request_of_the_same_id(nats, make_st
     with HandoffReceiver(s, nats.url, pool) as rx:
         t.start()
         first = []
-        for layer, keys, bufs in rx.iter_layers("rid", timeout=10):
+        for layer, _keys, _bufs in rx.iter_layers("rid", timeout=10):
             first.append(layer)
             if layer == 1:
                 t.join(20)  # the second request is stored before the first one's end is taken (live)

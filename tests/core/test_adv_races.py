@@ -17,7 +17,7 @@ from kvpool.core.errors import KVPoolError
 from kvpool.core.tier_moves import TierMoves
 from kvpool.core.tiers.ssd import SsdStore
 
-from corehelp import KiB, SMALL, payload
+from corehelp import SMALL, KiB, payload
 
 HERE = Path(__file__).resolve().parent
 
