@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -18,3 +21,31 @@ def payload(key: str | bytes, size: int) -> bytes:
     k = key.encode() if isinstance(key, str) else bytes(key)
     seed = int.from_bytes(hashlib.sha256(k + size.to_bytes(8, "little")).digest()[:8], "little")
     return np.random.default_rng(seed).bytes(size)
+
+
+def in_thread(call: Callable[[], Any], name: str) -> tuple[threading.Thread, list[Any]]:
+    """Run `call` in a thread named `name`; its result or exception lands in the list."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except BaseException as e:  # reported by the test
+            out.append(e)
+
+    t = threading.Thread(target=run, name=name, daemon=True)
+    t.start()
+    return t, out
+
+
+def close_while_held(cache: Any, call: Callable[[], Any], name: str, entered: threading.Event,
+                     go: threading.Event) -> Any:
+    """Run `call` in thread `name`, which a patched hook holds (it sets `entered`, then waits for `go`);
+    close `cache` meanwhile, let the call go on, and return what it returned or raised."""
+    t, got = in_thread(call, name)
+    assert entered.wait(10)
+    cache.close()
+    go.set()
+    t.join(10)
+    assert got, f"the {name} hung"
+    return got[0]

@@ -17,24 +17,9 @@ from kvpool.core.errors import KVPoolError
 from kvpool.core.tier_moves import TierMoves
 from kvpool.core.tiers.ssd import SsdStore
 
-from corehelp import SMALL, KiB, payload
+from corehelp import SMALL, KiB, close_while_held, in_thread, payload
 
 HERE = Path(__file__).resolve().parent
-
-
-def _in_thread(call: Callable[[], Any], name: str) -> tuple[threading.Thread, list[Any]]:
-    """Run `call` in a thread named `name`; its result or exception lands in the list."""
-    out: list[Any] = []
-
-    def run() -> None:
-        try:
-            out.append(call())
-        except BaseException as e:  # reported by the test
-            out.append(e)
-
-    t = threading.Thread(target=run, name=name, daemon=True)
-    t.start()
-    return t, out
 
 
 # Bug: a promotion that read SSD while the key was overwritten (another size) and flushed takes the
@@ -57,7 +42,7 @@ def test_a_read_promoting_an_old_copy_does_not_drop_the_newer_copy_flushed_meanw
             return real_read(store, key, sink)
 
         monkeypatch.setattr(SsdStore, "read", read)
-        reader, got = _in_thread(lambda: cache.get("k"), "reader")
+        reader, got = in_thread(lambda: cache.get("k"), "reader")
         assert entered.wait(10)
         cache.put("k", payload("k/2", 20 * KiB))
         assert cache.flush() == 1  # promised: a restart serves it from SSD
@@ -97,13 +82,8 @@ def test_a_read_racing_close_raises_a_kvpool_error(make_cache: Callable[..., Tie
         with cache.lease("k") as view:
             return None if view is None else bytes(view)
 
-    reader, got = _in_thread(read, "reader")
-    assert entered.wait(10)
-    cache.close()
-    go.set()
-    reader.join(10)
-    assert got, "the read hung"
-    assert not isinstance(got[0], BaseException) or isinstance(got[0], KVPoolError), repr(got[0])
+    got = close_while_held(cache, read, "reader", entered, go)
+    assert not isinstance(got, BaseException) or isinstance(got, KVPoolError), repr(got)
 
 
 # Bug: a put that reserved its slot before close() and copies after it raises a raw TypeError
@@ -122,13 +102,8 @@ def test_a_put_racing_close_raises_a_kvpool_error(make_cache: Callable[..., Tier
         return offset
 
     monkeypatch.setattr(TieredCache, "_reserve", reserve)
-    writer, got = _in_thread(lambda: cache.put("k", payload("k", 10 * KiB)), "writer")
-    assert entered.wait(10)
-    cache.close()
-    go.set()
-    writer.join(10)
-    assert got, "the put hung"
-    assert not isinstance(got[0], BaseException) or isinstance(got[0], KVPoolError), repr(got[0])
+    got = close_while_held(cache, lambda: cache.put("k", payload("k", 10 * KiB)), "writer", entered, go)
+    assert not isinstance(got, BaseException) or isinstance(got, KVPoolError), repr(got)
 
 
 def _run_child(script: str, ssd_dir: str, timeout: float = 15) -> subprocess.CompletedProcess[str]:
@@ -148,7 +123,7 @@ def test_close_while_a_flush_writes_returns(ssd_dir: str) -> None:
     import threading, time
     from kvpool.core import TieredCache
     import kvpool.core.tiers.ssd as ssdmod
-    from corehelp import KiB, SMALL, payload
+    from corehelp import KiB, SMALL, in_thread, payload
     cache = TieredCache(**SMALL, ssd_path=sys.argv[1], ssd_sync=False)
     for i in range(8):
         cache.put(f"k{i}", payload(f"k{i}", 16 * KiB))
@@ -165,14 +140,7 @@ def test_close_while_a_flush_writes_returns(ssd_dir: str) -> None:
         real_close(c)
     ssdmod.encode_header = header
     TieredCache.close = close
-    result = []
-    def flush():
-        try:
-            result.append(cache.flush())
-        except BaseException as e:
-            result.append(e)
-    t = threading.Thread(target=flush, daemon=True)
-    t.start()
+    t, result = in_thread(cache.flush, "flush")
     assert in_txn.wait(10)
     cache.close()
     t.join(10)
@@ -191,7 +159,7 @@ def test_close_while_a_get_reads_ssd_does_not_crash(ssd_dir: str) -> None:
     from kvpool.core import TieredCache
     import kvpool.core.tiers.ssd as ssdmod
     from kvpool.core.errors import KVPoolError
-    from corehelp import KiB, SMALL, payload
+    from corehelp import KiB, SMALL, in_thread, payload
     cfg = dict(SMALL, ssd_path=sys.argv[1], ssd_sync=False)
     with TieredCache(**cfg) as c:
         c.put("k", payload("k", 256 * KiB))
@@ -204,14 +172,7 @@ def test_close_while_a_get_reads_ssd_does_not_crash(ssd_dir: str) -> None:
         closed.wait(10)
         return real_decode(value)
     ssdmod.decode = decode
-    result = []
-    def get():
-        try:
-            result.append(cache.get("k"))
-        except BaseException as e:
-            result.append(e)
-    t = threading.Thread(target=get, daemon=True)
-    t.start()
+    t, result = in_thread(lambda: cache.get("k"), "get")
     assert in_read.wait(10)
     cache.close()
     closed.set()

@@ -115,16 +115,7 @@ def test_a_reader_waiting_behind_a_long_put_does_not_fail_that_put(nats: NatsSer
         monkeypatch.setattr(TcpTransport, "_send_put", staticmethod(slow_link))
         keys = [f"big{i}" for i in range(8)]
         bufs = [bytes([i]) * (4 << 20) for i in range(8)]  # 8 frames: ~2.4 s in all
-        put_error: list[BaseException] = []
-
-        def writer() -> None:
-            try:
-                pool.batch_put(keys, bufs)
-            except BaseException as e:
-                put_error.append(e)
-
-        t = threading.Thread(target=writer)
-        t.start()
+        t, put_error = _putting(pool, keys, bufs)
         time.sleep(0.2)
         try:
             pool.get("small")  # waits for the connection: may fail (bounded by timeout_s), that is not the bug
@@ -187,16 +178,7 @@ def test_an_interrupted_read_does_not_fail_another_threads_put(tmp_path, nats: N
         monkeypatch.setattr(TcpTransport, "_send_put", staticmethod(slow_link))
         keys = [f"big{i}" for i in range(16)]
         bufs = [bytes([i]) * (1 << 20) for i in range(16)]
-        put_error: list[BaseException] = []
-
-        def writer() -> None:
-            try:
-                pool.batch_put(keys, bufs)
-            except BaseException as e:
-                put_error.append(e)
-
-        t = threading.Thread(target=writer)
-        t.start()
+        t, put_error = _putting(pool, keys, bufs)
         time.sleep(0.2)
         signal.setitimer(signal.ITIMER_REAL, 0.3)
         try:
@@ -210,3 +192,18 @@ def test_an_interrupted_read_does_not_fail_another_threads_put(tmp_path, nats: N
     finally:
         signal.signal(signal.SIGALRM, old)
         pool.close()
+
+
+def _putting(pool: PoolClient, keys: list[str], bufs: list[bytes]) -> tuple[threading.Thread, list[BaseException]]:
+    """`pool.batch_put(keys, bufs)` under way in a thread; what it raised lands in the list."""
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            pool.batch_put(keys, bufs)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    return t, errors
