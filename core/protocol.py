@@ -292,7 +292,7 @@ def frames(n: int, sizes: Sequence[int] | None = None, max_bytes: int = MAX_DATA
     metadata within MAX_META whatever their keys, and (given the items' data `sizes`, each counted
     `per_item` bytes more: `RESERVE_FLOOR` for a worker's reservation budget) their data within
     `max_bytes` (MAX_DATA; an item larger than that goes alone). Almost every batch is one slice; a
-    client splits bigger ones rather than have a healthy worker refuse them. None for no items (no
+    client splits bigger ones rather than have a healthy worker refuse them. No slice for no items (no
     request: an empty one was a round trip for nothing)."""
     if n == 0:
         return []
