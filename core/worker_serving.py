@@ -257,13 +257,16 @@ class ConnectionServing:
                 if c.closing:
                     continue
                 if not c.authed and now - c.since > cfg.auth_timeout_s:
-                    why = f"not authenticated within auth_timeout_s ({cfg.auth_timeout_s} s)"
+                    why = self._unauthenticated_why()
                 elif c.request_since and now - c.request_since > cfg.io_timeout_s:
                     why = f"a request not done within io_timeout_s ({cfg.io_timeout_s} s)"
                 else:
                     continue
                 if self._late(c, why):
                     c.shut()
+
+    def _unauthenticated_why(self) -> str:
+        return f"not authenticated within auth_timeout_s ({self.config.auth_timeout_s} s)"
 
     def _late(self, conn: Conn, why: str) -> bool:
         """Mark `conn` closed for a deadline (`why`) and count it, once: the watchdog and an unauthenticated
@@ -312,7 +315,7 @@ class ConnectionServing:
             log.warning("closed a TLS connection from %s: %s", conn.peer, conn.closing or e)
         except (ConnectionError, OSError) as e:
             if not conn.authed and isinstance(e, TimeoutError):  # its receive timeout: auth_timeout_s
-                self._late(conn, f"not authenticated within auth_timeout_s ({self.config.auth_timeout_s} s)")
+                self._late(conn, self._unauthenticated_why())
             if conn.closing:  # the worker's doing (a deadline, a displacement), not the client's
                 self._closed_log.log("closed a %s connection: %s", conn.transport, conn.closing)
         finally:
