@@ -3,7 +3,8 @@
 A worker with `events` on announces what its cache holds at start (a restart's SSD tier included),
 then queues its cache's changes (`cache_events.CacheListener`) and publishes
 them in batches, every `FLUSH_S` seconds, on the NATS subject `kvpool.events.<worker_id>`; the
-JetStream stream `KVPOOL_EVENTS` keeps them (an hour, 1 GiB by default) so a consumer can replay
+JetStream stream `KVPOOL_EVENTS` keeps them (an hour, 1 GiB by default, less where
+JetStream cannot reserve that) so a consumer can replay
 what it missed. A batch is JSON:
 `{"v": 1, "worker", "node", "boot", "seq", "ts", "lost", "events": [[kind, tier, reason, key], ...]}`
 with kind one of stored/copied/dropped/removed/cleared (see `cache_events`), `seq` counting batches
@@ -150,8 +151,14 @@ class EventQueue(CacheListener):
         return out
 
 
+_NO_STORAGE = 10047  # JetStream: "insufficient storage resources available"
+LEAST_BYTES = 64 << 20
+
+
 async def ensure_stream(js: Any, max_age_s: float = 3600.0, max_bytes: int = 1 << 30) -> None:
-    """Create the events stream unless it exists (one with other limits is left as it is)."""
+    """Create the events stream unless it exists (one with other limits is left as it is). Where
+    JetStream cannot reserve `max_bytes` (its file store is bounded by the disk it found free, or by
+    `max_file_store`), the stream keeps half as much, and so on down to `LEAST_BYTES`, with a warning."""
     from nats.js.api import StreamConfig
     from nats.js.errors import APIError, NotFoundError
 
@@ -160,12 +167,22 @@ async def ensure_stream(js: Any, max_age_s: float = 3600.0, max_bytes: int = 1 <
         return
     except NotFoundError:
         pass
-    try:
-        await js.add_stream(StreamConfig(name=STREAM, subjects=[f"{SUBJECT_PREFIX}.>"], max_age=max_age_s,
-                                         max_bytes=max_bytes))
-    except APIError as e:  # created by another worker meanwhile
-        if "already in use" not in str(e):
+    asked = max_bytes
+    while True:
+        try:
+            await js.add_stream(StreamConfig(name=STREAM, subjects=[f"{SUBJECT_PREFIX}.>"], max_age=max_age_s,
+                                             max_bytes=max_bytes))
+        except APIError as e:
+            if "already in use" in str(e):  # created by another worker meanwhile
+                return
+            if e.err_code == _NO_STORAGE and max_bytes // 2 >= LEAST_BYTES:
+                max_bytes //= 2
+                continue
             raise
+        if max_bytes < asked:
+            log.warning("JetStream could not reserve %d MiB for the events stream %s (little free disk, or its "
+                        "max_file_store): it keeps the last %d MiB of events", asked >> 20, STREAM, max_bytes >> 20)
+        return
 
 
 Sink = Callable[[EventBatch], None]

@@ -75,14 +75,16 @@ class NatsServer:
 
     `authorization`: a nats-server `authorization { ... }` block (`nats_creds.authorization`); without
     one the server lets anyone in. `tls`: (certificate file, key file) to serve clients over TLS.
-    Either is written, with the rest, to `<store_dir>/nats-server.conf` (0600); the server then logs
-    (refused logins, denied publishes included) to `<store_dir>/nats-server.log`."""
+    `max_file_store`: the bytes JetStream may keep on disk (nats-server's default: what it finds free,
+    up to 1 TB). Any of these is written, with the rest, to `<store_dir>/nats-server.conf` (0600); the
+    server then logs (refused logins, denied publishes included) to `<store_dir>/nats-server.log`."""
 
     def __init__(self, store_dir: str | os.PathLike[str], port: int = 4222, host: str = "127.0.0.1", *,
-                 authorization: str | None = None, tls: tuple[str, str] | None = None) -> None:
+                 authorization: str | None = None, tls: tuple[str, str] | None = None,
+                 max_file_store: int | None = None) -> None:
         self.host, self.port = host, port or free_port(host)
         self.store_dir = Path(store_dir)
-        self.authorization, self.tls = authorization, tls
+        self.authorization, self.tls, self.max_file_store = authorization, tls, max_file_store
         self.proc: subprocess.Popen[bytes] | None = None
 
     def _config_file(self) -> Path:
@@ -97,6 +99,8 @@ class NatsServer:
                 "logfile_size_limit: 10MB\n" + (self.authorization or ""))
         if self.tls:
             text += f"tls {{\n  cert_file: {json.dumps(self.tls[0])}\n  key_file: {json.dumps(self.tls[1])}\n}}\n"
+        if self.max_file_store is not None:
+            text += f"jetstream {{ max_file_store: {int(self.max_file_store)} }}\n"
         write_private(conf, text)  # (0600, never through a link)
         return conf
 
@@ -116,7 +120,8 @@ class NatsServer:
             raise ListenError(f"something already listens on {self.host}:{self.port} (a nats-server an earlier run "
                               "left behind?): stop it, or choose another port")
         private_dir(self.store_dir, tighten=True)  # (another user's folder is refused: ConfigError)
-        conf = ["-c", str(self._config_file())] if self.authorization or self.tls else []
+        conf = (["-c", str(self._config_file())]
+                if self.authorization or self.tls or self.max_file_store is not None else [])
         self.proc = subprocess.Popen(
             [binary(), *conf, "-js", "-sd", str(self.store_dir), "-a", self.host, "-p", str(self.port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=server_env(), preexec_fn=die_with_parent())

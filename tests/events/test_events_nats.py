@@ -85,3 +85,38 @@ def test_a_restarted_worker_announces_what_its_ssd_tier_kept(nats, tmp_path) -> 
                 announced |= {e.key for e in batch.events if (e.kind, e.tier) == ("stored", "ssd")}
         finally:
             second.stop()
+
+
+def test_a_small_jetstream_store_gets_a_smaller_events_stream(tmp_path, spawn) -> None:
+    """JetStream's file store defaults to what nats-server finds free on its disk: on a nearly full
+    disk it could not reserve the stream's 1 GiB, and every worker asked for events refused to start."""
+    import nats as nats_py
+
+    from kvpool.core.aio import LoopThread
+    from kvpool.core.events import STREAM
+    from kvpool.core.nats_server import NatsServer
+
+    server = NatsServer(tmp_path / "small", port=0, max_file_store=300 << 20).start()
+    try:
+        w = spawn(nats_url=server.url, extra=["--events"])
+        assert "it keeps the last 256 MiB of events" in w.log_tail(4000)
+        with PoolClient(mode="cluster", nats_url=server.url) as pool:
+            assert pool.wait_for_members(lambda m: len(m) == 1, 15)
+            pool.put("small/1", b"x")
+        index = replay(server.url, {b"small/1"}, lambda ix: ix.keys() == {b"small/1"})
+        assert index.keys() == {b"small/1"}
+
+        async def stream_bytes() -> int:
+            nc = await nats_py.connect(server.url)
+            try:
+                return int((await nc.jetstream().stream_info(STREAM)).config.max_bytes)
+            finally:
+                await nc.close()
+
+        io = LoopThread("t")
+        try:
+            assert io.run(stream_bytes(), timeout=10) == 256 << 20
+        finally:
+            io.stop()
+    finally:
+        server.stop()
