@@ -338,12 +338,20 @@ class HostIO:
             out[i] = st
         return out
 
-    def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+    def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], *,
+                       exact: bool = False) -> list[int]:
         """Copy each block to `ptrs[i]` (at most `sizes[i]` bytes): bytes read, or a negative Status per
-        key (OBJECT_NOT_FOUND on a miss, INVALID_PARAMS when the block is larger than `sizes[i]`)."""
+        key (OBJECT_NOT_FOUND on a miss, INVALID_PARAMS when the block is larger than `sizes[i]`, or,
+        with `exact`, smaller: for engines that take any count read as the whole page loaded)."""
         out: list[int] = [Status.OK] * len(keys)
         idx, raw, parts = self._resolve(keys, [[p] for p in ptrs], [[n] for n in sizes], out)
         self._get_views(idx, raw, [p[0] for p in parts], out)
+        if exact:
+            for i in idx:
+                if 0 <= out[i] != sizes[i]:
+                    self.once("short object", "kvpool holds %r as %d bytes where the engine reads %d: not loaded "
+                              "(a block of another layout under the same key?)", keys[i], out[i], sizes[i])
+                    out[i] = Status.INVALID_PARAMS
         return out
 
     def batch_get_into_parts(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
@@ -359,8 +367,8 @@ class HostIO:
             if out[i] < 0:
                 continue
             if out[i] != dests[n].size:
-                self.once("short object", "kvpool: key %r holds %d bytes but its parts take %d",
-                          keys[i], out[i], dests[n].size)
+                self.once("short object", "kvpool holds %r as %d bytes where the engine reads %d: not loaded "
+                          "(a block of another layout under the same key?)", keys[i], out[i], dests[n].size)
                 out[i] = Status.INVALID_PARAMS
             elif len(parts[n]) > 1:
                 at = 0
@@ -425,10 +433,8 @@ class HostIO:
             return out
         return out
 
-    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        """Presence of each key; False for a malformed key (logged once), all False when the pool
-        cannot answer."""
-        out = [False] * len(keys)
+    def _well_formed(self, keys: Sequence[str]) -> tuple[list[int], list[bytes]]:
+        """(indices, canonical keys) of the keys that are well formed; each other is logged once."""
         good: list[int] = []
         raw: list[bytes] = []
         for i, key in enumerate(keys):
@@ -437,6 +443,13 @@ class HostIO:
                 good.append(i)
             except KVPoolError as e:
                 self.once("bad key", "kvpool: %s", str(e))
+        return good, raw
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        """Presence of each key; False for a malformed key (logged once), all False when the pool
+        cannot answer."""
+        out = [False] * len(keys)
+        good, raw = self._well_formed(keys)
         if raw:
             flags = self.call(lambda c: c.batch_exists(raw), lambda st: [False] * len(raw))
             for i, f in zip(good, flags):
@@ -444,11 +457,16 @@ class HostIO:
         return out
 
     def batch_remove(self, keys: Sequence[str]) -> list[int]:
-        """OK where a block was removed, OBJECT_NOT_FOUND where none was, RPC_FAIL when unreachable."""
-        if not keys:
-            return []
-        return self.call(lambda c: [Status.OK if f else Status.OBJECT_NOT_FOUND for f in c.batch_remove(keys)],
-                         lambda st: [st] * len(keys), proves=True)
+        """OK where a block was removed, OBJECT_NOT_FOUND where none was, INVALID_PARAMS for a malformed
+        key (the others removed all the same), RPC_FAIL when unreachable."""
+        out: list[int] = [Status.INVALID_PARAMS] * len(keys)
+        good, raw = self._well_formed(keys)
+        if raw:
+            done = self.call(lambda c: [Status.OK if f else Status.OBJECT_NOT_FOUND for f in c.batch_remove(raw)],
+                             lambda st: [st] * len(raw), proves=True)
+            for i, st in zip(good, done):
+                out[i] = st
+        return out
 
     def clear(self, prefix: str | None = None) -> int:
         """Remove every block of the pool, or those whose key starts with `prefix`; how many that took

@@ -60,7 +60,6 @@ class KVPoolStore(_Base):
         # its path as FastDeploy was given it (the patch's): two fine-tunes in folders of one name differ
         self._prefix = "/".join([*([self.namespace] if self.namespace else []), f"tp{tp_size}",
                                  *([cache_dtype] if cache_dtype else [])]) + "/"
-        self._short_logged = False
         self._owns_client = client is None
         connect = (lambda: client) if client is not None else (lambda: PoolClient(**pool_options))
         self._io = HostIO(connect, logger=log, retry_s=retry_s)
@@ -90,16 +89,7 @@ class KVPoolStore(_Base):
         (INVALID_PARAMS when the block is larger or smaller than the room given: FastDeploy takes any
         positive count as the whole block loaded, and its blocks are all of one size)."""
         locs, sizes = _check_lists(keys, target_locations, target_sizes)
-        got = [int(s) for s in self._io.batch_get_into(self._keys(keys), locs, sizes)]
-        short = [i for i, (n, want) in enumerate(zip(got, sizes)) if 0 <= n != want]
-        if short:
-            if not self._short_logged:
-                self._short_logged = True
-                i = short[0]
-                log.warning("kvpool holds %s as %d bytes where FastDeploy reads %d: not loaded (a block of "
-                            "another layout under the same key; logged once)", keys[i], got[i], sizes[i])
-            for i in short:
-                got[i] = int(Status.INVALID_PARAMS)
+        got = [int(s) for s in self._io.batch_get_into(self._keys(keys), locs, sizes, exact=True)]
         return got
 
     def set(self, key: str, target_location: int | None = None, target_size: int | None = None) -> int:

@@ -115,6 +115,9 @@ class MooncakeDistributedStore:
     - there are no leases to wait for: `remove` right after a `get` succeeds;
     - `is_exist` / `batch_is_exist` report 0, not -1, when the pool cannot answer (callers that test
       truthiness, as FastDeploy's `query` does, would read -1 as present);
+    - `batch_get_into` / `get_into` of an object smaller than the room given is -600, not its size:
+      SGLang and FastDeploy take any positive count as the whole page loaded, and an instance of
+      another layout (another TP size) may have stored a smaller object under the same key;
     - `protocol`, `rdma_devices`, `local_buffer_size` and `ReplicateConfig` are accepted and ignored.
     As in Mooncake, `batch_put_from` / `batch_get_into` pointers must lie inside a buffer given to
     `register_buffer` (INVALID_PARAMS otherwise).
@@ -206,11 +209,11 @@ class MooncakeDistributedStore:
     batch_upsert_from = batch_put_from
 
     def batch_get_into(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        """Copy each object to `buffer_ptrs[i]` (room for `sizes[i]` bytes): bytes read, -704 on a miss,
-        -600 when the object is larger than the room, -900 when the pool is unreachable."""
+        """Copy each object to `buffer_ptrs[i]` (`sizes[i]` bytes): bytes read, -704 on a miss, -600 when
+        the object's size is not `sizes[i]`, -900 when the pool is unreachable."""
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [int(Status.INVALID_PARAMS)] * len(keys)
-        return [int(s) for s in self._io.batch_get_into(self._keys(keys), buffer_ptrs, sizes)]
+        return [int(s) for s in self._io.batch_get_into(self._keys(keys), buffer_ptrs, sizes, exact=True)]
 
     def batch_put_from_multi_buffers(self, keys: Sequence[str], all_buffer_ptrs: Sequence[Sequence[int]],
                                      all_sizes: Sequence[Sequence[int]],

@@ -36,11 +36,19 @@ def _cuda_tensors(buffers: Sequence[Any]) -> list[Any]:
     return [b for b in buffers if type(b) not in _FLAT_TYPES and _on_cuda(b)]
 
 
+def _not_bytes(buf: Any, why: object) -> InvalidArgument:
+    return InvalidArgument(f"a block's data must be bytes-like, a numpy array or a torch tensor of plain "
+                           f"values, not this {type(buf).__name__} ({why})")
+
+
 def _flat_bytes(t: Any) -> Any:
     import torch
 
     # (a conjugate or negative view's bits are made real first: such a view has no bytes of its own to view)
-    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+    try:
+        return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+    except (TypeError, ValueError, RuntimeError, NotImplementedError) as e:  # sparse, nested, meta tensors
+        raise _not_bytes(t, e) from e
 
 
 def _torch_host_bytes(t: Any) -> np.ndarray:
@@ -56,13 +64,19 @@ def _torch_host_bytes(t: Any) -> np.ndarray:
 def readable(buf: Any) -> memoryview:
     """A flat read-only byte view of `buf` (bytes-like, numpy array or torch tensor)."""
     if type(buf) in _FLAT_TYPES:  # the common case first, cheaply: a flat byte buffer as it is
-        mv = memoryview(buf)
+        try:
+            mv = memoryview(buf)
+        except ValueError as e:  # a numpy dtype no buffer carries (datetime64)
+            raise _not_bytes(buf, e) from e
         if mv.format == "B" and mv.ndim == 1 and mv.c_contiguous:
             return mv
     if _is_torch(buf):
         return _torch_host_bytes(buf).data.cast("B")
     if isinstance(buf, np.ndarray):
-        return np.ascontiguousarray(buf).reshape(-1).view(np.uint8).data
+        try:
+            return np.ascontiguousarray(buf).reshape(-1).view(np.uint8).data
+        except (TypeError, ValueError) as e:  # object or datetime arrays: no bytes of plain values
+            raise _not_bytes(buf, e) from e
     try:
         mv = memoryview(buf)
     except TypeError:
