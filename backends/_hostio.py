@@ -20,7 +20,16 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvpool.core import CapacityError, InvalidArgument, KVPoolError, PartialPut, PoolClient, PoolUnavailable, key_bytes
+from kvpool.core import (
+    CapacityError,
+    InvalidArgument,
+    KVPoolError,
+    PartialFailure,
+    PartialPut,
+    PoolClient,
+    PoolUnavailable,
+    key_bytes,
+)
 
 from ._mapped import first_inaccessible
 
@@ -222,12 +231,12 @@ class HostIO:
                 client.close()
 
     def _failed(self, err: BaseException) -> Status:
-        """Report `err` once; an unreachable pool starts (or extends) an outage (not a `PartialPut`: the
-        workers that stored their blocks still serve)."""
+        """Report `err` once; an unreachable pool starts (or extends) an outage (not a `PartialFailure`:
+        the workers that answered still serve)."""
         st = status_of(err)
         why = str(err)  # log text, not the error: a record must not keep its traceback (and sockets) alive
-        if isinstance(err, PartialPut):  # some owner did not store its blocks in time; the others did
-            self.once("partial put", "kvpool: %s: the put reported as RPC_FAIL, no outage (later ones are "
+        if isinstance(err, PartialFailure):  # some worker did not answer in time; others did
+            self.once("partial", "kvpool: %s: reported as RPC_FAIL for those, no outage (later ones are "
                       "logged at debug level)", why)
             return st
         if st == Status.RPC_FAIL:
@@ -461,9 +470,20 @@ class HostIO:
         key (the others removed all the same), RPC_FAIL when unreachable."""
         out: list[int] = [Status.INVALID_PARAMS] * len(keys)
         good, raw = self._well_formed(keys)
+        def rm(c: PoolClient) -> list[int]:
+            try:
+                flags = c.batch_remove(raw)
+            except PartialFailure as e:  # owners of some keys did not answer: those fail, the others are told
+                self._failed(e)
+                failed, result = set(e.failed), e.result
+                if not isinstance(result, list):
+                    raise
+                return [Status.RPC_FAIL if j in failed else Status.OK if f else Status.OBJECT_NOT_FOUND
+                        for j, f in enumerate(result)]
+            return [Status.OK if f else Status.OBJECT_NOT_FOUND for f in flags]
+
         if raw:
-            done = self.call(lambda c: [Status.OK if f else Status.OBJECT_NOT_FOUND for f in c.batch_remove(raw)],
-                             lambda st: [st] * len(raw), proves=True)
+            done = self.call(rm, lambda st: [int(st)] * len(raw), proves=True)
             for i, st in zip(good, done):
                 out[i] = st
         return out

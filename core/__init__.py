@@ -24,6 +24,7 @@ from .errors import (
     InvalidKey,
     KVPoolError,
     NamespaceError,
+    PartialFailure,
     PartialPut,
     PoolClosed,
     PoolTimeout,
@@ -43,7 +44,7 @@ from .shm_stage import Stagers
 __all__ = [
     "TieredCache", "PoolClient", "AsyncPoolClient", "CacheConfig", "block_keys", "MAX_KEY_BYTES",
     "KVPoolError", "InvalidKey", "BlockTooLarge", "BufferSizeError", "CapacityError", "ConfigError",
-    "PoolClosed", "PoolTimeout", "PoolUnavailable", "PartialPut", "AuthError", "ProtocolError",
+    "PoolClosed", "PoolTimeout", "PoolUnavailable", "PartialFailure", "PartialPut", "AuthError", "ProtocolError",
     "InvalidArgument", "CorruptBlock", "StorageError", "BenchError",
     "NamespaceError", "QuotaExceeded", "WorkerConfig", "PoolStats",
     # what the faces build on

@@ -25,7 +25,7 @@ from .buffers import byte_size, readable, readable_all
 from .cluster import Membership, rank
 from .config import default_node_id
 from .connection import max_block_of, refuse_too_large
-from .errors import KVPoolError, PartialPut, PoolUnavailable
+from .errors import KVPoolError, PartialFailure, PartialPut, PoolUnavailable
 from .fanout import FanOut, Transport
 from .missed_writes import MissedWrites
 from .nats_creds import redacted_url
@@ -521,27 +521,36 @@ class ClusterBackend:
 
     def batch_remove(self, keys: Sequence[bytes]) -> list[bool]:
         """Remove from every live owner, as of one version per key (the same on every replica); a key an
-        owner holds a block as new or newer of is removed again as of a version above its owners' newest."""
+        owner holds a block as new or newer of is removed again as of a version above its owners' newest.
+        Keys no live owner answered for: PartialFailure (their indices; `result` the others' flags)
+        where some owner or other worker answered, else PoolUnavailable."""
         live = self._live()
         ranked = self._owners(keys, live, whole=True)
         versions = CLOCK.batch(len(keys))
         try:
-            removed, superseded = self._remove_as_of(live, ranked, keys, versions)
+            removed, superseded, unreached = self._remove_as_of(live, ranked, keys, versions)
             if superseded:
                 again = [keys[i] for i in superseded]
                 stamps = self._restamp(live, again, superseded, versions)
-                for i, done in zip(superseded, self._remove_as_of(live, [ranked[i] for i in superseded], again,
-                                                                  stamps)[0]):
-                    removed[i] = removed[i] or done
+                done, _, lost = self._remove_as_of(live, [ranked[i] for i in superseded], again, stamps)
+                for i, ok in zip(superseded, done):
+                    removed[i] = removed[i] or ok
+                unreached += [superseded[j] for j in lost if not removed[superseded[j]]]
         finally:
             self._supersede(live, ranked, keys, versions)
+        if unreached:
+            why = (f"{len(set(unreached))} of {len(keys)} removes were answered by no live owner (one that did not "
+                   "answer in time may still remove them)")
+            if len(set(unreached)) < len(keys) or self.fanout.answering(others_than=self._replica_groups(ranked)):
+                raise PartialFailure(why, failed=sorted(set(unreached)), result=removed)
+            raise PoolUnavailable(why)
         return removed
 
     def _remove_as_of(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
-                      versions: list[int]) -> tuple[list[bool], list[int]]:
+                      versions: list[int]) -> tuple[list[bool], list[int], list[int]]:
         """Remove from every live owner (the first `replication` of `ranked`) as of `versions`: whether an
-        owner removed each key, and the indices of those an owner held a block as new or newer of.
-        PoolUnavailable if no owner of some key answered (it may still hold the key: "not removed" would
+        owner removed each key, the indices of those an owner held a block as new or newer of, and those
+        no owner answered for (an owner that did not answer may still hold the key: "not removed" would
         be an answer it never gave)."""
         removed = [False] * len(keys)
         reached = [False] * len(keys)
@@ -560,10 +569,7 @@ class ClusterBackend:
                 if o == SUPERSEDED:
                     superseded.add(i)
         self._missed(groups, answered, keys, versions)
-        if not all(reached):
-            raise PoolUnavailable(f"{reached.count(False)} of {len(keys)} removes were answered by no live owner "
-                                  "(one that did not answer in time may still remove them)")
-        return removed, sorted(superseded)
+        return removed, sorted(superseded), [i for i, r in enumerate(reached) if not r]
 
     @contextmanager
     def batch_lease(self, keys: Sequence[bytes]) -> Iterator[list[memoryview | None]]:
@@ -610,14 +616,18 @@ class ClusterBackend:
         return copies(keys, self.max_block, get_into)
 
     def clear(self, prefix: bytes | None = None) -> None:
-        """Clear every live worker; PoolUnavailable naming those that did not answer (they keep their
-        blocks: the caller may want to clear again once they are back)."""
+        """Clear every live worker; PartialFailure naming those that did not answer where others did
+        (PoolUnavailable where none did): they keep their blocks, and the caller may want to clear again
+        once they are back."""
         live = self._live()
         cleared = {w for w, _, _ in self.fanout.each(live, {w: [] for w in live}, lambda t, idx: t.clear(prefix),
                                                      self._deadline())}
         if cleared != live.keys():
-            raise PoolUnavailable(f"clear reached {len(cleared)} of {len(live)} live workers; not "
-                                  f"{', '.join(sorted(live.keys() - cleared))}")
+            missing = ", ".join(sorted(live.keys() - cleared))
+            why = f"clear reached {len(cleared)} of {len(live)} live workers; not {missing}"
+            if cleared:  # the pool answers: those workers did not, in time
+                raise PartialFailure(why)
+            raise PoolUnavailable(why)
 
     def stats(self) -> PoolStats:
         live = self._live()

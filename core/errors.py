@@ -7,8 +7,8 @@ Third-party exceptions (lmdb, sockets, nats) are translated at the boundary that
 from __future__ import annotations
 
 __all__ = ["KVPoolError", "InvalidKey", "InvalidArgument", "BlockTooLarge", "BufferSizeError", "CapacityError",
-    "PoolClosed", "PoolUnavailable", "PoolTimeout", "Abandoned", "PartialPut", "AuthError", "NamespaceError",
-    "QuotaExceeded", "ProtocolError",
+    "PoolClosed", "PoolUnavailable", "PoolTimeout", "Abandoned", "PartialFailure", "PartialPut", "AuthError",
+    "NamespaceError", "QuotaExceeded", "ProtocolError",
     "CorruptBlock", "ConfigError", "StorageError", "ListenError", "BenchError"]
 
 
@@ -61,13 +61,21 @@ class Abandoned(PoolUnavailable):
     nothing was sent on it for this call. A call that meets it may try a fresh connection."""
 
 
-class PartialPut(PoolUnavailable):
-    """A cluster put some of whose blocks no live owner stored (an owner did not answer in time); the
-    others were stored. `failed`: the indices, in the batch, of those not stored."""
+class PartialFailure(PoolUnavailable):
+    """A cluster call that some live workers did not answer in time while others did: not an outage of
+    the pool. `failed`: the indices, in the batch, of the items not done (a remove's keys no owner
+    answered for; none for a clear, whose message names the workers); `result`: what the call returns,
+    for the other items (None where it returns nothing)."""
 
-    def __init__(self, message: str = "", *, failed: tuple[int, ...] | list[int] = ()) -> None:
+    def __init__(self, message: str = "", *, failed: tuple[int, ...] | list[int] = (), result: object = None) -> None:
         super().__init__(message)
         self.failed = list(failed)
+        self.result = result
+
+
+class PartialPut(PartialFailure):
+    """A cluster put some of whose blocks no live owner stored (an owner did not answer in time); the
+    others were stored. `failed`: the indices, in the batch, of those not stored."""
 
 
 class AuthError(KVPoolError, PermissionError):
