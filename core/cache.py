@@ -154,10 +154,20 @@ class TieredCache:
                 self._dram.pins.pin((block.key,), pin_s)
         return stored
 
+    def _stamp(self, block: DramBlock) -> None:
+        """Stamp `block` (version 0: a write of this process) now, and above every version of its key
+        this cache knows: a write is newer than what it replaces, even a block the last run stamped
+        ahead of this clock (a clock stepped back at a reboot). Lock held."""
+        version, known = CLOCK.now(), self._stack.newest(block.key)
+        if version <= known:
+            CLOCK.observe(known)  # (up to CLOCK_SKEW_MS ahead: a version further ahead moves this key only)
+            version = max(CLOCK.now(), known + 1)
+        block.version = version
+
     def _admit(self, block: DramBlock) -> bool:
         """`_commit` of `block` without a pin. Lock held."""
         if block.version <= 0:
-            block.version = CLOCK.now()
+            self._stamp(block)
         else:
             CLOCK.observe(block.version)
         if not self._enter(block):
@@ -174,7 +184,7 @@ class TieredCache:
         else:
             for b in blocks:  # the clock's moves in the blocks' order (entering blocks does not move it)
                 if b.version <= 0:
-                    b.version = CLOCK.now()
+                    self._stamp(b)
                 else:
                     CLOCK.observe(b.version)
         bulk = self._stack.commit_many(blocks)  # None: not a plain batch, committed block by block

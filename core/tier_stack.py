@@ -17,7 +17,7 @@ import time
 
 from .cache_events import CacheListener
 from .config import CacheConfig
-from .errors import PoolClosed
+from .errors import PoolClosed, StorageError
 from .stats import CacheCounters, CacheStats
 from .tiers.device import DeviceTier, cuda_available
 from .tiers.dram import DramArena, sweep_dead_arenas
@@ -137,13 +137,14 @@ class TierStack:
     def delete_replaced(self) -> None:
         """Delete the SSD copies that commits replaced since the last call, in one transaction, as
         `remove` does: the put that replaced one returns after it, so a kill -9 cannot leave the older
-        copy to be served after a restart. A full disk leaves them queued: the demoter retries."""
+        copy to be served after a restart. A full disk leaves them queued (the demoter retries) and raises
+        StorageError: the put is not acknowledged (it is served until then, but a crash would leave the
+        older copy to be served after the restart)."""
         if self._replaced and self.ssd is not None:
             self._replaced = False
             self.await_writes(self._awaited)  # (each such write queues its copy for deletion as it ends)
             self._awaited.clear()
-            if not self.ssd.delete_stale():
-                self.demote_due.notify()
+            self.delete_stale_now("put")
 
     def await_writes(self, keys: set[bytes] | list[bytes]) -> None:
         """Until no SSD write of a block of `keys` is in flight (at most one LMDB transaction each)."""
@@ -272,7 +273,7 @@ class TierStack:
 
     def remove(self, keys: list[bytes]) -> list[bool]:
         """Remove each key's block from every tier; whether DRAM or SSD held one. Their SSD copies are
-        deleted now, or by the demoter once a full disk lets it."""
+        deleted now; a full disk leaves them to the demoter and raises StorageError (`delete_stale_now`)."""
         found = []
         ssd = self.ssd
         for key in keys:
@@ -288,20 +289,31 @@ class TierStack:
         if ssd is not None and gone:
             ssd.mark_stale(gone)  # (before the wait: a newer copy written meanwhile is not marked)
             self.await_writes(gone)  # a copy being written lands first (queued as it ends) and goes too
-            ssd.delete_stale()  # a full disk leaves them queued: the demoter retries
+            self.delete_stale_now("remove")
         return found
 
+    def delete_stale_now(self, change: str) -> None:
+        """Delete the SSD copies queued for deletion, before `change` (a put, a remove) is acknowledged.
+        StorageError where the disk refuses (they stay queued: the demoter retries): until they are gone
+        a crash would bring them back after the restart, so the change must not be reported as done."""
+        assert self.ssd is not None
+        if not self.ssd.delete_stale():
+            self.demote_due.notify()
+            raise StorageError(f"the SSD tier's disk is full: older copies could not be deleted, so this {change} is "
+                               "not durable (it holds until a restart; a crash would undo it): free disk space")
+
     def clear(self) -> None:
-        """Remove every block from every tier, and tell the listeners."""
+        """Remove every block from every tier, and tell the listeners. The SSD tier first: a full disk
+        refuses its delete (StorageError), and then nothing is cleared."""
         writing = list(self.writing)
+        if self.ssd is not None:
+            self.ssd.clear()
         self.dram.clear()
         if self.device is not None:
             self.device.clear()
-        if self.ssd is not None:
-            self.ssd.clear()
-            if writing:  # a copy being written lands after the clear (queued as it ends): it goes too
-                self.await_writes(writing)
-                self.ssd.delete_stale()
+        if self.ssd is not None and writing:  # a copy being written lands after the clear (queued as it ends)
+            self.await_writes(writing)
+            self.ssd.delete_stale()
         for listener in self.listeners:
             listener.cleared()
 

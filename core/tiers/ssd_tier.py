@@ -18,6 +18,7 @@ import numpy as np
 from ..blocks import HEADER_SIZE, BlockMeta
 from ..errors import CapacityError, StorageError
 from ..policies import EVICTION_POLICY
+from ..versions import observe
 from . import ssd_index
 from .ssd import SsdStore
 
@@ -57,6 +58,7 @@ class SsdTier:
         self._sizes: dict[bytes, int] = snap.sizes
         self._expires: dict[bytes, float] = snap.expires  # of the blocks that have a TTL
         self._versions: dict[bytes, int] = snap.versions
+        observe(max(snap.versions.values(), default=0))  # this run stamps above what the last one wrote
         self._order = EVICTION_POLICY[policy]()
         self._order.adopt(snap.sizes)
         self.nbytes = sum(snap.sizes.values())
@@ -195,13 +197,15 @@ class SsdTier:
         return bool(self._stale)
 
     def clear(self) -> None:
-        """Forget and delete every block."""
+        """Delete and forget every block: forgotten only once deleted (a full disk refuses the delete,
+        and the blocks stay indexed, as they stay stored)."""
+        self.store.clear()
         self._sizes.clear()
         self._expires.clear()
         self._versions.clear()
         self._order.clear()
+        self._stale = []
         self.nbytes = self.disk_bytes = 0
-        self.store.clear()
 
     def close(self) -> None:
         """Save the index beside LMDB (if only this tier wrote since open) and close the store."""
