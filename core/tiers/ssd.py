@@ -108,6 +108,7 @@ class SsdStore:
             self._env = lmdb.open(str(self.path), map_size=self.map_size, subdir=True, sync=self.sync,
                                   metasync=self.sync, readahead=False, max_readers=512, lock=True, mode=0o600)
             self._check_length(self._env)
+            self._room_to_write(self._env)
             for name in ("data.mdb", "lock.mdb"):  # files an older version made 0644
                 f = self.path / name
                 if f.exists() and f.stat().st_uid == os.getuid() and f.stat().st_mode & 0o077:
@@ -126,6 +127,18 @@ class SsdStore:
         if have < need:
             raise StorageError(f"it is damaged: data.mdb is {have} bytes where its meta page needs {need}; move "
                                "the folder aside (its blocks are lost) and start again")
+
+    def _room_to_write(self, env: lmdb.Environment) -> None:
+        """Map past the pages in use (a tier written with a larger `map_size`), with a quarter of the
+        configured map to spare: LMDB maps the whole file anyway, but with no page of the map free it
+        writes nothing again, not even a delete, so the tier could never trim back under `map_size`
+        (its capacity stays the configured one: the first write trims it)."""
+        used = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        if used > self.map_size:
+            env.set_mapsize(used + self.map_size // 4)
+            log.warning("SSD tier at %s: %d MiB in use where map_size is %d MiB (a smaller map than it was "
+                        "written with): mapped past them, and trimmed back to the map's capacity as it is written",
+                        self.path, used >> 20, self.map_size >> 20)
 
     @property
     def env(self) -> lmdb.Environment:
