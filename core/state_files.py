@@ -161,20 +161,27 @@ def _unix_answers(path: Path) -> bool | None:
     return True
 
 
+_WORKER_ID = re.compile(rb"[A-Za-z0-9_.:@-]{1,128}")
+"""What a saved worker id may be (this code saves random hex; an operator may have written another)."""
+
+
 def stored_worker_id(path: Path) -> str:
     """The id saved at `path`, or a new random one saved there: a restart on the same state keeps its
     id, so placement sends it the keys its SSD tier holds."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(4096).strip()
     except FileNotFoundError:
         pass
-    except OSError as e:  # a file where the folder should be, a link planted as the id file
+    except OSError as e:  # a file where the folder should be, a link planted as the id file, a folder
         raise StorageError(f"cannot read the worker id at {path}: {e.strerror or e}") from e
     else:
-        with os.fdopen(fd) as f:
-            wid = f.read().strip()
-        if wid:
-            return wid
+        if raw:
+            if not _WORKER_ID.fullmatch(raw):  # a flipped bit, a torn write: not an id this code saved
+                raise StorageError(f"the worker id file {path} is damaged ({raw[:40]!r}): delete it to start "
+                                   "under a new id (the SSD tier's blocks are kept)")
+            return raw.decode()
     wid = secrets.token_hex(4)
     try:
         private_dir(path.parent, tighten=path.parent == default_state_dir())
