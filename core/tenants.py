@@ -40,6 +40,7 @@ from typing import Any
 
 from .cache_events import CacheListener
 from .errors import ConfigError
+from .protocol import RESERVE_FLOOR
 
 __all__ = ["Tenant", "TenantUsage", "load_tenants", "outside"]
 
@@ -141,15 +142,24 @@ class TenantUsage(CacheListener):
         slash = key.find(b"/")
         return self._by_prefix.get(key[:slash + 1]) if slash > 0 else None
 
+    @staticmethod
+    def cost(size: int) -> int:
+        """What a block of `size` bytes counts against its tenant's quota: its size, and at least the
+        smallest slot it takes (`RESERVE_FLOOR`): empty blocks would otherwise fill the arena (and the
+        index) for free."""
+        return max(size, RESERVE_FLOOR)
+
     def charge(self, tenant: Tenant, key: bytes, size: int) -> bool:
-        """Reserve quota for a put of `size` bytes under `key` (replacing what `key` holds now)."""
+        """Reserve quota for a put of `size` bytes under `key` (replacing what `key` holds now): its
+        `cost`, which the caller `settle`s once the put is done."""
+        cost = self.cost(size)
         with self._lock:
             if tenant.quota_bytes is not None:
                 held = self._sizes.get(key)
                 replaced = held[1] if held else 0
-                if self.used[tenant.name] + self._pending[tenant.name] - replaced + size > tenant.quota_bytes:
+                if self.used[tenant.name] + self._pending[tenant.name] - replaced + cost > tenant.quota_bytes:
                     return False
-            self._pending[tenant.name] += size
+            self._pending[tenant.name] += cost
             return True
 
     def settle(self, tenant: Tenant, size: int) -> None:
@@ -178,6 +188,7 @@ class TenantUsage(CacheListener):
         size = block.get(key) if block is not None else None
         if size is None:  # a block found at start (replay), or put by other means than the worker's handlers
             size = self._size_on_ssd(key) if tier == "ssd" else 0
+        size = self.cost(size)
         with self._lock:
             old = self._sizes.get(key)
             if old is not None:

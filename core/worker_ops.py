@@ -167,7 +167,7 @@ class RequestHandlers(ConnectionServing):
                 usage = self.tenant_usage
                 for i, (key, size) in enumerate(zip(keys, lens)):
                     if usage.charge(tenant, key, size):
-                        charged += size
+                        charged += usage.cost(size)
                     else:
                         status[i] = P.ITEM_QUOTA
                         self._over_quota(conn, tenant, key, size)
