@@ -173,19 +173,37 @@ class RequestHandlers(ConnectionServing):
                         self._over_quota(conn, tenant, key, size)
             max_block = self.cache.max_block
             status[(status == 0) & (sizes > max_block)] = P.ITEM_TOO_LARGE
-            want = np.flatnonzero(status == 0).tolist()
-            got = self.cache.reserve_many([lens[i] for i in want])  # None: no room for that block
-            slots: list[int | None] = [None] * len(keys)
-            for i, off in zip(want, got):
-                if off is None:
-                    status[i] = P.ITEM_FULL
-                slots[i] = off
-            self._recv_and_commit(conn, keys, lens, csums, versions, slots, status)
+            # Slots are reserved a run of blocks at a time, each run within the connection's share of the
+            # arena (as ALLOC's): a frame's header alone must not hold the whole arena reserved while its
+            # bytes are awaited (clients frame their puts to fit one run: `max_reserve`).
+            for run in self._put_runs(lens, status):
+                want = [i for i in range(run.start, run.stop) if status[i] == 0]
+                got = self.cache.reserve_many([lens[i] for i in want])  # None: no room for that block
+                slots: list[int | None] = [None] * (run.stop - run.start)
+                for i, off in zip(want, got):
+                    if off is None:
+                        status[i] = P.ITEM_FULL
+                    slots[i - run.start] = off
+                self._recv_and_commit(conn, keys[run], lens[run], csums[run], versions[run], slots, status[run])
         finally:
             if tenant is not None and charged:
                 self.tenant_usage.settle(tenant, charged)
         self._bytes_in.inc(frame.data_len)
         self._reply(conn, frame, status.tobytes())
+
+    def _put_runs(self, lens: list[int], status: np.ndarray) -> list[slice]:
+        """A PUT's blocks in consecutive runs, each reserving at most `max_reserve` (a block's size and
+        RESERVE_FLOOR, for each block to be stored: `status` 0), at least one block a run."""
+        runs: list[slice] = []
+        start, held = 0, 0
+        for i, size in enumerate(lens):
+            cost = size + P.RESERVE_FLOOR if status[i] == 0 else 0
+            if i > start and held + cost > self.max_reserve:
+                runs.append(slice(start, i))
+                start, held = i, 0
+            held += cost
+        runs.append(slice(start, len(lens)))
+        return runs
 
     def _recv_and_commit(self, conn: Conn, keys: list[bytes], lens: list[int], csums: np.ndarray,
                          versions: np.ndarray, slots: list[int | None], status: np.ndarray) -> None:
