@@ -34,7 +34,8 @@ class WorkerMetrics:
                                      "by transport; the worker retries with back-off", ["transport"],
                                      registry=self.registry)
         self.refused = Counter("kvpool_refused_connections", "Connections closed for a limit (max_connections: "
-                               "the new one; max_unauthenticated: the oldest stranger)", ["limit"],
+                               "the new one; max_unauthenticated: the oldest stranger; tenant_connections: a "
+                               "tenant's past its share)", ["limit"],
                                registry=self.registry)
         self.deadline_closes = Counter("kvpool_deadline_closes", "Connections closed for a deadline "
                                        "(auth: not authenticated in time; io: a request not done in time)",

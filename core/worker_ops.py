@@ -99,6 +99,10 @@ class RequestHandlers(ConnectionServing):
             self._reply(conn, frame, P.pack_json({"error": "authentication failed"}), status=P.Status.AUTH_FAILED)
             raise AuthError(f"authentication failed from {conn.peer}: {why}")  # (closes it; logged by the throttle)
         self.throttle.succeeded(conn.peer)
+        if tenant is not None and (why := self._tenant_crowd(tenant)):
+            self._refused(conn.transport, "tenant_connections", why)
+            self._reply(conn, frame, P.pack_json({"error": why}), status=P.Status.AUTH_FAILED)
+            raise AuthError(f"refused tenant {tenant}'s connection from {conn.peer}: {why}")
         conn.authed = True
         conn.tenant = self.tenants[tenant] if tenant is not None else None
         conn.sock.settimeout(None)
@@ -106,6 +110,18 @@ class RequestHandlers(ConnectionServing):
         self._reply(conn, frame, P.pack_json({**self.info(), "proof": mine}))
 
     # ----- tenants ----------------------------------------------------------------------------
+
+    def _tenant_crowd(self, tenant: str) -> str:
+        """Why `tenant` may not have one more connection (empty if it may): each tenant holds at most an
+        eighth of `max_connections`, all tenants together half, so that no tenant's idle connections
+        shut out the others, nor the pool token's and same-node clients."""
+        cap = self.config.max_connections
+        held = [c.tenant.name for c in self.connections() if c.authed and c.tenant is not None]
+        if held.count(tenant) >= max(1, cap // 8):
+            return f"this tenant holds {held.count(tenant)} connections, its most (max_connections / 8)"
+        if len(held) >= max(1, cap // 2):
+            return f"tenants hold {len(held)} connections, their most (max_connections / 2)"
+        return ""
 
     def _named_keys(self, conn: Conn, frame: P.Frame) -> list[bytes] | None:
         """The keys a request names, or None when `conn` may not name one of them (refused, as

@@ -234,13 +234,20 @@ class ConnectionServing:
             self._threads.append(t)
         t.start()
 
-    def _refused(self, transport: str, limit: str) -> None:
-        """Count (and log the first time) a connection closed because `limit` was reached."""
+    def connections(self) -> list[Conn]:
+        """The connections open now (a copy)."""
+        with self._conns_lock:
+            return list(self._conns)
+
+    def _refused(self, transport: str, limit: str, why: str = "") -> None:
+        """Count (and log the first time) a connection closed because `limit` was reached (`why`: in
+        words, where `limit` is no setting's name)."""
         self.metrics.refused.labels(limit).inc()
         if limit not in self._refusing:
             self._refusing.add(limit)
-            log.warning("%s connections: %s (%d) reached; connections are closed (counted in "
-                        "kvpool_refused_connections_total; logged once)", transport, limit, getattr(self.config, limit))
+            log.warning("%s connections: %s reached; connections are closed (counted in "
+                        "kvpool_refused_connections_total; logged once)", transport,
+                        why or f"{limit} ({getattr(self.config, limit)})")
 
     def _watchdog(self) -> None:
         """Enforce the deadlines that span system calls: a request must be received and answered within
