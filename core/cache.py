@@ -12,6 +12,7 @@ cache keeps the newest, ignores puts older than it, and removals leave tombstone
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
@@ -56,6 +57,9 @@ class TieredCache:
         self._demoter.start()
         self.replicas = ReplicaState(stack)
         """Versions as replicas compare them, the fence of a worker back from an absence, its change log."""
+        # A cache dropped without close() is closed as it goes (its demoter thread holds the stack, never
+        # the cache): its thread, arena and SSD folder are let go of, as at close().
+        self._finalizer = weakref.finalize(self, _close, stack, self._moves, self._demoter)
 
     @property
     def arena(self) -> DramArena:
@@ -537,17 +541,22 @@ class TieredCache:
 
         DRAM blocks not yet on SSD are lost unless `flush()` ran first.
         """
-        with self._lock:
-            if self._stack.closed:
-                return
-            self._stack.closed = True
-            self._stack.demote_due.notify_all()
-            self._moves.wait_for_ssd()  # a flush's write, a read's copy out of LMDB's map: ended first
-        self._demoter.join()
-        self._stack.close()
+        self._finalizer()
 
     def __enter__(self) -> TieredCache:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close(stack: TierStack, moves: TierMoves, demoter: Demoter) -> None:
+    """`TieredCache.close` of the cache whose parts these are."""
+    with stack.lock:
+        if stack.closed:
+            return
+        stack.closed = True
+        stack.demote_due.notify_all()
+        moves.wait_for_ssd()  # a flush's write, a read's copy out of LMDB's map: ended first
+    demoter.join()
+    stack.close()

@@ -86,8 +86,9 @@ class SsdStore:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise StorageError(f"the SSD tier at {self.path} is in use by another process (pid {holder}); "
-                               "each worker needs an SSD folder of its own") from None
+            who = "another cache of this process" if holder == str(os.getpid()) else f"another process (pid {holder})"
+            raise StorageError(f"the SSD tier at {self.path} is in use by {who}; each worker (and each "
+                               "cache) needs an SSD folder of its own: close the other first") from None
         except BaseException:
             os.close(fd)
             raise
