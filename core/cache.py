@@ -11,6 +11,7 @@ cache keeps the newest, ignores puts older than it, and removals leave tombstone
 """
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -60,6 +61,7 @@ class TieredCache:
         # A cache dropped without close() is closed as it goes (its demoter thread holds the stack, never
         # the cache): its thread, arena and SSD folder are let go of, as at close().
         self._finalizer = weakref.finalize(self, _close, stack, self._moves, self._demoter)
+        _CACHES.add(self)
 
     @property
     def arena(self) -> DramArena:
@@ -560,3 +562,36 @@ def _close(stack: TierStack, moves: TierMoves, demoter: Demoter) -> None:
         moves.wait_for_ssd()  # a flush's write, a read's copy out of LMDB's map: ended first
     demoter.join()
     stack.close()
+
+
+_CACHES: weakref.WeakSet[TieredCache] = weakref.WeakSet()
+"""Every cache of this process, for `fork()`."""
+_held: list[TieredCache] = []
+
+
+def _before_fork() -> None:
+    """Each cache's lock taken by the forking thread: the child's copy is of no half-made change."""
+    _held[:] = list(_CACHES)
+    for cache in _held:
+        cache._lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    for cache in _held:
+        cache._lock.release()
+    _held.clear()
+
+
+def _after_fork_in_child() -> None:
+    """The child's copy of each cache (see `TierStack.forked`), with a demoter thread of its own."""
+    for cache in _held:
+        stack = cache._stack
+        stack.forked()
+        cache._moves.forked()
+        if not stack.closed:
+            cache._demoter.restart()
+        cache._lock.release()
+    _held.clear()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)

@@ -31,6 +31,11 @@ class Demoter:
     def start(self) -> None:
         self._thread.start()
 
+    def restart(self) -> None:
+        """In a forked child, whose copy of the thread never runs: a thread of its own."""
+        self._thread = threading.Thread(target=self._run, name="kvpool-demoter", daemon=True)
+        self._thread.start()
+
     def join(self) -> None:
         self._thread.join()
 

@@ -55,6 +55,10 @@ class TierMoves:
         self._reads = 0  # promotions reading SSD outside the lock (`wait_for_ssd`)
         self._written = stack.written  # notified as each lets go of them
 
+    def forked(self) -> None:
+        """In a forked child: the SSD writes and reads the parent's threads had under way never end here."""
+        self._writes = self._reads = 0
+
     def alloc(self, n: int) -> int:
         """A DRAM slot for `n` bytes, evicting (demoting) synchronously if the demoter fell behind, and
         waiting for blocks that an SSD write in flight holds rather than failing for them. Raises

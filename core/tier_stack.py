@@ -367,6 +367,20 @@ class TierStack:
             errors += device.check()  # a copy may outlive its block below: reads check `present` first
         return errors
 
+    def forked(self) -> None:
+        """In a forked child (the lock held by this thread since before the fork): what the parent's
+        threads had under way is not the child's to wait for, nor their leases to end. A private arena
+        is the child's own copy (copy on write); the SSD and device tiers stay the parent's (an index of
+        its own over the parent's LMDB would serve, evict and overwrite the parent's blocks behind its
+        back): the child works from DRAM alone. A shared arena is the worker's: the child's is closed."""
+        self.writing.clear()
+        self._awaited.clear()
+        self.dram.forked()
+        self._inherited = (self.ssd, self.device)  # kept, never closed here: the parent's
+        self.ssd = self.device = None
+        if self.dram.arena.shared:
+            self.closed = True
+
     def close(self) -> None:
         """Close the SSD store and release the arena (the caller stopped every thread first)."""
         with self.lock:

@@ -139,6 +139,8 @@ class DramArena:
             except OSError as e:
                 raise CapacityError(f"cannot map a DRAM arena of {self.length} bytes: {e}") from e
         self._owner = shared  # the creator of a shared arena unlinks its name on close
+        self.shared = shared
+        """Whether other processes may map it (a worker's), or it is private to this one."""
         self.buf = np.frombuffer(self._mmap, dtype=np.uint8)
         self._view = memoryview(self._mmap)  # sliced per block: `view`
         if prefault:

@@ -252,6 +252,15 @@ class DramTier:
                 self._unlinked.add(b)
         self.arena.free_many(free)
 
+    def forked(self) -> None:
+        """In a forked child: every lease ends (the parent's threads held them: a demotion's batch, a
+        read's copy), and the slots of blocks unlinked while leased are freed."""
+        for b in self.blocks.values():
+            b.leases = 0
+        self.arena.free_many([b.offset for b in self._unlinked])
+        self._unlinked.clear()
+        self.leases = 0
+
     def lease(self, b: DramBlock) -> None:
         """One more lease of `b`: it is neither evicted nor freed until `release`."""
         b.leases += 1
