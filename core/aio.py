@@ -39,7 +39,28 @@ class LoopThread:
         """Start `coro` on the loop without waiting for it; the future completes with it."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
+    def shut(self, last: Callable[[], Coroutine[Any, Any, Any]] | None = None, timeout: float = 5.0) -> None:
+        """Run `last()` on the loop (e.g. a connection's `close`; a failure, or one past `timeout`
+        seconds, is logged: leaving anyway), then `stop`. Safe from any thread, as a finalizer needs (a
+        collection runs it wherever it happens): on the loop's own thread, which cannot wait for
+        itself, a short thread of its own does it."""
+        if threading.current_thread() is self._thread:
+            threading.Thread(target=self.shut, args=(last, timeout), name=f"{self._thread.name}-shut",
+                             daemon=True).start()
+            return
+        if last is not None and not self.loop.is_closed():
+            try:
+                self.run(last(), timeout)
+            except Exception as e:  # a server gone, or a closed connection: nothing left to release
+                log.debug("loop thread %s: %r while shutting it", self._thread.name, e)
+        self.stop()
+
     def stop(self) -> None:
+        """Cancel the loop's tasks, stop it and close it (waiting up to 5 s for each)."""
+        if threading.current_thread() is self._thread:  # (it cannot wait for itself: see `shut`)
+            self.shut()
+            return
+
         async def _cancel_all() -> None:
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for t in tasks:

@@ -107,6 +107,9 @@ class Membership:
                 raise AuthError(f"the NATS user at {redacted_url(nats_url)} may not create the member bucket "
                                 f"(role {role!r}): {denied}") from e
             raise PoolUnavailable(f"cannot reach the cluster at {redacted_url(nats_url)}: {e}") from e
+        except BaseException:  # Ctrl-C while waiting for NATS: the loop thread and its sockets go too
+            self._disconnect()
+            raise
 
     async def _first_bucket(self, within_s: float) -> Any:
         """`_bucket()`, asked again while JetStream cannot answer yet (a NATS cluster electing a leader

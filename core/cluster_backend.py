@@ -164,14 +164,20 @@ class ClusterBackend:
         self.timeout_s = timeout_s
         self._forked = False
         self.membership = Membership(nats_url, connect_timeout_s=max(timeout_s, JOIN_TIMEOUT_S))
-        self.membership.watch()
-        self.fanout = FanOut(node_id or default_node_id(), token, timeout_s, tls_ca)
-        _BACKENDS.add(self)  # (once it has a fan-out to refuse calls with, in a forked child)
-        self.repairs = Repairs(self.fanout, self._live, timeout_s)
-        self.missed = MissedWrites(self.fanout, self._live, timeout_s)
-        """Removals owed to owners that a put or remove went on without (`kvpool.core.missed_writes`)."""
-        self.supersedes = Background("kvpool-supersede", 1 << 16)
-        """Where puts and removes tell the workers below the owners (`_supersede`)."""
+        with ExitStack() as undo:  # what is made so far, closed if a later step raises (Ctrl-C too)
+            undo.callback(self.membership.close)
+            self.membership.watch()
+            self.fanout = FanOut(node_id or default_node_id(), token, timeout_s, tls_ca)
+            undo.callback(self.fanout.close)
+            _BACKENDS.add(self)  # (once it has a fan-out to refuse calls with, in a forked child)
+            self.repairs = Repairs(self.fanout, self._live, timeout_s)
+            undo.callback(self.repairs.close)
+            self.missed = MissedWrites(self.fanout, self._live, timeout_s)
+            """Removals owed to owners that a put or remove went on without (`kvpool.core.missed_writes`)."""
+            undo.callback(self.missed.close)
+            self.supersedes = Background("kvpool-supersede", 1 << 16)
+            """Where puts and removes tell the workers below the owners (`_supersede`)."""
+            undo.pop_all()
 
     # ----- placement --------------------------------------------------------------------------
 

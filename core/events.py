@@ -23,6 +23,7 @@ import queue
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -301,7 +302,8 @@ class EventIndex:
 
 class EventFeed:
     """The pool's event batches from NATS, oldest first: every batch still retained (`replay=True`)
-    or only those published from now on. Iterate it, or `next_batch(timeout)`; `close()` ends it."""
+    or only those published from now on. Iterate it, or `next_batch(timeout)`; `close()` ends it (a
+    feed dropped unclosed ends too, once collected)."""
 
     def __init__(self, nats_url: str, *, replay: bool = False, timeout_s: float = 5.0,
                  creds: NatsCreds | None = None) -> None:
@@ -309,27 +311,38 @@ class EventFeed:
         self._q: queue.Queue[EventBatch] = queue.Queue()
         self.malformed = 0
         self._nc: Any = None
+        self._sub: Any = None
         try:
             self._nc = self._io.run(nats_connect(nats_url, timeout_s, log, creds=creds), timeout=timeout_s + 2)
             self._sub = self._io.run(self._subscribe(replay), timeout=timeout_s + 2)
-        except Exception as e:
-            self._io.stop()
+        except BaseException as e:  # Ctrl-C while waiting for NATS included: the loop thread goes too
+            _disconnect(self._io, self._nc, None)
+            if not isinstance(e, Exception):
+                raise
             if self._nc is not None and nats_denied(self._nc, "$JS.API.STREAM.CREATE."):
                 raise AuthError(f"no events stream {STREAM} at {redacted_url(nats_url)} yet, and this NATS user may "
                                 "not create it: start a worker with --events first") from e
             raise nats_error(e, f"cannot read events at {redacted_url(nats_url)}") from e
+        # its loop thread holds the connection, not the feed: a feed dropped unclosed is collected, and this
+        # ends its connection and thread (else reconnecting for ever)
+        self._closer = weakref.finalize(self, _disconnect, self._io, self._nc, self._sub)
+        self._closer.atexit = False  # (a process that exits takes its connections along)
 
     async def _subscribe(self, replay: bool) -> Any:
         from nats.js.api import DeliverPolicy
 
         js = self._nc.jetstream()
         await ensure_stream(js)
+        feed = weakref.ref(self)  # (the subscription, which the loop holds, must not keep the feed)
 
         async def on_msg(msg: Any) -> None:
+            me = feed()
+            if me is None:
+                return
             try:
-                self._q.put(EventBatch.decode(msg.data))
+                me._q.put(EventBatch.decode(msg.data))
             except ProtocolError as e:
-                self.malformed += 1
+                me.malformed += 1
                 log.warning("skipping an event batch: %s", e)
 
         policy = DeliverPolicy.ALL if replay else DeliverPolicy.NEW
@@ -349,20 +362,25 @@ class EventFeed:
                 yield batch
 
     def close(self) -> None:
-        async def _close() -> None:
-            try:
-                await self._sub.unsubscribe()
-            finally:
-                await self._nc.close()
-
-        try:
-            self._io.run(_close(), timeout=5)
-        except Exception as e:  # NATS away: the server drops the ordered consumer by itself
-            log.debug("closing the event feed: %r", e)
-        self._io.stop()
+        """Unsubscribe, disconnect and stop the loop thread; again, nothing."""
+        self._closer()
 
     def __enter__(self) -> EventFeed:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _disconnect(io: LoopThread, nc: Any, sub: Any) -> None:
+    """End an `EventFeed`'s subscription `sub` and connection `nc` (either may be None: not made) and
+    stop its loop thread, from any thread (it is a finalizer too). NATS away: the server drops the
+    ordered consumer by itself."""
+    async def close() -> None:
+        try:
+            if sub is not None:
+                await sub.unsubscribe()
+        finally:
+            await nc.close()
+
+    io.shut(close if nc is not None else None)

@@ -7,6 +7,7 @@ Producer/Consumer can offer a blocking API. `translate` maps every nats-py excep
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -80,6 +81,10 @@ class Link:
             self.io.stop()
             raise
         self.js = self.nc.jetstream(timeout=timeout_s)
+        # a link dropped unclosed (its owner collected) disconnects too: its loop thread would otherwise
+        # keep the connection, reconnecting for ever, for the life of the process
+        self._closer = weakref.finalize(self, self.io.shut, self.nc.close)
+        self._closer.atexit = False  # (a process that exits takes its connections along)
 
     def call(self, coro: Coroutine[Any, Any, T], what: str, timeout: float | None = None) -> T:
         """Run `coro` on the loop; NATS errors come back as stream errors (StreamUnavailable after close)."""
@@ -97,10 +102,5 @@ class Link:
             raise err from e
 
     def close(self) -> None:
-        if self.io.loop.is_closed():
-            return
-        try:
-            self.io.run(self.nc.close(), 5)
-        except Exception as e:  # closing a connection whose server is gone: nothing left to release
-            log.debug("closing the NATS connection to %s: %r", self.url, e)
-        self.io.stop()
+        """Disconnect and stop the loop thread; again, nothing."""
+        self._closer()

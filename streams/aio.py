@@ -110,6 +110,7 @@ class AsyncConsumer:
         self._nc: Any = None
         self._js: Any = None
         self._sub: Any = None
+        self._consuming: set[asyncio.Task[None]] = set()  # `consume` loops running: `close` ends them
 
     async def open(self) -> AsyncConsumer:
         """Connect and create (or join) the JetStream consumer."""
@@ -171,8 +172,12 @@ class AsyncConsumer:
         message never stops the loop. A message that cannot be decoded ('invalid') or whose payload
         cannot be delivered intact (PayloadError) never reaches the callback: it is logged, sent to the
         dead-letter subject and terminated. While NATS is unreachable the loop waits for it to come
-        back; a deleted stream (or consumer) ends it with StreamNotFound. Returns the handle that stops it."""
-        return Consuming(asyncio.get_running_loop().create_task(self._consume(callback, nak_delay_s)))
+        back; a deleted stream (or consumer) ends it with StreamNotFound, and `close` ends it too.
+        Returns the handle that stops it."""
+        task = asyncio.get_running_loop().create_task(self._consume(callback, nak_delay_s))
+        self._consuming.add(task)
+        task.add_done_callback(self._consuming.discard)
+        return Consuming(task)
 
     async def _consume(self, callback: Callback, nak_delay_s: float) -> None:
         while True:
@@ -184,6 +189,8 @@ class AsyncConsumer:
                     await self._dead_letter(e.message, str(e))
                 continue
             except StreamUnavailable as e:
+                if self._nc is None or self._nc.is_closed:  # closed by `close` (from the callback, say)
+                    return
                 log.warning("stream %r: %s; retrying", self.stream, e)
                 await asyncio.sleep(_RETRY_S)
                 continue
@@ -228,7 +235,9 @@ class AsyncConsumer:
                 return msg
 
     async def close(self) -> None:
-        """Disconnect; a private consumer is deleted, a group's durable consumer stays."""
+        """End the `consume` loops and disconnect; a private consumer is deleted, a group's durable
+        consumer stays."""
+        await self._stop_consuming()
         if self._nc is None:
             return
         try:
@@ -238,6 +247,14 @@ class AsyncConsumer:
             pass  # the server already dropped it, or is gone: nothing to release
         await self._nc.close()
         self._nc = None
+
+    async def _stop_consuming(self) -> None:
+        """Cancel the `consume` loops and wait for them to end (but the one calling this, if one is: it
+        ends at its next receive, which finds the connection closed)."""
+        loops = [t for t in self._consuming if t is not asyncio.current_task()]
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
 
     async def __aenter__(self) -> AsyncConsumer:
         return await self.open()

@@ -25,6 +25,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -146,6 +147,9 @@ class HandoffReceiver:
         except BaseException:
             self._link.close()
             raise
+        # a receiver dropped unclosed lets its socket go too (its link disconnects by its own finalizer)
+        self._dropped = weakref.finalize(self, self._wire.close)
+        self._dropped.atexit = False
 
     def iter_layers(self, request_id: str, timeout: float = 10.0,
                     into: Into | None = None) -> Iterator[tuple[int, list[Key], list[memoryview]]]:
@@ -339,7 +343,7 @@ class HandoffReceiver:
             purges = list(self._purges.values())
         concurrent.futures.wait(purges, self._purge_s())
         try:
-            self._wire.close()
+            self._dropped()  # (the wire's close)
         finally:
             self._link.close()
 

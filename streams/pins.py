@@ -180,6 +180,12 @@ class PinKeeper:
             except (KVPoolError, OSError) as e:  # NATS or a worker away: the pins' TTL is the fallback
                 log.warning("pins of stream %r not reconciled: %s", self.stream, e)
 
+    def stop(self) -> None:
+        """Stop renewing, at once and without a last pass (what a producer dropped unclosed does): the
+        pins expire within `ttl_s`. The thread ends after the pass under way, unwaited for: this may run
+        on any thread, its own included."""
+        self._stop.set()
+
     def close(self) -> None:
         """Stop, after a last pass that releases what is done; the rest expire within `ttl_s`."""
         self._stop.set()

@@ -11,10 +11,13 @@ import collections
 import contextlib
 import dataclasses
 import json
+import logging
 import numbers
 import re
+import threading
 import uuid
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.core import ConfigError, InvalidArgument, Key, KVPoolError, PoolClient, Stagers, readable
@@ -28,6 +31,8 @@ from .payload import put_blocks, put_payload
 from .pins import PinKeeper
 from .sealing import Sealer, secret_from, sign
 from .wire import Wire
+
+log = logging.getLogger("kvpool.streams")
 
 INLINE_MAX = 256 << 10
 """Default largest payload sent inline, in bytes."""
@@ -74,6 +79,11 @@ class Producer:
         self.pool, self.inline_max, self.pin_ttl_s = pool, inline_max, pin_ttl_s
         self.max_pinned_bytes = max_pinned_bytes
         self._link = Link(nats_url, timeout_s)
+        # what a producer dropped unclosed must still let go (its pin keeper would renew for ever): stopped
+        # by a finalizer, which holds these and never the producer
+        self._held: list[Callable[[], None]] = [self._link.close]
+        self._dropped = weakref.finalize(self, _release_later, self._held)
+        self._dropped.atexit = False  # (a process that exits takes its threads and connections along)
         self._pins: PinKeeper | None = None
         self._announcer: Announcer | None = None  # on a Wire of its own, made at the first handoff message
         self._stagers: Stagers | None = None  # publish_kv's puts to workers on this node
@@ -117,6 +127,7 @@ class Producer:
         announcer.ready()
         if self._stagers is None:
             self._stagers = Stagers(pool)
+            self._held.append(self._stagers.close)
         ref = put_blocks(pool, block_keys, tensors, request=request_id, layer=layer, pin_s=self.pin_ttl_s,
                          stagers=self._stagers, hold=True)
         try:
@@ -139,6 +150,7 @@ class Producer:
             except BaseException:
                 wire.close()
                 raise
+            self._held.append(wire.close)
         return self._announcer
 
     def _chain(self, request_id: str) -> Sealer:
@@ -204,6 +216,7 @@ class Producer:
             pool = self._need_pool("pins")
             budget = self.max_pinned_bytes if self.max_pinned_bytes is not None else _default_budget(pool)
             self._pins = PinKeeper(self._link, self.stream, pool, self.pin_ttl_s, budget)
+            self._held.append(self._pins.stop)
         return self._pins
 
     def _need_pool(self, what: str) -> PoolClient:
@@ -241,6 +254,7 @@ class Producer:
         messages already done (the others expire within `pin_ttl_s`) and disconnect from NATS (the pool
         client is the caller's to close)."""
         with contextlib.ExitStack() as stack:
+            stack.callback(self._dropped.detach)  # (last: what is below is let go in order)
             stack.callback(self._link.close)
             if self._pins is not None:
                 stack.callback(self._pins.close)
@@ -256,6 +270,23 @@ class Producer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _release_later(held: list[Callable[[], None]]) -> None:
+    """What a producer dropped unclosed held, let go on a thread of its own: a collection runs the
+    finalizer on whichever thread it happens on, maybe one of those being stopped, or one holding a lock
+    that closing takes (a stager's flusher)."""
+    threading.Thread(target=_release, args=(held,), name="kvpool-producer-drop", daemon=True).start()
+
+
+def _release(held: list[Callable[[], None]]) -> None:
+    """Each of `held`, the last made first, whatever the one before raised (logged: nobody is left to
+    raise to). The pin keeper stops without a last pass: its pins expire within `pin_ttl_s`."""
+    for close in reversed(held):
+        try:
+            close()
+        except Exception as e:
+            log.warning("releasing what a producer dropped unclosed held: %r", e)
 
 
 def _checked_headers(headers: dict[str, str]) -> dict[str, str]:
