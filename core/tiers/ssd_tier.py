@@ -20,7 +20,7 @@ from ..errors import CapacityError, StorageError
 from ..policies import EVICTION_POLICY
 from ..versions import observe
 from . import ssd_index
-from .ssd import SsdStore
+from .ssd import SsdStore, walk_pages
 
 __all__ = ["SsdTier"]
 
@@ -49,7 +49,10 @@ class SsdTier:
         self.store = store
         started = time.monotonic()
         try:
-            snap = ssd_index.load(store) or ssd_index.scan(store)
+            snap = ssd_index.load(store)
+            if snap is None:  # a scan meets every page: a damaged one must not kill this process
+                walk_pages(store)
+                snap = ssd_index.scan(store)
         except lmdb.Error as e:  # LMDB's own pages damaged (a bad disk; or ssd_sync=False and a power loss)
             raise StorageError(f"the SSD tier at {store.path} is damaged ({type(e).__name__}: {e}); move the "
                                "folder aside to start with an empty tier") from e
