@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 
 C = TypeVar("C", bound="DataclassInstance")
 
+WORKER_ID = re.compile(r"[-_=A-Za-z0-9]{1,128}(\.[-_=A-Za-z0-9]{1,128}){0,7}")
+"""A worker id: a key of NATS's member bucket (dot-separated tokens of `-_=` and letters and digits;
+kvpool's own are hex)."""
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -342,6 +346,9 @@ class WorkerConfig:
                               "each heartbeat; less, and it serves misses between them)")
         if not 0 <= self.poll_us <= 10_000:
             raise ConfigError(f"poll_us={self.poll_us}: from 0 to 10000 microseconds")
+        if self.worker_id is not None and not WORKER_ID.fullmatch(self.worker_id):
+            raise ConfigError(f"worker_id={self.worker_id!r}: letters, digits and '-_=', in tokens joined by '.' "
+                              "(a key of NATS's member bucket)")
         if self.check_puts not in ("commit", "first_read"):
             raise ConfigError(f"check_puts={self.check_puts!r}: 'commit' or 'first_read'")
         if bool(self.tls_cert) != bool(self.tls_key):

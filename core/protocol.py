@@ -99,6 +99,7 @@ class Status(IntEnum):
     AUTH_FAILED = 3
     BAD_REQUEST = 4
     FORBIDDEN = 5  # a tenant's request names a key outside its namespace: NamespaceError
+    BUSY = 6  # the worker has no room for this connection now (a tenant past its share): PoolUnavailable
 
 
 ITEM_QUOTA = -5
@@ -375,6 +376,8 @@ def check_reply(frame: Frame, op: int) -> None:
         from .errors import AuthError
 
         raise AuthError(unpack_json(frame.meta).get("error", "authentication required"))
+    if frame.status == Status.BUSY:
+        raise PoolUnavailable(unpack_json(frame.meta).get("error", "the worker is busy"))
     if frame.status == Status.FORBIDDEN:
         from .errors import NamespaceError
 

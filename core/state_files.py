@@ -15,6 +15,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from .auth import private_dir, write_private
 from .catch_up import AliveStamp
-from .config import CacheConfig, default_state_dir
+from .config import WORKER_ID, CacheConfig, default_state_dir
 from .errors import StorageError
 
 __all__ = ["binding", "id_file", "named_alive_stamp", "sweep_dead_workers", "stored_worker_id"]
@@ -161,27 +162,28 @@ def _unix_answers(path: Path) -> bool | None:
     return True
 
 
-_WORKER_ID = re.compile(rb"[A-Za-z0-9_.:@-]{1,128}")
-"""What a saved worker id may be (this code saves random hex; an operator may have written another)."""
-
-
 def stored_worker_id(path: Path) -> str:
     """The id saved at `path`, or a new random one saved there: a restart on the same state keeps its
     id, so placement sends it the keys its SSD tier holds."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:  # (never blocking: a FIFO planted as the id file would hold the start up for ever)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         with os.fdopen(fd, "rb") as f:
-            raw = f.read(4096).strip()
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+            raw = f.read(4096).strip() if regular else b""
     except FileNotFoundError:
         pass
     except OSError as e:  # a file where the folder should be, a link planted as the id file, a folder
         raise StorageError(f"cannot read the worker id at {path}: {e.strerror or e}") from e
     else:
+        if not regular:
+            raise StorageError(f"the worker id file {path} is not a regular file: remove it to start under a new "
+                               "id (the SSD tier's blocks are kept)")
         if raw:
-            if not _WORKER_ID.fullmatch(raw):  # a flipped bit, a torn write: not an id this code saved
+            wid = raw.decode("ascii", errors="replace")
+            if not WORKER_ID.fullmatch(wid):  # a flipped bit, a torn write: not an id NATS would take
                 raise StorageError(f"the worker id file {path} is damaged ({raw[:40]!r}): delete it to start "
                                    "under a new id (the SSD tier's blocks are kept)")
-            return raw.decode()
+            return wid
     wid = secrets.token_hex(4)
     try:
         private_dir(path.parent, tighten=path.parent == default_state_dir())

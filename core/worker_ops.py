@@ -99,12 +99,15 @@ class RequestHandlers(ConnectionServing):
             self._reply(conn, frame, P.pack_json({"error": "authentication failed"}), status=P.Status.AUTH_FAILED)
             raise AuthError(f"authentication failed from {conn.peer}: {why}")  # (closes it; logged by the throttle)
         self.throttle.succeeded(conn.peer)
-        if tenant is not None and (why := self._tenant_crowd(tenant)):
+        with self._conns_lock:  # (checked and taken at once: AUTHs at the same moment count each other)
+            why = self._tenant_crowd(tenant) if tenant is not None else ""
+            if not why:
+                conn.tenant = self.tenants[tenant] if tenant is not None else None
+                conn.authed = True
+        if why:  # (not an AuthError: the token is good; to a cluster client this worker is busy, a miss)
             self._refused(conn.transport, "tenant_connections", why)
-            self._reply(conn, frame, P.pack_json({"error": why}), status=P.Status.AUTH_FAILED)
-            raise AuthError(f"refused tenant {tenant}'s connection from {conn.peer}: {why}")
-        conn.authed = True
-        conn.tenant = self.tenants[tenant] if tenant is not None else None
+            self._reply(conn, frame, P.pack_json({"error": f"tenant {tenant}: {why}"}), status=P.Status.BUSY)
+            raise ConnectionError(f"refused tenant {tenant}'s connection from {conn.peer}: {why}")
         conn.sock.settimeout(None)
         mine = proof(token, conn.nonce, nonce_c, "worker").hex()
         self._reply(conn, frame, P.pack_json({**self.info(), "proof": mine}))
@@ -114,9 +117,9 @@ class RequestHandlers(ConnectionServing):
     def _tenant_crowd(self, tenant: str) -> str:
         """Why `tenant` may not have one more connection (empty if it may): each tenant holds at most an
         eighth of `max_connections`, all tenants together half, so that no tenant's idle connections
-        shut out the others, nor the pool token's and same-node clients."""
+        shut out the others, nor the pool token's and same-node clients. `_conns_lock` held."""
         cap = self.config.max_connections
-        held = [c.tenant.name for c in self.connections() if c.authed and c.tenant is not None]
+        held = [c.tenant.name for c in self._conns if c.authed and c.tenant is not None and not c.closing]
         if held.count(tenant) >= max(1, cap // 8):
             return f"this tenant holds {held.count(tenant)} connections, its most (max_connections / 8)"
         if len(held) >= max(1, cap // 2):
@@ -173,7 +176,8 @@ class RequestHandlers(ConnectionServing):
             self._refuse_namespace(conn, frame, bad)
             return
         status = np.zeros(len(keys), dtype="<i1")
-        charged = 0
+        costs = [0] * len(keys)  # what each block charged its tenant's quota, settled as its run commits
+        settled = 0  # the blocks before this index are settled
         try:
             # A tenant's blocks are charged in order before any arrives (a refused one is read and dropped,
             # never given a slot). So within one batch a block found corrupt later still held its charge
@@ -183,16 +187,16 @@ class RequestHandlers(ConnectionServing):
                 usage = self.tenant_usage
                 for i, (key, size) in enumerate(zip(keys, lens)):
                     if usage.charge(tenant, key, size):
-                        charged += usage.cost(size)
+                        costs[i] = usage.cost(size)
                     else:
                         status[i] = P.ITEM_QUOTA
                         self._over_quota(conn, tenant, key, size)
             max_block = self.cache.max_block
             status[(status == 0) & (sizes > max_block)] = P.ITEM_TOO_LARGE
-            # Slots are reserved a run of blocks at a time, each run within the connection's share of the
-            # arena (as ALLOC's): a frame's header alone must not hold the whole arena reserved while its
-            # bytes are awaited (clients frame their puts to fit one run: `max_reserve`).
-            for run in self._put_runs(lens, status):
+            # Slots are reserved a run of blocks at a time, each run within what is left of the connection's
+            # share of the arena (as ALLOC's): a frame's header alone must not hold the whole arena reserved
+            # while its bytes are awaited (clients frame their puts to fit one run: `max_reserve`).
+            for run in self._put_runs(conn, lens, status):
                 want = [i for i in range(run.start, run.stop) if status[i] == 0]
                 got = self.cache.reserve_many([lens[i] for i in want])  # None: no room for that block
                 slots: list[int | None] = [None] * (run.stop - run.start)
@@ -201,23 +205,33 @@ class RequestHandlers(ConnectionServing):
                         status[i] = P.ITEM_FULL
                     slots[i - run.start] = off
                 self._recv_and_commit(conn, keys[run], lens[run], csums[run], versions[run], slots, status[run])
+                if tenant is not None:  # committed: the run's blocks count as used now, no longer pending
+                    self.tenant_usage.settle(tenant, sum(costs[run]))
+                settled = run.stop
         finally:
-            if tenant is not None and charged:
-                self.tenant_usage.settle(tenant, charged)
+            if tenant is not None and (rest := sum(costs[settled:])):
+                self.tenant_usage.settle(tenant, rest)
         self._bytes_in.inc(frame.data_len)
         self._reply(conn, frame, status.tobytes())
 
-    def _put_runs(self, lens: list[int], status: np.ndarray) -> list[slice]:
-        """A PUT's blocks in consecutive runs, each reserving at most `max_reserve` (a block's size and
-        RESERVE_FLOOR, for each block to be stored: `status` 0), at least one block a run."""
+    def _put_runs(self, conn: Conn, lens: list[int], status: np.ndarray) -> list[slice]:
+        """A PUT's blocks in consecutive runs, each reserving at most what is left of the connection's
+        share (`max_reserve` less its ALLOCs' slots; a block's size and RESERVE_FLOOR, for each block to
+        be stored: `status` 0). A block that would not fit even alone is ITEM_FULL, as ALLOC's."""
+        floor = P.RESERVE_FLOOR
+        budget = self.max_reserve - sum(conn.reserved.values()) - floor * len(conn.reserved)
         runs: list[slice] = []
         start, held = 0, 0
         for i, size in enumerate(lens):
-            cost = size + P.RESERVE_FLOOR if status[i] == 0 else 0
-            if i > start and held + cost > self.max_reserve:
+            if status[i] != 0:
+                continue
+            if size + floor > budget:
+                status[i] = P.ITEM_FULL
+                continue
+            if held + size + floor > budget:
                 runs.append(slice(start, i))
                 start, held = i, 0
-            held += cost
+            held += size + floor
         runs.append(slice(start, len(lens)))
         return runs
 

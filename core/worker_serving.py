@@ -207,16 +207,18 @@ class ConnectionServing:
             # authenticated one shut mid-request may be held up there, and still counts)
             full = sum(c.authed or not c.closing for c in self._conns) >= self.config.max_connections
             waiting = [c for c in self._conns if not c.authed and not c.closing]
-        if full:
+        if full and not waiting:
             self._refused(transport, "max_connections")
             sock.close()
             return
-        if not authed and len(waiting) >= self.config.max_unauthenticated:
+        if full or (not authed and len(waiting) >= self.config.max_unauthenticated):
             # The oldest stranger makes room: a client with the token authenticates within a round
-            # trip and so outlives any crowd of strangers, who only ever displace each other.
+            # trip and so outlives any crowd of strangers, who only ever displace each other (and
+            # never shut out authenticated clients, a same-node one included, by holding slots).
             oldest = min(waiting, key=lambda c: c.since)
-            self._refused(transport, "max_unauthenticated")
-            oldest.shut("displaced by a newer unauthenticated connection (max_unauthenticated)")
+            limit = "max_connections" if full else "max_unauthenticated"
+            self._refused(transport, limit)
+            oldest.shut(f"displaced by a newer connection ({limit})")
         if transport == "tcp":
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)

@@ -152,7 +152,7 @@ def test_unreadable_config_files_are_config_errors(tmp_path: Path) -> None:
 def test_a_failed_start_leaves_no_arena_behind(tmp_path: Path, make_cache: Callable[..., TieredCache]) -> None:
     first = make_cache(ssd_path=str(tmp_path / "ssd"))
     before = arena_names()
-    with pytest.raises(KVPoolError, match="is in use by another process"):  # one store per SSD folder
+    with pytest.raises(KVPoolError, match="is in use by another cache of this process"):  # one store per SSD folder
         TieredCache(dram_bytes=4 * MiB, dram_slab_size=MiB, prefault=False, ssd_path=str(tmp_path / "ssd"))
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
