@@ -12,6 +12,7 @@ cache keeps the newest, ignores puts older than it, and removals leave tombstone
 from __future__ import annotations
 
 import os
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -553,7 +554,11 @@ class TieredCache:
 
 
 def _close(stack: TierStack, moves: TierMoves, demoter: Demoter) -> None:
-    """`TieredCache.close` of the cache whose parts these are."""
+    """`TieredCache.close` of the cache whose parts these are. On the demoter's own thread (a garbage
+    collection there finalized the cache), which cannot wait for itself, a short thread does it."""
+    if demoter.is_current():
+        threading.Thread(target=_close, args=(stack, moves, demoter), name="kvpool-cache-close", daemon=True).start()
+        return
     with stack.lock:
         if stack.closed:
             return
@@ -566,12 +571,15 @@ def _close(stack: TierStack, moves: TierMoves, demoter: Demoter) -> None:
 
 _CACHES: weakref.WeakSet[TieredCache] = weakref.WeakSet()
 """Every cache of this process, for `fork()`."""
+_forking = threading.Lock()
+"""Held from a fork's `before` to its `after`: one fork at a time takes the caches' locks (`_held`)."""
 _held: list[TieredCache] = []
 
 
 def _before_fork() -> None:
     """Each cache's lock taken by the forking thread: the child's copy is of no half-made change."""
-    _held[:] = list(_CACHES)
+    _forking.acquire()
+    _held[:] = [cache for cache in list(_CACHES) if cache is not None]
     for cache in _held:
         cache._lock.acquire()
 
@@ -580,6 +588,7 @@ def _after_fork_in_parent() -> None:
     for cache in _held:
         cache._lock.release()
     _held.clear()
+    _forking.release()
 
 
 def _after_fork_in_child() -> None:
@@ -592,6 +601,7 @@ def _after_fork_in_child() -> None:
             cache._demoter.restart()
         cache._lock.release()
     _held.clear()
+    _forking.release()
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)

@@ -39,6 +39,10 @@ class Demoter:
     def join(self) -> None:
         self._thread.join()
 
+    def is_current(self) -> bool:
+        """Whether the caller runs on the demoter's thread."""
+        return threading.current_thread() is self._thread
+
     def _delete_stale(self) -> bool:
         ssd = self._stack.ssd
         return ssd.delete_stale() if ssd is not None else True

@@ -52,11 +52,17 @@ class TierMoves:
     def __init__(self, stack: TierStack) -> None:
         self._stack = stack
         self._writes = 0  # batches being written to SSD outside the lock, each holding its blocks leased
+        self._batches: list[list[DramBlock]] = []  # those batches (their leases end in a forked child)
         self._reads = 0  # promotions reading SSD outside the lock (`wait_for_ssd`)
         self._written = stack.written  # notified as each lets go of them
 
     def forked(self) -> None:
-        """In a forked child: the SSD writes and reads the parent's threads had under way never end here."""
+        """In a forked child: the SSD writes and reads the parent's threads had under way never end here,
+        so their batches' leases end now. Lock held."""
+        for batch in self._batches:
+            for b in batch:
+                self._stack.dram.release(b)
+        self._batches.clear()
         self._writes = self._reads = 0
 
     def alloc(self, n: int) -> int:
@@ -117,12 +123,14 @@ class TierMoves:
         """Hold `blocks` leased for a `demote` outside the lock. Lock held."""
         for b in blocks:
             self._stack.dram.lease(b)
+        self._batches.append(blocks)
         self._writes += 1
 
     def end_write(self, blocks: list[DramBlock]) -> None:
         """Release the blocks of a `begin_write`; wake puts waiting for room. Lock held."""
         for b in blocks:
             self._stack.dram.release(b)
+        self._batches.remove(blocks)
         self._writes -= 1
         self._written.notify_all()
 

@@ -369,10 +369,10 @@ class TierStack:
 
     def forked(self) -> None:
         """In a forked child (the lock held by this thread since before the fork): what the parent's
-        threads had under way is not the child's to wait for, nor their leases to end. A private arena
-        is the child's own copy (copy on write); the SSD and device tiers stay the parent's (an index of
-        its own over the parent's LMDB would serve, evict and overwrite the parent's blocks behind its
-        back): the child works from DRAM alone. A shared arena is the worker's: the child's is closed."""
+        threads had under way is not the child's to wait for. A private arena is the child's own copy
+        (copy on write); the SSD and device tiers stay the parent's (an index of its own over the
+        parent's LMDB would serve, evict and overwrite the parent's blocks behind its back): the child
+        works from DRAM alone. A shared arena is the worker's: the child's is closed."""
         self.writing.clear()
         self._awaited.clear()
         self.dram.forked()

@@ -253,13 +253,9 @@ class DramTier:
         self.arena.free_many(free)
 
     def forked(self) -> None:
-        """In a forked child: every lease ends (the parent's threads held them: a demotion's batch, a
-        read's copy), and the slots of blocks unlinked while leased are freed."""
+        """In a forked child, whose SSD tier stays the parent's: no block has a copy there."""
         for b in self.blocks.values():
-            b.leases = 0
-        self.arena.free_many([b.offset for b in self._unlinked])
-        self._unlinked.clear()
-        self.leases = 0
+            b.on_ssd = False
 
     def lease(self, b: DramBlock) -> None:
         """One more lease of `b`: it is neither evicted nor freed until `release`."""

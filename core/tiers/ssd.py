@@ -12,8 +12,8 @@ import contextlib
 import fcntl
 import logging
 import os
+import select
 import signal
-import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -267,46 +267,80 @@ class SsdStore:
         self._lock_fd = -1
 
 
-WALK_S = 300.0
-"""How long `walk_pages` waits for its child (a damaged page may also make LMDB's walk loop)."""
+WALK_QUIET_S = 120.0
+"""How long `walk_pages` waits for its child's next sign of progress (every `_WALK_STEP` entries)."""
+_WALK_STEP = 1 << 16
 
 
-def walk_pages(store: SsdStore, timeout_s: float = WALK_S) -> None:
+def walk_pages(store: SsdStore) -> None:
     """Walk every branch and leaf page of `store`'s B-tree in a forked child; StorageError if the child
     does not come through. LMDB meets a damaged page with an assertion (SIGABRT) or a fault (SIGBUS),
     not an error, so a scan of a damaged tier in this process would kill it, at every start. The walk
-    reads no block's bytes (overflow pages), only what leads to them: 0.3-0.4 s per million blocks."""
-    pid = os.fork()
+    reads no block's bytes (overflow pages), only what leads to them: 0.3-0.4 s per million blocks. The
+    child reports progress on a pipe, and its end (never through `waitpid`, which a process ignoring
+    SIGCHLD cannot use); a walk past the entries LMDB counts is a loop in damaged pages. Where no
+    child can be made (no memory for a fork), the scan goes ahead unwalked, logged."""
+    read_end, write_end = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError as e:
+        os.close(read_end)
+        os.close(write_end)
+        log.warning("SSD tier at %s: no child to walk its pages first (%s); scanning in this process", store.path, e)
+        return
     if pid == 0:  # pragma: no cover (the child)
-        _walk(store)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
+        os.close(read_end)
+        _walk(store, write_end)
+    os.close(write_end)
+    try:
+        verdict = _walk_verdict(read_end)
+    finally:
+        os.close(read_end)
+        with contextlib.suppress(OSError):  # (gone already, or reaped by whoever ignores SIGCHLD)
             os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
-            raise StorageError(f"the SSD tier at {store.path} is damaged (a walk of its pages did not end in "
-                               f"{timeout_s:.0f} s): move the folder aside to start with an empty tier")
-        time.sleep(0.002)
-    code = os.waitstatus_to_exitcode(status)
-    if code != 0:
-        how = f"died of signal {-code}" if code < 0 else "met an LMDB error"
-        raise StorageError(f"the SSD tier at {store.path} is damaged (a walk of its pages {how}): move the "
-                           "folder aside to start with an empty tier")
+    if verdict:
+        raise StorageError(f"the SSD tier at {store.path} is damaged ({verdict}): move the folder aside to start "
+                           "with an empty tier")
 
 
-def _walk(store: SsdStore) -> NoReturn:  # pragma: no cover (a forked child)
-    """`walk_pages`' child: no logging, no import, no lock another thread may have held at the fork."""
-    code = 3  # (an LMDB error, or any other: the child never returns into its parent's code)
+def _walk_verdict(fd: int) -> str:
+    """What the walk's pipe says: empty if the walk ended well, else what went wrong."""
+    while True:
+        ready, _, _ = select.select([fd], [], [], WALK_QUIET_S)
+        if not ready:
+            return f"a walk of its pages made no progress in {WALK_QUIET_S:.0f} s"
+        got = os.read(fd, 4096)
+        if not got:
+            return "a walk of its pages died (an LMDB assertion or fault)"
+        if b"L" in got:
+            return "a walk of its pages went past the entries LMDB counts"
+        if b"E" in got:
+            return "a walk of its pages met an LMDB error"
+        if b"K" in got:
+            return ""
+
+
+def _walk(store: SsdStore, fd: int) -> NoReturn:  # pragma: no cover (a forked child)
+    """`walk_pages`' child: no logging, no import, no lock another thread may have held at the fork. It
+    writes "." every `_WALK_STEP` entries, then "K" (done), "E" (an LMDB error) or "L" (a loop)."""
+    code = b"E"
     try:
         if store._env is not None:
             store._env.close()  # (the child's copy; LMDB refuses a second open of files still open)
         env = lmdb.open(str(store.path), readonly=True, subdir=True, lock=True, readahead=False)
         with env.begin() as txn:
-            for _ in txn.cursor().iternext(keys=True, values=False):
-                pass
-        code = 0
+            bound = int(env.stat()["entries"]) + 1
+            for n, _ in enumerate(txn.cursor().iternext(keys=True, values=False), 1):
+                if n % _WALK_STEP == 0:
+                    os.write(fd, b".")
+                if n > bound:
+                    code = b"L"
+                    break
+            else:
+                code = b"K"
     finally:
-        os._exit(code)
+        with contextlib.suppress(OSError):
+            os.write(fd, code)
+        os._exit(0)
