@@ -28,6 +28,7 @@ from kvpool.core import (
     PartialPut,
     PoolClient,
     PoolUnavailable,
+    StorageError,
     key_bytes,
 )
 
@@ -53,6 +54,7 @@ class Status(enum.IntEnum):
 
 
 STATUS_OF_ERROR: tuple[tuple[type[BaseException], Status], ...] = (
+    (StorageError, Status.INTERNAL_ERROR),  # done, not durable (a worker's full disk): the pool answers, no outage
     (PoolUnavailable, Status.RPC_FAIL),  # includes PoolTimeout
     (OSError, Status.RPC_FAIL),          # AuthError, and socket/shm errors not typed on the way up
     (CapacityError, Status.NO_AVAILABLE_HANDLE),

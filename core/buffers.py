@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .cuda_staging import host_buffers, to_devices, to_host
-from .errors import BufferSizeError, InvalidArgument
+from .errors import BufferSizeError, InvalidArgument, KVPoolError
 
 __all__ = ["readable", "readable_all", "byte_size", "Destination", "destinations", "destination_views",
            "finish_all"]
@@ -23,7 +23,12 @@ _FLAT_TYPES = frozenset({np.ndarray, bytearray, memoryview, bytes})
 
 
 def _is_torch(buf: Any) -> bool:
-    return type(buf).__module__.startswith("torch")
+    """Whether `buf` is a torch tensor (not any object of torch's: a `torch.Size`, a storage)."""
+    if not type(buf).__module__.startswith("torch"):
+        return False
+    import torch
+
+    return isinstance(buf, torch.Tensor)
 
 
 def _on_cuda(buf: Any) -> bool:
@@ -55,6 +60,8 @@ def _torch_host_bytes(t: Any) -> np.ndarray:
     flat = _flat_bytes(t)
     if flat.device.type == "cuda":
         return to_host([flat])[0]
+    if flat.device.type == "meta":  # (a shape without storage: no bytes to copy)
+        raise _not_bytes(t, "a meta tensor has no data")
     if flat.device.type != "cpu":
         flat = flat.cpu()
     host: np.ndarray = flat.numpy()
@@ -120,6 +127,15 @@ class Destination:
     def __init__(self, buf: Any, host: Any = None) -> None:
         self.tensor: Any = None
         self._host: Any = None
+        try:
+            self._view_of(buf, host)
+        except KVPoolError:
+            raise
+        except (TypeError, ValueError, RuntimeError, NotImplementedError) as e:  # no writable plain bytes
+            raise InvalidArgument(f"a destination must be a writable buffer, numpy array or torch tensor of plain "
+                                  f"values, not this {type(buf).__name__} ({e})") from e
+
+    def _view_of(self, buf: Any, host: Any) -> None:
         if type(buf) in _FLAT_TYPES:  # the common case first, cheaply: a flat writable byte buffer
             mv = memoryview(buf)
             if mv.format == "B" and mv.ndim == 1 and mv.c_contiguous and not mv.readonly:
@@ -130,6 +146,8 @@ class Destination:
 
             if not buf.is_contiguous():
                 raise BufferSizeError("destination tensor is not contiguous; pass a contiguous tensor")
+            if buf.device.type == "meta":
+                raise InvalidArgument("a destination tensor on the meta device has no data to write")
             self.tensor = buf.reshape(-1).view(torch.uint8)
             if self.tensor.device.type == "cpu":
                 self.view = memoryview(self.tensor.numpy())
@@ -189,8 +207,13 @@ def destination_views(buffers: Sequence[Any]) -> tuple[list[memoryview], list[De
     writing into them: None when every buffer is a flat writable byte buffer already (numpy uint8
     arrays, bytearrays, memoryviews: the usual batch), whose views are made in one pass."""
     if all(type(b) in _FLAT_TYPES for b in buffers):
-        views: list[memoryview] = [memoryview(b) for b in buffers]
-        if all(v.format == "B" and v.ndim == 1 and v.c_contiguous and not v.readonly for v in views):
+        views: list[memoryview] | None
+        try:
+            views = [memoryview(b) for b in buffers]
+        except ValueError:  # a numpy dtype no buffer carries (datetime64): `Destination` says so
+            views = None
+        if views is not None and all(v.format == "B" and v.ndim == 1 and v.c_contiguous and not v.readonly
+                                     for v in views):
             return views, None
     dests = destinations(buffers)
     return [d.view for d in dests], dests

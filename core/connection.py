@@ -36,6 +36,7 @@ from .errors import (
     PoolUnavailable,
     ProtocolError,
     QuotaExceeded,
+    StorageError,
 )
 from .pins import process_holder
 from .pool_backend import MembersPredicate
@@ -261,7 +262,8 @@ class Connection:
                 yield sock
                 if self.generation != opened:  # a shut-down socket may still read what had arrived
                     raise PoolUnavailable(f"the connection to worker {self.address} was closed during the call")
-            except NamespaceError:  # a tenant's refused request: the connection stays where its exchange is whole
+            except (NamespaceError, StorageError):  # a refused request (a tenant's, or one a full disk would not
+                # make durable): the connection stays where its exchange is whole
                 if sock is None or request_ids.owed(sock):
                     self.close()
                 raise
@@ -532,6 +534,9 @@ def raise_item(status: int, key: bytes, size: int, max_block: int) -> None:
     if status == P.ITEM_QUOTA:
         raise QuotaExceeded(f"block {key[:24]!r} ({size} bytes) would take this token's tenant past its quota "
                             "of bytes stored on the worker; nothing was stored under it", key=key, size=size)
+    if status == P.ITEM_STORAGE:
+        raise StorageError(f"block {key[:24]!r} is stored, but a full disk on the worker kept the older SSD copy "
+                           "it replaces: a crash would bring that back", key=key, size=size)
     if status == P.ITEM_CORRUPT:
         raise CorruptBlock(f"block {key[:24]!r} arrived corrupt at the worker (checksum mismatch); nothing "
                            "was stored under it", key=key, size=size)

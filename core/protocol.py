@@ -100,6 +100,7 @@ class Status(IntEnum):
     BAD_REQUEST = 4
     FORBIDDEN = 5  # a tenant's request names a key outside its namespace: NamespaceError
     BUSY = 6  # the worker has no room for this connection now (a tenant past its share): PoolUnavailable
+    STORAGE = 7  # the change took effect but is not durable (a full disk kept older SSD copies): StorageError
 
 
 ITEM_QUOTA = -5
@@ -110,6 +111,9 @@ or a removal). Not an error: a writer that stamped the block itself stamps it ag
 (another writer's clock may run ahead of its own, or have stamped in the same millisecond)."""
 
 
+ITEM_STORAGE = -7
+"""A put's per-block status: stored, but not durable: a full disk kept the older SSD copy the block
+replaces, which a crash would bring back (StorageError)."""
 ITEM_OK, ITEM_MISS, ITEM_CORRUPT, ITEM_FULL, ITEM_TOO_LARGE = 0, -1, -2, -3, -4
 
 
@@ -378,6 +382,10 @@ def check_reply(frame: Frame, op: int) -> None:
         raise AuthError(unpack_json(frame.meta).get("error", "authentication required"))
     if frame.status == Status.BUSY:
         raise PoolUnavailable(unpack_json(frame.meta).get("error", "the worker is busy"))
+    if frame.status == Status.STORAGE:
+        from .errors import StorageError
+
+        raise StorageError(unpack_json(frame.meta).get("error", "the worker's SSD tier refused the change"))
     if frame.status == Status.FORBIDDEN:
         from .errors import NamespaceError
 

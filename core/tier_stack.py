@@ -125,6 +125,8 @@ class TierStack:
             ssd.forget(key)
             ssd.mark_stale((key,))
             self._replaced = True  # deleted before the put returns (`delete_replaced`)
+        elif ssd is not None and not block.on_ssd and ssd.stale_among((key,)):
+            self._replaced = True  # an older copy a full disk kept: deleted before this put returns too
         if key in self.writing and not block.on_ssd:  # an older copy lands on SSD at the write's end ...
             self._awaited.add(key)  # ... and is deleted before the put returns too
             self._replaced = True
@@ -159,7 +161,7 @@ class TierStack:
         keys = [b.key for b in blocks]
         if (self.listeners or self.dram.pins or len(set(keys)) != len(keys) or not self.tombstones.none_of(keys)
                 or (self.clears and self.clears.newest >= min((b.version for b in blocks), default=0))
-                or (self.ssd is not None and not self.ssd.none_of(keys))
+                or (self.ssd is not None and (not self.ssd.none_of(keys) or self.ssd.stale_among(keys)))
                 or (self.writing and any(map(self.writing.__contains__, keys)))
                 or (self.device is not None and any(map(self.device.__contains__, keys)))):
             return None
@@ -289,6 +291,7 @@ class TierStack:
         if ssd is not None and gone:
             ssd.mark_stale(gone)  # (before the wait: a newer copy written meanwhile is not marked)
             self.await_writes(gone)  # a copy being written lands first (queued as it ends) and goes too
+        if ssd is not None and (gone or ssd.stale_among(keys)):  # (a retry of a refused remove too)
             self.delete_stale_now("remove")
         return found
 
@@ -303,11 +306,16 @@ class TierStack:
                                "not durable (it holds until a restart; a crash would undo it): free disk space")
 
     def clear(self) -> None:
-        """Remove every block from every tier, and tell the listeners. The SSD tier first: a full disk
-        refuses its delete (StorageError), and then nothing is cleared."""
+        """Remove every block from every tier, and tell the listeners. Where a full disk refuses the SSD
+        tier's delete, every block goes all the same (its SSD copies queued for deletion) and the
+        StorageError is raised after: the clear is not durable yet."""
         writing = list(self.writing)
+        refused: StorageError | None = None
         if self.ssd is not None:
-            self.ssd.clear()
+            try:
+                self.ssd.clear()
+            except StorageError as e:  # a full disk: every block dropped all the same, deleted later
+                refused = e
         self.dram.clear()
         if self.device is not None:
             self.device.clear()
@@ -316,6 +324,9 @@ class TierStack:
             self.ssd.delete_stale()
         for listener in self.listeners:
             listener.cleared()
+        if refused is not None:
+            self.demote_due.notify()
+            raise refused
 
     def key_lists(self) -> list[list[bytes]]:
         """The keys each tier holds now, device copies included (copies: a caller may go through them

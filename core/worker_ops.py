@@ -23,7 +23,7 @@ import numpy as np
 
 from . import protocol as P
 from .auth import NONCE_BYTES, proof
-from .errors import AuthError, ProtocolError
+from .errors import AuthError, ProtocolError, StorageError
 from .fastcopy import hash_at
 from .tenants import Tenant, TenantUsage, outside
 from .tiers.dram_tier import block_columns
@@ -204,7 +204,12 @@ class RequestHandlers(ConnectionServing):
                     if off is None:
                         status[i] = P.ITEM_FULL
                     slots[i - run.start] = off
-                self._recv_and_commit(conn, keys[run], lens[run], csums[run], versions[run], slots, status[run])
+                try:
+                    self._recv_and_commit(conn, keys[run], lens[run], csums[run], versions[run], slots, status[run])
+                except StorageError as e:  # committed, but a full disk kept older SSD copies: not durable
+                    self._storage_refused(e)
+                    run_status = status[run]
+                    run_status[run_status == 0] = P.ITEM_STORAGE
                 if tenant is not None:  # committed: the run's blocks count as used now, no longer pending
                     self.tenant_usage.settle(tenant, sum(costs[run]))
                 settled = run.stop
@@ -472,9 +477,14 @@ class RequestHandlers(ConnectionServing):
             keys = [k for k, bad in zip(keys, corrupt.tolist()) if not bad]
             offsets, sizes, csums, versions = offsets[good], sizes[good], csums[good], versions[good]
             offs, lens = offsets.tolist(), sizes.tolist()
-        stored = self._commit_blocks(keys, offs, lens, csums.tolist(), versions.tolist(), check)
-        if not stored.all():
-            status[np.flatnonzero(~corrupt)[~stored]] = P.ITEM_SUPERSEDED
+        try:
+            stored = self._commit_blocks(keys, offs, lens, csums.tolist(), versions.tolist(), check)
+        except StorageError as e:  # committed, but a full disk kept older SSD copies: not durable
+            self._storage_refused(e)
+            status[status == 0] = P.ITEM_STORAGE
+        else:
+            if not stored.all():
+                status[np.flatnonzero(~corrupt)[~stored]] = P.ITEM_SUPERSEDED
         self._bytes_in.inc(sum(lens))
         self._reply(conn, frame, status.tobytes())
 

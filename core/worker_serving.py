@@ -24,7 +24,7 @@ from . import protocol as P
 from .auth import AuthThrottle, peer_pid, peer_uid, same_user
 from .cache import BlockRef, TieredCache
 from .config import WorkerConfig
-from .errors import AuthError, KVPoolError, ProtocolError
+from .errors import AuthError, KVPoolError, ProtocolError, StorageError
 from .metrics import WorkerMetrics
 from .sparse_log import SparseLog
 from .tenants import Tenant
@@ -111,6 +111,7 @@ class ConnectionServing:
         self._accept_errors: dict[str, str] = {}  # transport -> the error last logged
         self._refusing: set[str] = set()  # connection limits already logged as reached
         self._closed_log = SparseLog(log)  # connections the worker shut
+        self._storage_log = SparseLog(log)  # changes a full disk would not make durable
         self.throttle = AuthThrottle()
         self._op_metrics: dict[int, tuple[Any, Any]] = {}  # op -> its labelled counter and histogram
         cfg = self.config
@@ -235,6 +236,10 @@ class ConnectionServing:
             self._conns.add(conn)
             self._threads.append(t)
         t.start()
+
+    def _storage_refused(self, e: StorageError) -> None:
+        """Log a change the SSD tier would not make durable, once a minute at most."""
+        self._storage_log.log("a change is not durable: %s", e)
 
     def connections(self) -> list[Conn]:
         """The connections open now (a copy)."""
@@ -459,7 +464,13 @@ class ConnectionServing:
             raise ProtocolError(f"op {frame.op} carries {frame.data_len} data bytes; only PUT carries data")
         if conn.transport == "tcp" and frame.op in _SHM_OPS:
             raise ProtocolError(f"op {frame.op} is for same-node clients over the Unix socket")
-        handler(conn, frame)
+        try:
+            handler(conn, frame)
+        except StorageError as e:  # a change done but not durable (a full disk): said, and the connection kept
+            if frame.data_len:  # (a PUT's bytes may be unread: its blocks carry ITEM_STORAGE instead)
+                raise
+            self._storage_refused(e)
+            self._reply(conn, frame, P.pack_json({"error": str(e)}), status=P.Status.STORAGE)
 
     def _reply(self, conn: Conn, frame: P.Frame, meta: bytes = b"", data: list[memoryview] | None = None,
                status: int = P.Status.OK) -> None:

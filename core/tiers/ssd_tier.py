@@ -69,7 +69,8 @@ class SsdTier:
         self._psize = int(store.env.stat()["psize"])
         self.disk_bytes = _disk_bytes(snap.sizes, self._psize)
         """What they take in LMDB, about (`on_disk`): what fills its map, and what `trim` keeps under it."""
-        self._stale: list[bytes] = snap.stale  # keys whose stored copy is outdated; `delete_stale` deletes them
+        self._stale: dict[bytes, None] = dict.fromkeys(snap.stale)  # keys whose stored copy is outdated, in order:
+        # `delete_stale` deletes them
         # LMDB's transaction id before this object's first write: at close, the index is saved only if
         # every write since was this object's own (another process's would make it wrong).
         self._txnid_base = ssd_index.last_txnid(store) - store.commits
@@ -143,7 +144,12 @@ class SsdTier:
 
     def mark_stale(self, keys: Iterable[bytes]) -> None:
         """The stored copies of `keys` are outdated: the next `delete_stale` deletes them."""
-        self._stale.extend(keys)
+        self._stale.update(dict.fromkeys(keys))
+
+    def stale_among(self, keys: Iterable[bytes]) -> bool:
+        """Whether a stored copy of one of `keys` waits to be deleted (a full disk refused it)."""
+        stale = self._stale
+        return bool(stale) and any(k in stale for k in keys)
 
     def expired(self, key: bytes, now: float) -> bool:
         """Whether the indexed block of `key` has a TTL that passed by `now` (unix seconds)."""
@@ -169,30 +175,30 @@ class SsdTier:
             held -= self.footprint(k, self._sizes[k])
         for k in gone:
             self.forget(k)
-        self._stale.extend(gone)
+        self._stale.update(dict.fromkeys(gone))
         return gone
 
     def supersede(self, keys: Iterable[bytes]) -> list[bytes]:
         """Withdraw the pending deletions of `keys`, about to be written again (deleting after the
         write would delete the new copy); returns them, for `unsupersede` if the write fails."""
         keys = set(keys)
-        superseded = [k for k in self._stale if k in keys]
-        if superseded:
-            self._stale = [k for k in self._stale if k not in keys]
+        superseded = [k for k in keys if k in self._stale]
+        for k in superseded:
+            del self._stale[k]
         return superseded
 
     def unsupersede(self, keys: list[bytes]) -> None:
         """The write of `keys` (from `supersede`) failed: their older copies are still there."""
-        self._stale.extend(keys)
+        self._stale.update(dict.fromkeys(keys))
 
     def delete_stale(self) -> bool:
         """Delete outdated copies; False if the disk refused (they stay queued for a retry)."""
         if self._stale:
             try:
-                self.store.delete(self._stale)
+                self.store.delete(list(self._stale))
             except CapacityError:
                 return False
-        self._stale = []
+        self._stale = {}
         return True
 
     @property
@@ -200,14 +206,25 @@ class SsdTier:
         return bool(self._stale)
 
     def clear(self) -> None:
-        """Delete and forget every block: forgotten only once deleted (a full disk refuses the delete,
-        and the blocks stay indexed, as they stay stored)."""
-        self.store.clear()
+        """Forget and delete every block. Where the disk refuses the delete (full), every block is
+        forgotten all the same and queued for deletion (the demoter retries; a clean close saves the
+        queue with the index), and StorageError says the clear is not durable yet: a crash before the
+        deletion would bring the blocks back."""
+        try:
+            self.store.clear()
+        except CapacityError as e:
+            self._stale.update(dict.fromkeys(self._sizes))
+            self._forget_all()
+            raise StorageError(f"the SSD tier's disk is full: its blocks are dropped but not deleted yet, so this "
+                               f"clear is not durable (a crash would undo it): free disk space ({e})") from e
+        self._forget_all()
+        self._stale = {}
+
+    def _forget_all(self) -> None:
         self._sizes.clear()
         self._expires.clear()
         self._versions.clear()
         self._order.clear()
-        self._stale = []
         self.nbytes = self.disk_bytes = 0
 
     def close(self) -> None:
@@ -220,7 +237,7 @@ class SsdTier:
         if ours:  # sizes in eviction order: the order is saved as the dict's
             sizes = self._sizes
             ssd_index.save(store, ssd_index.Snapshot(dict(zip(self._order, map(sizes.__getitem__, self._order))),
-                                                     self._expires, self._stale, self._versions))
+                                                     self._expires, list(self._stale), self._versions))
         store.close()
 
     def check(self, copies: Mapping[bytes, BlockMeta]) -> list[str]:

@@ -164,7 +164,8 @@ def test_one_workers_tenant_cap_is_a_miss_not_a_failed_cluster_call(tmp_path: Pa
             except Exception as e:
                 got = repr(e)
         assert isinstance(got, list) and {k for k, v in zip(keys, got) if v} >= on_w1, (
-            f"tenant a's cluster batch_exists while w0 refuses it a connection (w1 holds {len(on_w1)} of the keys): {got}")
+            f"tenant a's cluster batch_exists while w0 refuses it a connection (w1 holds {len(on_w1)} of the "
+            f"keys): {got}")
     finally:
         if hog is not None:
             hog.close()
