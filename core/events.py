@@ -8,9 +8,11 @@ JetStream cannot reserve that) so a consumer can replay
 what it missed. A batch is JSON:
 `{"v": 1, "worker", "node", "boot", "seq", "ts", "lost", "events": [[kind, tier, reason, key], ...]}`
 with kind one of stored/copied/dropped/removed/cleared (see `cache_events`), `seq` counting batches
-from 0 per worker process (`boot`), `lost` the events dropped so far because the queue was full, and
-`key` a str (UTF-8 keys) or `{"hex": ...}`. `EventFeed` reads them back; `events_zmq` turns them
-into vLLM's KV-event format for cache-aware routers.
+from 0 per worker process (`boot`), `lost` the events not delivered so far (the queue was full, or a
+sink failed: NATS away), and `key` a str (UTF-8 keys) or `{"hex": ...}`. Each boot starts with
+`cleared` then its holdings, and re-announces them so after any loss, so a consumer never keeps what an
+earlier boot or a lost batch announced; a clean stop takes back what goes with the process (reason
+`stop`). `EventFeed` reads them back; `events_zmq` turns them into vLLM's KV-event format.
 """
 from __future__ import annotations
 
@@ -89,7 +91,7 @@ class EventBatch:
             events = [BlockEvent(str(k), str(t), str(r), key_from_json(key)) for k, t, r, key in raw["events"]]
             return cls(str(raw["worker"]), str(raw.get("node", "")), str(raw.get("boot", "")), int(raw["seq"]),
                        float(raw["ts"]), int(raw.get("lost", 0)), events)
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:  # 1e400, deep nesting
             raise ProtocolError(f"malformed event batch ({len(data)} bytes): {type(e).__name__}: {e}") from e
 
 
@@ -192,8 +194,12 @@ Sink = Callable[[EventBatch], None]
 class EventPublisher:
     """Drains an EventQueue every `flush_s` seconds into batches for each sink (NATS, ZMQ, tests).
 
-    A sink that fails is logged once per change of error and the batch goes on to the others; the
-    batch is not retried (its `seq` shows the gap to consumers)."""
+    It starts with `cleared` then what the cache holds (a restart's SSD tier): a consumer forgets what
+    an earlier boot of the worker announced (DRAM blocks a kill -9 lost, blocks the start-up catch-up
+    dropped). A sink that fails is logged once per change of error and the batch goes on to the others;
+    it is not retried, its events count in `lost`, and once every sink is connected again (`connected`,
+    where a sink has it) the publisher re-announces its holdings (`cleared`, then what it holds): what
+    the lost batches said is not missed for good."""
 
     def __init__(self, cache: Any, worker_id: str, node_id: str, sinks: list[Sink], *,
                  flush_s: float = FLUSH_S) -> None:
@@ -201,42 +207,92 @@ class EventPublisher:
         self.worker_id, self.node_id, self.sinks, self.flush_s = worker_id, node_id, sinks, flush_s
         self.boot = os.urandom(4).hex()
         self.seq = 0
+        self.undelivered = 0
+        """events of batches some sink failed to take (`lost` counts them with the queue's overflow)"""
         self._errors: dict[int, str] = {}
         self._cache = cache
         self._stop = threading.Event()
-        cache.add_listener(self.queue, replay=True)  # what it holds already (e.g. a restart's SSD tier)
+        self._lock = threading.Lock()  # listener changes: a re-announcement vs close
+        self._closing = False
+        self._reannounce = False
+        self._announce()
         self._thread = threading.Thread(target=self._run, name="kvpool-events", daemon=True)
         self._thread.start()
+
+    def _announce(self) -> None:
+        """Queue `cleared` then every block held, with no change slipping in between or lost."""
+        self._cache.remove_listener(self.queue)  # (not listening yet at start: nothing)
+        self.queue.cleared()
+        self._cache.add_listener(self.queue, replay=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.flush_s):
             self.flush()
         self.flush()
 
+    def _sinks_connected(self) -> bool:
+        return all(getattr(sink, "connected", True) for sink in self.sinks)
+
     def flush(self) -> None:
-        """Publish everything queued now (in batches of at most MAX_BATCH)."""
+        """Publish everything queued now (in batches of at most MAX_BATCH), after re-announcing the
+        holdings where a batch was lost and the sinks are back."""
+        if self._reannounce and self._sinks_connected():
+            with self._lock:
+                if not self._closing:
+                    self._reannounce = False
+                    self._announce()
         while True:
             events = self.queue.take()
             if not events:
                 return
-            batch = EventBatch(self.worker_id, self.node_id, self.boot, self.seq, time.time(), self.queue.lost, events)
+            batch = EventBatch(self.worker_id, self.node_id, self.boot, self.seq, time.time(),
+                               self.queue.lost + self.undelivered, events)
             self.seq += 1
+            failed = False
             for i, sink in enumerate(self.sinks):
                 try:
                     sink(batch)
                     if self._errors.pop(i, None):
                         log.info("event sink %d publishing again", i)
                 except Exception as e:  # a sink down must not stop the others, nor the worker
+                    failed = True
                     why = f"{type(e).__name__}: {e}"
                     if self._errors.get(i) != why:
                         self._errors[i] = why
-                        log.warning("event sink %d failed (%s); its batches are dropped meanwhile", i, why)
+                        log.warning("event sink %d failed (%s); its batches are lost meanwhile and the "
+                                    "holdings re-announced once it is back", i, why)
+            if failed:
+                self.undelivered += len(events)
+                self._reannounce = True
 
-    def close(self) -> None:
-        """Publish what is queued, stop listening and stop the thread (sinks are closed by their owner)."""
-        self._cache.remove_listener(self.queue)
+    def close(self, *, going: bool = False) -> None:
+        """Publish what is queued, stop listening and stop the thread (sinks are closed by their owner).
+        `going=True` (the worker stops, its cache still open): end with `cleared` then what the SSD
+        tier keeps, the blocks that outlive the process (none without an SSD tier)."""
+        with self._lock:
+            self._closing = True
+            self._cache.remove_listener(self.queue)
+            if going:
+                self.queue.cleared()
+                kept = _OnSsd(self.queue)
+                self._cache.add_listener(kept, replay=True)
+                self._cache.remove_listener(kept)
         self._stop.set()
         self._thread.join(10)
+
+
+class _OnSsd(CacheListener):
+    """Replays into `queue` only the blocks the SSD tier holds, as `stored` there."""
+
+    def __init__(self, queue: EventQueue) -> None:
+        self.queue = queue
+
+    def stored(self, key: bytes, tier: str) -> None:
+        if tier == "ssd":
+            self.queue.stored(key, tier)
+
+    def copied(self, key: bytes, tier: str) -> None:
+        self.stored(key, tier)
 
 
 class NatsSink:
@@ -255,6 +311,11 @@ class NatsSink:
             self._io.stop()
             raise nats_error(e, f"cannot publish events at {redacted_url(nats_url)}") from e
 
+    @property
+    def connected(self) -> bool:
+        """Whether NATS is reachable now (not reconnecting): what is published now is not buffered."""
+        return bool(self._nc.is_connected)
+
     def __call__(self, batch: EventBatch) -> None:
         self._io.run(self._nc.publish(self.subject, batch.encode()), timeout=self.timeout_s)
 
@@ -270,14 +331,25 @@ class EventIndex:
     """What the pool holds, rebuilt from its events: (worker, key) -> the tiers holding the block.
 
     Feed it every batch in order (`EventFeed(replay=True)` from the start of retention); a router
-    or prefix index asks `workers(key)` where a block is."""
+    or prefix index asks `workers(key)` where a block is. A batch of a new `boot` of a worker drops
+    what its earlier boots announced (a restarted worker announces its holdings again); `gaps` counts
+    batches missing from a boot's `seq` (lost: the worker re-announces its holdings after a loss)."""
 
     def __init__(self) -> None:
         self.held: dict[tuple[str, bytes], set[str]] = {}
         self.seen: set[bytes] = set()
         """every key any event named"""
+        self.boots: dict[str, tuple[str, int]] = {}
+        """worker -> (its boot, the last seq applied)"""
+        self.gaps = 0
 
     def apply(self, batch: EventBatch) -> None:
+        last = self.boots.get(batch.worker)
+        if last is not None and last[0] != batch.boot:
+            self.forget(batch.worker)
+        elif last is not None and batch.seq > last[1] + 1:
+            self.gaps += batch.seq - last[1] - 1
+        self.boots[batch.worker] = (batch.boot, batch.seq)
         for e in batch.events:
             k = (batch.worker, e.key)
             self.seen.add(e.key)
@@ -286,11 +358,19 @@ class EventIndex:
             elif e.kind == "copied":
                 self.held.setdefault(k, set()).add(e.tier)
             elif e.kind == "dropped":
-                self.held.get(k, set()).discard(e.tier)
+                tiers = self.held.get(k)
+                if tiers is not None:
+                    tiers.discard(e.tier)
+                    if not tiers:
+                        del self.held[k]
             elif e.kind == "removed":
                 self.held.pop(k, None)
             elif e.kind == "cleared":
-                self.held = {h: t for h, t in self.held.items() if h[0] != batch.worker}
+                self.forget(batch.worker)
+
+    def forget(self, worker: str) -> None:
+        """Drop everything `worker` was said to hold."""
+        self.held = {h: t for h, t in self.held.items() if h[0] != worker}
 
     def workers(self, key: bytes) -> set[str]:
         """The workers holding `key` (in any tier)."""

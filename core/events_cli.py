@@ -33,7 +33,10 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
 
 
 def _line(batch: EventBatch) -> str:
-    return json.dumps({"worker": batch.worker, "seq": batch.seq, "ts": batch.ts, "lost": batch.lost,
+    """One batch as a JSON line, with its `node` and `boot`: a consumer tells a restarted worker (a new
+    boot, seq from 0, its DRAM blocks gone) from one whose batches it missed (a gap in seq)."""
+    return json.dumps({"worker": batch.worker, "node": batch.node, "boot": batch.boot, "seq": batch.seq,
+                       "ts": batch.ts, "lost": batch.lost,
                        "events": [[e.kind, e.tier, e.reason, key_to_json(e.key)] for e in batch.events]})
 
 

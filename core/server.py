@@ -237,9 +237,9 @@ class Worker(RequestHandlers):
         if self.membership is not None and self._alive is not None:
             self._alive.touch()  # its last sign of life: it accepts nothing after the drain
         self.cache.flush()
+        if self.events is not None:  # after the flush (its last tier moves are published too), before the
+            self.events.close()  # cache closes: it takes back the DRAM copies, reading what SSD keeps
         self.cache.close()
-        if self.events is not None:
-            self.events.close()  # after the flush: its last tier moves are published too
         self.metrics.close()
         log.info("worker %s stopped", self.worker_id)
 

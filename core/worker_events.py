@@ -32,8 +32,10 @@ class WorkerEvents:
             raise
 
     def close(self) -> None:
-        """Publish what is queued, then close the sinks."""
-        self.publisher.close()
+        """Publish what is queued and take back what goes with the process (`cleared`, then what the
+        SSD tier keeps: its DRAM copies go, a worker without SSD keeps nothing), then close the sinks.
+        Call it after the stop's flush to SSD and before the cache closes."""
+        self.publisher.close(going=True)
         self._close_sinks()
 
     def _close_sinks(self) -> None:

@@ -47,15 +47,17 @@ def test_malformed_batches_are_protocol_errors(data: bytes) -> None:
 
 
 def test_pool_level_events_by_default() -> None:
-    k1, k2, k3 = (f"vllm/{i:064x}".encode() for i in (1, 2, 3))
+    k1, k2, k3, k4 = (f"vllm/{i:064x}".encode() for i in (1, 2, 3, 4))
     b = _batch(("stored", "dram", "", k1), ("copied", "ssd", "", k1), ("dropped", "dram", "evict", k1),
-               ("stored", "dram", "", k2), ("removed", "ssd", "evict", k1), ("removed", "dram", "evict", k2),
-               ("removed", "dram", "remove", k3), ("cleared", "", "", b"*"))
+               ("stored", "dram", "", k2), ("stored", "dram", "", k3), ("removed", "ssd", "evict", k1),
+               ("removed", "dram", "evict", k2), ("removed", "dram", "remove", k3),
+               ("removed", "dram", "remove", k4), ("cleared", "", "", b"*"))
     ev = vllm_events(b, VllmFormat())
-    assert [e["type"] for e in ev] == ["BlockStored", "BlockStored", "BlockRemoved", "BlockRemoved", "AllBlocksCleared"]
+    assert [e["type"] for e in ev] == ["BlockStored"] * 3 + ["BlockRemoved", "BlockRemoved", "AllBlocksCleared"]
     assert ev[0]["block_hashes"] == [(1).to_bytes(32, "big")] and ev[0]["medium"] == "CPU"
-    assert ev[2] == {"type": "BlockRemoved", "block_hashes": [(1).to_bytes(32, "big")], "medium": "STORAGE"}
-    assert ev[3]["block_hashes"] == [(2).to_bytes(32, "big"), (3).to_bytes(32, "big")]  # merged: one medium
+    assert ev[3] == {"type": "BlockRemoved", "block_hashes": [(1).to_bytes(32, "big")], "medium": "STORAGE"}
+    # merged: one medium; k4 was never announced stored, so a router is told nothing of it
+    assert ev[4]["block_hashes"] == [(2).to_bytes(32, "big"), (3).to_bytes(32, "big")]
 
 
 def test_tier_moves_when_asked_and_kv_parts_once() -> None:
