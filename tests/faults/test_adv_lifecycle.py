@@ -172,10 +172,16 @@ def test_ctrl_c_while_waiting_for_nats_at_construction_leaves_no_thread(kind: st
     }
     gc.collect()
     threads, fds = _threads(), _fds()
+    # (a process started in the background by a non-interactive shell, as CI's, ignores SIGINT: Ctrl-C's
+    # own handler, explicitly)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        make[kind]()
-    timer.join()
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            make[kind]()
+        timer.join()
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert _settled(threads, fds, timeout=12), \
         f"Ctrl-C during a {kind}'s start left threads {_extra(threads)} and {_fds() - fds} fds"
