@@ -11,6 +11,7 @@ cache keeps the newest, ignores puts older than it, and removals leave tombstone
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -23,7 +24,7 @@ from .buffers import Destination, destinations, readable_all
 from .cache_events import CacheListener
 from .config import CacheConfig, load
 from .demoter import Demoter
-from .errors import BlockTooLarge, BufferSizeError, InvalidArgument, PoolClosed
+from .errors import BlockTooLarge, BufferSizeError, InvalidArgument, PoolClosed, StorageError
 from .fastcopy import copy, copy_hash
 from .keys import Key, key_bytes, keys_bytes
 from .replica_state import ReplicaState
@@ -37,6 +38,8 @@ from .tiers.ssd_tier import SsdTier
 from .versions import CLOCK, REMOVED, SUPERSEDED
 
 __all__ = ["TieredCache", "BlockRef"]
+
+log = logging.getLogger("kvpool.cache")
 
 
 class TieredCache:
@@ -407,10 +410,14 @@ class TieredCache:
     def drop_all(self) -> None:
         """Drop every block from every tier, as `clear()` does, but remembering no clear: for a worker
         that cannot vouch for its own blocks (it missed changes made while it was away), which says
-        nothing of the keys as its peers hold them."""
+        nothing of the keys as its peers hold them. A full disk that keeps the SSD copies for now is
+        logged (they are dropped all the same, and deleted once it lets the demoter)."""
         with self._lock:
             self._stack.check_open()
-            self._stack.clear()
+            try:
+                self._stack.clear()
+            except StorageError as e:
+                log.warning("blocks dropped, not yet deleted from SSD: %s", e)
 
     def pin(self, key: Key, pin_s: float) -> None:
         """Keep the block of `key` in DRAM (never evicted) for `pin_s` seconds from now, renewing any
@@ -576,23 +583,32 @@ _forking = threading.Lock()
 _held: list[TieredCache] = []
 
 
+_LOCK_WAIT_S = 1.0
+"""How long a fork waits for a cache's lock: a thread that holds one may itself be forking, waiting for
+`_forking` (one fork at a time): past it, the child's copy of that cache is closed instead."""
+_missed: list[TieredCache] = []
+
+
 def _before_fork() -> None:
     """Each cache's lock taken by the forking thread: the child's copy is of no half-made change."""
     _forking.acquire()
-    _held[:] = [cache for cache in list(_CACHES) if cache is not None]
-    for cache in _held:
-        cache._lock.acquire()
+    _held.clear()
+    _missed.clear()
+    for cache in [c for c in list(_CACHES) if c is not None]:
+        (_held if cache._lock.acquire(timeout=_LOCK_WAIT_S) else _missed).append(cache)
 
 
 def _after_fork_in_parent() -> None:
     for cache in _held:
         cache._lock.release()
     _held.clear()
+    _missed.clear()
     _forking.release()
 
 
 def _after_fork_in_child() -> None:
-    """The child's copy of each cache (see `TierStack.forked`), with a demoter thread of its own."""
+    """The child's copy of each cache (see `TierStack.forked`), with a demoter thread of its own; one
+    whose lock another thread held at the fork is closed (PoolClosed: that thread's change is half made)."""
     for cache in _held:
         stack = cache._stack
         stack.forked()
@@ -600,7 +616,10 @@ def _after_fork_in_child() -> None:
         if not stack.closed:
             cache._demoter.restart()
         cache._lock.release()
+    for cache in _missed:
+        cache._stack.closed = True
     _held.clear()
+    _missed.clear()
     _forking.release()
 
 

@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -39,6 +40,9 @@ __all__ = ["STREAM", "SUBJECT_PREFIX", "FLUSH_S", "MAX_QUEUED", "MAX_BATCH", "MA
     "EventIndex", "EventFeed", "key_to_json", "key_from_json"]
 
 log = logging.getLogger("kvpool.events")
+
+REANNOUNCE_S = 5.0
+"""The least time between two re-announcements of a worker's holdings (after lost events)."""
 
 STREAM = "KVPOOL_EVENTS"
 SUBJECT_PREFIX = "kvpool.events"
@@ -120,9 +124,11 @@ class EventQueue(CacheListener):
         self._q: collections.deque[BlockEvent] = collections.deque()
         self.max_queued = max_queued
         self.lost = 0
+        self.unbounded = False
+        """Set while a publisher announces what the cache holds: an announcement is never cut short."""
 
     def _add(self, kind: str, key: bytes, tier: str, reason: str = "") -> None:
-        if len(self._q) >= self.max_queued:
+        if len(self._q) >= self.max_queued and not self.unbounded:
             self.lost += 1
             return
         self._q.append(BlockEvent(kind, tier, reason, key))
@@ -199,7 +205,8 @@ class EventPublisher:
     dropped). A sink that fails is logged once per change of error and the batch goes on to the others;
     it is not retried, its events count in `lost`, and once every sink is connected again (`connected`,
     where a sink has it) the publisher re-announces its holdings (`cleared`, then what it holds): what
-    the lost batches said is not missed for good."""
+    the lost batches said is not missed for good. So does an overflow of the queue; re-announcements
+    come `REANNOUNCE_S` apart at least (each replays every block under the cache's lock)."""
 
     def __init__(self, cache: Any, worker_id: str, node_id: str, sinks: list[Sink], *,
                  flush_s: float = FLUSH_S) -> None:
@@ -215,15 +222,23 @@ class EventPublisher:
         self._lock = threading.Lock()  # listener changes: a re-announcement vs close
         self._closing = False
         self._reannounce = False
+        self._announced_at = -math.inf
+        self._lost_seen = 0
         self._announce()
         self._thread = threading.Thread(target=self._run, name="kvpool-events", daemon=True)
         self._thread.start()
 
     def _announce(self) -> None:
-        """Queue `cleared` then every block held, with no change slipping in between or lost."""
+        """Queue `cleared` then every block held, with no change slipping in between or lost (the
+        queue's bound does not cut an announcement short: a tier of more blocks than it holds)."""
         self._cache.remove_listener(self.queue)  # (not listening yet at start: nothing)
-        self.queue.cleared()
-        self._cache.add_listener(self.queue, replay=True)
+        self.queue.unbounded = True
+        try:
+            self.queue.cleared()
+            self._cache.add_listener(self.queue, replay=True)
+        finally:
+            self.queue.unbounded = False
+        self._lost_seen = self.queue.lost
 
     def _run(self) -> None:
         while not self._stop.wait(self.flush_s):
@@ -236,11 +251,16 @@ class EventPublisher:
     def flush(self) -> None:
         """Publish everything queued now (in batches of at most MAX_BATCH), after re-announcing the
         holdings where a batch was lost and the sinks are back."""
-        if self._reannounce and self._sinks_connected():
+        if self.queue.lost > self._lost_seen:  # the queue overflowed: what it dropped is said again
+            self._lost_seen = self.queue.lost
+            self._reannounce = True
+        if self._reannounce and self._sinks_connected() and \
+                time.monotonic() - self._announced_at >= REANNOUNCE_S:
             with self._lock:
                 if not self._closing:
                     self._reannounce = False
                     self._announce()
+                    self._announced_at = time.monotonic()
         while True:
             events = self.queue.take()
             if not events:

@@ -277,6 +277,7 @@ class TierStack:
         """Remove each key's block from every tier; whether DRAM or SSD held one. Their SSD copies are
         deleted now; a full disk leaves them to the demoter and raises StorageError (`delete_stale_now`)."""
         found = []
+        stored: list[bytes] = []  # keys with a copy on SSD, or on its way there
         ssd = self.ssd
         for key in keys:
             hit = self.drop_dram(key, "remove")
@@ -286,12 +287,14 @@ class TierStack:
                 ssd.forget(key)
                 self.left(key, "ssd", "remove")
                 hit = True
+                stored.append(key)
+            elif hit and key in self.writing:
+                stored.append(key)
             found.append(hit)
-        gone = [k for k, f in zip(keys, found) if f]
-        if ssd is not None and gone:
-            ssd.mark_stale(gone)  # (before the wait: a newer copy written meanwhile is not marked)
-            self.await_writes(gone)  # a copy being written lands first (queued as it ends) and goes too
-        if ssd is not None and (gone or ssd.stale_among(keys)):  # (a retry of a refused remove too)
+        if ssd is not None and stored:
+            ssd.mark_stale(stored)  # (before the wait: a newer copy written meanwhile is not marked)
+            self.await_writes(stored)  # a copy being written lands first (queued as it ends) and goes too
+        if ssd is not None and (stored or ssd.stale_among(keys)):  # (a retry of a refused remove too)
             self.delete_stale_now("remove")
         return found
 

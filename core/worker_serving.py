@@ -470,7 +470,8 @@ class ConnectionServing:
             if frame.data_len:  # (a PUT's bytes may be unread: its blocks carry ITEM_STORAGE instead)
                 raise
             self._storage_refused(e)
-            self._reply(conn, frame, P.pack_json({"error": str(e)}), status=P.Status.STORAGE)
+            if frame.op not in P.ONE_WAY:  # (SUPERSEDE, PIN: no reply is read)
+                self._reply(conn, frame, P.pack_json({"error": str(e)}), status=P.Status.STORAGE)
 
     def _reply(self, conn: Conn, frame: P.Frame, meta: bytes = b"", data: list[memoryview] | None = None,
                status: int = P.Status.OK) -> None:

@@ -306,10 +306,12 @@ def walk_pages(store: SsdStore) -> None:
 
 
 def _walk_verdict(fd: int) -> str:
-    """What the walk's pipe says: empty if the walk ended well, else what went wrong."""
+    """What the walk's pipe says: empty if the walk ended well, else what went wrong. (`poll`, not
+    `select`: a process with a thousand files open has pipes numbered past select's FD_SETSIZE.)"""
+    waiting = select.poll()
+    waiting.register(fd, select.POLLIN)
     while True:
-        ready, _, _ = select.select([fd], [], [], WALK_QUIET_S)
-        if not ready:
+        if not waiting.poll(WALK_QUIET_S * 1000):
             return f"a walk of its pages made no progress in {WALK_QUIET_S:.0f} s"
         got = os.read(fd, 4096)
         if not got:
