@@ -235,3 +235,23 @@ def inproc_worker(tmp_path: Any, **cache: object) -> Any:
 
     return Worker(WorkerConfig(port=0, unix_path=str(tmp_path / "w.sock"), no_auth=True),  # type: ignore[arg-type]
                   CacheConfig(prefault=False, **cache)).start()  # type: ignore[arg-type]
+
+
+SMALL_DRAM = {"KVPOOL_DRAM_SLAB_SIZE": "1MiB", "KVPOOL_PREFAULT": "0"}
+"""A worker's environment for a small arena (`dram_bytes="4MiB"`) of 1 MiB slabs, unprefaulted."""
+
+
+def fill_then_full_disk(w: WorkerProcess, keys: list[str], size: int = 64 << 10) -> list[str]:
+    """Put `keys[:120]` through `w`'s small arena (most reach its SSD tier), make its disk full (a file
+    quota at data.mdb's size: LMDB can take no page more), put the rest; the first 120 still held."""
+    import resource
+
+    with PoolClient(mode="local", worker=w.address, timeout_s=10) as c:
+        for i in range(0, 120, 20):  # 7.5 MiB through a 4 MiB arena: most go to SSD
+            c.batch_put(keys[i:i + 20], [block(k, size) for k in keys[i:i + 20]])
+        time.sleep(0.5)  # (the demoter's last batch)
+        full = (w.state_dir / "ssd" / "data.mdb").stat().st_size
+        resource.prlimit(w.proc.pid, resource.RLIMIT_FSIZE, (full, full))  # the disk is full from here
+        for i in range(120, len(keys), 20):
+            c.batch_put(keys[i:i + 20], [block(k, size) for k in keys[i:i + 20]])
+        return [k for k in keys[:120] if c.exists(k)]

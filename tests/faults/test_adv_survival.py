@@ -20,9 +20,8 @@ from kvpool.core import KVPoolError, PoolUnavailable
 from kvpool.core.client import PoolClient
 from kvpool.core.procs import WorkerProcess
 
-from faulthelp import block, inproc_worker, is_block_of
+from faulthelp import SMALL_DRAM, block, fill_then_full_disk, inproc_worker, is_block_of
 
-SMALL_DRAM = {"KVPOOL_DRAM_SLAB_SIZE": "1MiB", "KVPOOL_PREFAULT": "0"}
 _PAGE = 4096
 _P_BRANCH, _P_LEAF = 0x01, 0x02
 
@@ -161,15 +160,8 @@ def test_a_change_acknowledged_on_a_full_disk_is_not_undone_by_a_kill_9(tmp_path
     keys = [f"d{i}" for i in range(300)]
     w = WorkerProcess(state, **worker).wait_ready()  # type: ignore[arg-type]
     try:
+        on_ssd = fill_then_full_disk(w, keys)
         with PoolClient(mode="local", worker=w.address, timeout_s=10) as c:
-            for i in range(0, 120, 20):  # 7.5 MiB through a 4 MiB arena: most go to SSD
-                c.batch_put(keys[i:i + 20], [block(k, size) for k in keys[i:i + 20]])
-            time.sleep(0.5)  # (the demoter's last batch)
-            full = (state / "ssd" / "data.mdb").stat().st_size
-            resource.prlimit(w.proc.pid, resource.RLIMIT_FSIZE, (full, full))  # the disk is full from here
-            for i in range(120, 300, 20):
-                c.batch_put(keys[i:i + 20], [block(k, size) for k in keys[i:i + 20]])
-            on_ssd = [k for k in keys[:120] if c.exists(k)]
             assert len(on_ssd) > 20, len(on_ssd)
             try:  # refused (a typed error) is honest; acknowledged must survive the kill -9
                 if change == "remove":

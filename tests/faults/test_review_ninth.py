@@ -14,9 +14,8 @@ from kvpool.core.client import PoolClient
 from kvpool.core.errors import StorageError
 from kvpool.core.procs import WorkerProcess
 
-from faulthelp import block, is_block_of
+from faulthelp import SMALL_DRAM, block, is_block_of
 
-SMALL_DRAM = {"KVPOOL_DRAM_SLAB_SIZE": "1MiB", "KVPOOL_PREFAULT": "0"}
 SIZE = 64 << 10
 
 

@@ -15,9 +15,7 @@ from kvpool.core import KVPoolError
 from kvpool.core.client import PoolClient
 from kvpool.core.procs import WorkerProcess
 
-from faulthelp import block, is_block_of
-
-SMALL_DRAM = {"KVPOOL_DRAM_SLAB_SIZE": "1MiB", "KVPOOL_PREFAULT": "0"}
+from faulthelp import SMALL_DRAM, block, fill_then_full_disk, is_block_of
 
 
 # Bug: a remove (or an overwriting put) refused on a full disk (StorageError: "not durable") has already
@@ -35,15 +33,8 @@ def test_a_retry_of_a_change_refused_on_a_full_disk_is_not_acknowledged_until_du
     acknowledged: list[str] = []
     refused = 0
     try:
+        on_ssd = fill_then_full_disk(w, keys)
         with PoolClient(mode="local", worker=w.address, timeout_s=10) as c:
-            for i in range(0, 120, 20):  # 7.5 MiB through a 4 MiB arena: most go to SSD
-                c.batch_put(keys[i:i + 20], [block(k, size) for k in keys[i:i + 20]])
-            time.sleep(0.5)  # (the demoter's last batch)
-            full = (state / "ssd" / "data.mdb").stat().st_size
-            resource.prlimit(w.proc.pid, resource.RLIMIT_FSIZE, (full, full))  # the disk is full from here
-            for i in range(120, 300, 20):
-                c.batch_put(keys[i:i + 20], [block(k, size) for k in keys[i:i + 20]])
-            on_ssd = [k for k in keys[:120] if c.exists(k)]
             assert len(on_ssd) > 20, len(on_ssd)
         for _ in range(30):  # a client retries a refused change, as an engine would
             with PoolClient(mode="local", worker=w.address, timeout_s=10) as c:
@@ -157,15 +148,8 @@ def test_a_remove_refused_on_a_full_disk_does_not_blind_the_mooncake_drop_in(tmp
     w = WorkerProcess(state, ssd=True, dram_bytes="4MiB", env=SMALL_DRAM).wait_ready()
     store = MooncakeDistributedStore()
     try:
+        on_ssd = fill_then_full_disk(w, keys)
         with PoolClient(mode="local", worker=w.address, timeout_s=10) as c:
-            for i in range(0, 120, 20):
-                c.batch_put(keys[i:i + 20], [block(k, size) for k in keys[i:i + 20]])
-            time.sleep(0.5)  # (the demoter's last batch)
-            full = (state / "ssd" / "data.mdb").stat().st_size
-            resource.prlimit(w.proc.pid, resource.RLIMIT_FSIZE, (full, full))  # the disk is full from here
-            for i in range(120, 300, 20):
-                c.batch_put(keys[i:i + 20], [block(k, size) for k in keys[i:i + 20]])
-            on_ssd = [k for k in keys[:120] if c.exists(k)]
             warm = keys[-1]
             assert c.get(warm) == block(warm, size)
         assert store.setup("localhost", "P2PHANDSHAKE", 0, 0, "tcp", "", w.address) == 0

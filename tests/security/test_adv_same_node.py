@@ -13,55 +13,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rawhelp import A_TOKEN, B_TOKEN, MIB, POOL, SMALL, tcp_socket, tenant_worker, unix_socket
 
 from kvpool.core import protocol as P
 from kvpool.core.client import PoolClient
 from kvpool.core.config import CacheConfig, WorkerConfig
 from kvpool.core.server import Worker
-from kvpool.core.transport import TcpTransport
-
-POOL = "the-pool-token-" + "p" * 40
-A_TOKEN = "tenant-a-token-" + "a" * 32
-B_TOKEN = "tenant-b-token-" + "b" * 32
-MIB = 1 << 20
-SMALL = {"dram_bytes": 32 * MIB, "dram_slab_size": MIB, "prefault": False}
-
-
-def _worker(tmp_path: Path, **config: object) -> Worker:
-    """A worker with the pool token and tenants `a` and `b` (no quotas) on a 32 MiB arena of 1 MiB slabs."""
-    tenants = tmp_path / "tenants.json"
-    tenants.write_text(json.dumps({"a": {"token": A_TOKEN}, "b": {"token": B_TOKEN}}))
-    tenants.chmod(0o600)
-    return Worker(WorkerConfig(port=0, unix_path=str(tmp_path / "w.sock"), token=POOL,
-                               tenants_file=str(tenants), **config), CacheConfig(**SMALL)).start()  # type: ignore[arg-type]
 
 
 @pytest.fixture
 def worker(tmp_path: Path) -> Iterator[Worker]:
-    w = _worker(tmp_path)
+    w = tenant_worker(tmp_path)
     yield w
     w.stop()
 
 
-def _unix(w: Worker) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX)
-    s.settimeout(10)
-    s.connect(w.unix_path)
-    return s
-
-
-def _tcp(w: Worker, token: str) -> socket.socket:
-    """A raw TCP socket authenticated with `token`, as any client does it."""
-    s = socket.create_connection(("127.0.0.1", w.port), timeout=10)
-    t = TcpTransport(w.address, token=token)
-    try:
-        t._handshake(s)
-    except BaseException:
-        s.close()
-        raise
-    finally:
-        t.close()
-    return s
 
 
 def _stalled_put(sock: socket.socket, prefix: bytes, n: int) -> None:
@@ -79,7 +45,7 @@ def _stalled_put(sock: socket.socket, prefix: bytes, n: int) -> None:
 # and not yet committed" (ALLOC keeps to it, PUT does not); over TCP a tenant does it with no bytes sent.
 @pytest.mark.parametrize("via", ["same-node", "tenant"])
 def test_a_stalled_put_header_does_not_reserve_the_whole_arena(worker: Worker, via: str) -> None:
-    hog = _unix(worker) if via == "same-node" else _tcp(worker, B_TOKEN)
+    hog = unix_socket(worker) if via == "same-node" else tcp_socket(worker, B_TOKEN)
     try:
         _stalled_put(hog, b"b/hog", 40)  # 40 MiB claimed of a 32 MiB arena
         time.sleep(0.5)  # the worker has read the header by now
@@ -106,12 +72,12 @@ def test_a_stalled_put_header_does_not_reserve_the_whole_arena(worker: Worker, v
 # connections locks every other client out (other tenants, the pool token, the worker's own user's
 # same-node clients), for as long as it likes. Only strangers are kept from this (max_unauthenticated).
 def test_one_tenant_cannot_lock_every_other_client_out_with_idle_connections(tmp_path: Path) -> None:
-    w = _worker(tmp_path, max_connections=8)
+    w = tenant_worker(tmp_path, max_connections=8)
     hogs: list[socket.socket] = []
     try:
         for _ in range(8):
             try:
-                hogs.append(_tcp(w, B_TOKEN))
+                hogs.append(tcp_socket(w, B_TOKEN))
             except Exception:  # refused: a per-tenant bound, what this test asks for
                 break
         served: dict[str, object] = {}

@@ -4,7 +4,6 @@ time within `max_reserve`), the tenants' connection caps and the tenants' quota 
 Each test names the bug it shows; each fails on the code it was written against."""
 from __future__ import annotations
 
-import json
 import socket
 import time
 from collections.abc import Iterator
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rawhelp import A_TOKEN, B_TOKEN, MIB, POOL, SMALL, tcp_socket, tenant_worker, tenants_file, unix_socket
 
 from kvpool.core import protocol as P
 from kvpool.core.blocks import checksum
@@ -19,49 +19,6 @@ from kvpool.core.client import PoolClient
 from kvpool.core.config import CacheConfig, WorkerConfig
 from kvpool.core.nats_server import NatsServer
 from kvpool.core.server import Worker
-from kvpool.core.transport import TcpTransport
-
-POOL = "the-pool-token-" + "p" * 40
-A_TOKEN = "tenant-a-token-" + "a" * 32
-B_TOKEN = "tenant-b-token-" + "b" * 32
-MIB = 1 << 20
-SMALL = {"dram_bytes": 32 * MIB, "dram_slab_size": MIB, "prefault": False}
-
-
-def _tenants(tmp_path: Path, table: dict[str, dict[str, object]]) -> str:
-    path = tmp_path / "tenants.json"
-    path.write_text(json.dumps(table))
-    path.chmod(0o600)
-    return str(path)
-
-
-def _worker(tmp_path: Path, table: dict[str, dict[str, object]] | None = None, **config: object) -> Worker:
-    """A worker with the pool token and tenants (default `a`, `b`, no quotas) on a 32 MiB arena of 1 MiB
-    slabs: max_block 1 MiB, max_reserve 4 MiB."""
-    table = table or {"a": {"token": A_TOKEN}, "b": {"token": B_TOKEN}}
-    return Worker(WorkerConfig(port=0, unix_path=str(tmp_path / "w.sock"), token=POOL,  # type: ignore[arg-type]
-                               tenants_file=_tenants(tmp_path, table), **config), CacheConfig(**SMALL)).start()
-
-
-def _unix(w: Worker) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX)
-    s.settimeout(10)
-    s.connect(w.unix_path)
-    return s
-
-
-def _tcp(w: Worker, token: str) -> socket.socket:
-    """A raw TCP socket authenticated with `token`, as any client does it."""
-    s = socket.create_connection(("127.0.0.1", w.port), timeout=10)
-    t = TcpTransport(w.address, token=token)
-    try:
-        t._handshake(s)
-    except BaseException:
-        s.close()
-        raise
-    finally:
-        t.close()
-    return s
 
 
 def _put_header(sock: socket.socket, keys: list[bytes], blocks: list[bytes]) -> None:
@@ -83,7 +40,7 @@ def _until(cond, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def worker(tmp_path: Path) -> Iterator[Worker]:
-    w = _worker(tmp_path)
+    w = tenant_worker(tmp_path)
     yield w
     w.stop()
 
@@ -93,7 +50,7 @@ def worker(tmp_path: Path) -> Iterator[Worker]:
 # connection that ALLOCs its share then stalls a PUT header holds twice README's "at most 1/8 of the arena
 # reserved and not yet committed".
 def test_alloc_then_a_stalled_put_stays_within_the_connections_share(worker: Worker) -> None:
-    s = _unix(worker)
+    s = unix_socket(worker)
     try:
         n = 3  # 3 x (1 MiB + 256) within max_reserve (4 MiB)
         keys = [b"alloc%d" % i for i in range(n)]
@@ -118,8 +75,8 @@ def test_alloc_then_a_stalled_put_stays_within_the_connections_share(worker: Wor
 # are refused QuotaExceeded though what it stores and has under way stays within quota_bytes.
 def test_a_frames_committed_runs_do_not_count_twice_against_the_quota(tmp_path: Path) -> None:
     quota = 12 * MIB
-    w = _worker(tmp_path, {"a": {"token": A_TOKEN, "quota_bytes": quota}})
-    hog = _tcp(w, A_TOKEN)
+    w = tenant_worker(tmp_path, {"a": {"token": A_TOKEN, "quota_bytes": quota}})
+    hog = tcp_socket(w, A_TOKEN)
     try:
         blocks = [bytes([i]) * MIB for i in range(8)]
         _put_header(hog, [b"a/big%d" % i for i in range(8)], blocks)  # 8 MiB charged: runs of 3 blocks
@@ -146,7 +103,7 @@ def test_one_workers_tenant_cap_is_a_miss_not_a_failed_cluster_call(tmp_path: Pa
     table = {"a": {"token": A_TOKEN}}
     workers = [Worker(WorkerConfig(port=0, unix_path=str(tmp_path / f"w{i}.sock"), token=POOL, nats_url=nats.url,
                                    node_id="another-node", worker_id=f"w{i}", heartbeat_s=0.5, max_connections=8,
-                                   tenants_file=_tenants(tmp_path, table)), CacheConfig(**SMALL)).start()
+                                   tenants_file=tenants_file(tmp_path, table)), CacheConfig(**SMALL)).start()
                for i in range(2)]
     hog: socket.socket | None = None
     try:
@@ -156,7 +113,7 @@ def test_one_workers_tenant_cap_is_a_miss_not_a_failed_cluster_call(tmp_path: Pa
             pool.batch_put(keys, [k.encode() for k in keys])
         on_w1 = {k for k in keys if workers[1].cache.get(k.encode()) is not None}
         assert on_w1 and len(on_w1) < len(keys)  # both workers hold some
-        hog = _tcp(workers[0], A_TOKEN)  # tenant a's one connection to w0 (max_connections 8: its cap is 1)
+        hog = tcp_socket(workers[0], A_TOKEN)  # tenant a's one connection to w0 (max_connections 8: its cap is 1)
         with PoolClient(mode="cluster", nats_url=nats.url, token=A_TOKEN, timeout_s=5) as a:
             assert a.wait_for_members(lambda m: len(m) == 2, 15)
             try:
@@ -228,10 +185,10 @@ def test_a_fifo_in_place_of_the_id_file_is_a_storage_error_not_a_hang(tmp_path: 
 # smaller than max_connections here): a tenant holding its one connection and 7 that never AUTH (nothing
 # but a TCP connect each, renewed every auth_timeout_s) shuts out same-node and pool-token clients.
 def test_a_tenants_unauthenticated_connections_do_not_shut_out_the_rest(tmp_path: Path) -> None:
-    w = _worker(tmp_path, max_connections=8)
+    w = tenant_worker(tmp_path, max_connections=8)
     hogs: list[socket.socket] = []
     try:
-        hogs.append(_tcp(w, B_TOKEN))  # its share: max_connections / 8
+        hogs.append(tcp_socket(w, B_TOKEN))  # its share: max_connections / 8
         for _ in range(7):
             hogs.append(socket.create_connection(("127.0.0.1", w.port), timeout=10))
         assert _until(lambda: len(w.connections()) == 8)
