@@ -92,7 +92,8 @@ class _Out:
     def __init__(self, fmt: VllmFormat) -> None:
         self.fmt = fmt
         self.events: list[Any] = []
-        self._removing: tuple[str, list[Any]] | None = None  # the BlockRemoved being merged into
+        self._removing: tuple[str, list[Any], set[Any]] | None = None  # the BlockRemoved being merged into
+        # (its medium, its hashes, and them as a set: a batch removes thousands)
 
     def stored(self, h: Any, medium: str) -> None:
         self.events.append(_stored(self.fmt, [h], medium))
@@ -100,10 +101,11 @@ class _Out:
 
     def removed(self, h: Any, medium: str) -> None:
         if self._removing is not None and self._removing[0] == medium:
-            if h not in self._removing[1]:
+            if h not in self._removing[2]:
                 self._removing[1].append(h)
+                self._removing[2].add(h)
         else:
-            self._removing = (medium, [h])
+            self._removing = (medium, [h], {h})
             self.events.append(_removed(self.fmt, self._removing[1], medium))
 
     def cleared(self) -> None:
