@@ -594,7 +594,7 @@ def _before_fork() -> None:
     _forking.acquire()
     _held.clear()
     _missed.clear()
-    for cache in [c for c in list(_CACHES) if c is not None]:
+    for cache in list(_CACHES):  # (a WeakSet yields live caches only)
         (_held if cache._lock.acquire(timeout=_LOCK_WAIT_S) else _missed).append(cache)
 
 
