@@ -65,9 +65,21 @@ _PR_SET_PDEATHSIG = 1
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on `host` now, and never one this process was given before: the kernel may hand a
+    port back as soon as it is released, and two servers told to listen on the same port fail."""
+    with _ports_lock:
+        for _ in range(256):
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = int(s.getsockname()[1])
+            if port not in _ports_given:
+                _ports_given.add(port)
+                return port
+    raise ListenError(f"no free port on {host} that this process was not given before")
+
+
+_ports_given: set[int] = set()
+_ports_lock = threading.Lock()
 
 
 class NatsServer:

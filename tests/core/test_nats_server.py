@@ -1,4 +1,5 @@
-"""The nats-server kvpool starts (`kvpool up`, the benches, the tests): the environment it runs in."""
+"""The nats-server kvpool starts (`kvpool up`, the benches, the tests): the environment it runs in, and the
+free ports it is given."""
 from __future__ import annotations
 
 import os
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.core.nats_server import NatsServer, server_env
+from kvpool.core.nats_server import NatsServer, free_port, server_env
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -34,3 +35,10 @@ def test_one_cpu_still_gets_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GOMAXPROCS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert server_env()["GOMAXPROCS"] == "1"
+
+
+def test_free_port_never_gives_a_port_twice() -> None:
+    """The kernel hands a released port out again (2000 binds to port 0 here repeated about 140 ports):
+    a CI run once gave a kvtest instance's worker and the nats-server the same port, and both failed."""
+    ports = [free_port() for _ in range(2000)]
+    assert len(set(ports)) == len(ports)
