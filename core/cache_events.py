@@ -7,7 +7,9 @@ published block events (NATS, vLLM's ZMQ format) on this interface.
 """
 from __future__ import annotations
 
-__all__ = ["TIERS", "REASONS", "CacheListener"]
+from collections.abc import Iterable, Iterator, Mapping
+
+__all__ = ["TIERS", "REASONS", "CacheListener", "Holdings"]
 
 TIERS = ("dram", "ssd")
 """Tiers reported. Device copies mirror DRAM blocks of the same node and are not reported."""
@@ -37,3 +39,33 @@ class CacheListener:
 
     def cleared(self) -> None:
         """Every block was removed (`TieredCache.clear`)."""
+
+    def replayed(self, holdings: Holdings) -> bool:
+        """`add_listener(replay=True)`: True if this listener takes the blocks held as one snapshot,
+        to tell itself of later, off the cache's lock; False (the default) to be told of each block
+        there and then, under the lock (a million blocks: about a second in which the cache waits)."""
+        return False
+
+
+class Holdings:
+    """The blocks a cache holds at one moment, to be told to a listener later (`replayed`): copies of
+    the DRAM tier's keys and the SSD tier's, taken under the cache's lock (a million keys: tens of
+    milliseconds)."""
+
+    def __init__(self, dram: Mapping[bytes, object], ssd: Iterable[bytes]) -> None:
+        self._dram = dict(dram)
+        self._ssd = list(ssd)
+
+    def __iter__(self) -> Iterator[tuple[str, bytes, str]]:
+        """(kind, key, tier) of each: `stored` in DRAM, then `stored` in SSD for an SSD-only block or
+        `copied` for a block DRAM holds too."""
+        for k in self._dram:
+            yield "stored", k, "dram"
+        dram = self._dram
+        for k in self._ssd:
+            yield ("copied" if k in dram else "stored"), k, "ssd"
+
+    def tell(self, listener: CacheListener) -> None:
+        """Tell `listener` of each block, as `add_listener(replay=True)` does."""
+        for kind, key, tier in self:
+            (listener.copied if kind == "copied" else listener.stored)(key, tier)

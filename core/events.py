@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -31,7 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .aio import LoopThread, nats_connect, nats_denied, nats_error
-from .cache_events import CacheListener
+from .cache_events import CacheListener, Holdings
 from .errors import AuthError, ProtocolError
 from .nats_creds import NatsCreds, redacted_url
 
@@ -118,10 +119,14 @@ def subject_of(worker_id: str) -> str:
 
 
 class EventQueue(CacheListener):
-    """A CacheListener that queues every change for a publisher: cheap under the cache's lock."""
+    """A CacheListener that queues every change for a publisher: cheap under the cache's lock. A replay
+    (`add_listener(replay=True)`) is taken as a snapshot (`replayed`) and its events made as they are
+    taken, off the lock, after what was queued before it and before what comes after."""
 
     def __init__(self, max_queued: int = MAX_QUEUED) -> None:
         self._q: collections.deque[BlockEvent] = collections.deque()
+        self._ahead: Iterator[BlockEvent] | None = None  # what goes out before `_q`: earlier events, a replay
+        self._next: collections.deque[BlockEvent] = collections.deque()  # `_ahead`'s next events, made
         self.max_queued = max_queued
         self.lost = 0
         self.unbounded = False
@@ -148,13 +153,33 @@ class EventQueue(CacheListener):
     def cleared(self) -> None:
         self._add("cleared", b"*", "")
 
+    def replayed(self, holdings: Holdings) -> bool:
+        """Called under the cache's lock, as every change is: what is queued now goes out first, then the
+        holdings, then the changes from now on. Take calls come from one thread, which is also the one
+        that registers the queue (or registers it before that thread starts)."""
+        replay = (BlockEvent(kind, tier, "", key) for kind, key, tier in holdings)
+        self._ahead = itertools.chain(self._ahead or (), self._next, self._q, replay)
+        self._next, self._q = collections.deque(), collections.deque()
+        return True
+
+    def _source(self) -> collections.deque[BlockEvent]:
+        """The events to take from next: a replay's (made a chunk at a time), else the queue."""
+        if not self._next and self._ahead is not None:
+            self._next.extend(itertools.islice(self._ahead, MAX_BATCH))
+            if not self._next:
+                self._ahead = None
+        return self._next if self._next else self._q
+
     def take(self, n: int = MAX_BATCH, max_bytes: int = MAX_BATCH_BYTES) -> list[BlockEvent]:
         """Up to `n` of the oldest queued events, their keys about `max_bytes` at most (at least one
         event). Deque pops are atomic: no lock shared with the cache."""
         out: list[BlockEvent] = []
         size = 0
-        while len(out) < n and self._q and (not out or size + 2 * len(self._q[0].key) + _EVENT_OVERHEAD <= max_bytes):
-            e = self._q.popleft()
+        while len(out) < n:
+            q = self._source()
+            if not q or (out and size + 2 * len(q[0].key) + _EVENT_OVERHEAD > max_bytes):
+                break
+            e = q.popleft()
             size += 2 * len(e.key) + _EVENT_OVERHEAD
             out.append(e)
         return out
@@ -206,7 +231,7 @@ class EventPublisher:
     it is not retried, its events count in `lost`, and once every sink is connected again (`connected`,
     where a sink has it) the publisher re-announces its holdings (`cleared`, then what it holds): what
     the lost batches said is not missed for good. So does an overflow of the queue; re-announcements
-    come `REANNOUNCE_S` apart at least (each replays every block under the cache's lock)."""
+    come `REANNOUNCE_S` apart at least (each copies the cache's index under its lock: `EventQueue.replayed`)."""
 
     def __init__(self, cache: Any, worker_id: str, node_id: str, sinks: list[Sink], *,
                  flush_s: float = FLUSH_S) -> None:

@@ -15,7 +15,7 @@ import operator
 import threading
 import time
 
-from .cache_events import CacheListener
+from .cache_events import CacheListener, Holdings
 from .config import CacheConfig
 from .errors import PoolClosed, StorageError
 from .stats import CacheCounters, CacheStats
@@ -343,10 +343,9 @@ class TierStack:
     def add_listener(self, listener: CacheListener, replay: bool) -> None:
         """See `TieredCache.add_listener`."""
         if replay:
-            for k in self.dram.blocks:
-                listener.stored(k, "dram")
-            for k in self.ssd or ():
-                (listener.copied if k in self.dram.blocks else listener.stored)(k, "ssd")
+            holdings = Holdings(self.dram.blocks, self.ssd or ())
+            if not listener.replayed(holdings):
+                holdings.tell(listener)
         self.listeners = (*self.listeners, listener)
 
     def remove_listener(self, listener: CacheListener) -> None:
