@@ -405,7 +405,8 @@ class HostIO:
         (`KVPoolError.key`: a block too large for its destination, or for the pool) fails that key alone
         with its status, and the rest are asked again in one call; one that names none (and is no outage)
         has each key asked alone, for its own status. A cluster put that only some owners stored (`PartialPut`)
-        fails the keys not stored, and starts no outage: the other workers still serve."""
+        fails the keys not stored, and starts no outage: the other workers still serve. A StorageError (a
+        full disk: the blocks are stored, not durable) fails the keys left, none asked again."""
         out: list[int] = [Status.RPC_FAIL] * len(keys)
         todo = list(range(len(keys)))
         while todo:
@@ -424,6 +425,10 @@ class HostIO:
             except (KVPoolError, OSError) as e:
                 st = self._failed(e)
                 if st == Status.RPC_FAIL:
+                    return out
+                if isinstance(e, StorageError):  # the whole batch's answer (stored, not durable: a full
+                    for n in todo:  # disk), not the named key's own fault: asking again would store it all again
+                        out[n] = st
                     return out
                 named = getattr(e, "key", None)
                 bad = next((n for n in todo if keys[n] == named), None)

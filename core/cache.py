@@ -94,7 +94,8 @@ class TieredCache:
         pins it in DRAM for that long (see `pin`); `ttl_s` makes it a miss after that long.
 
         Raises InvalidKey, BlockTooLarge, CapacityError (everything leased/pinned) or PoolClosed;
-        on error nothing is stored.
+        on these errors nothing is stored. StorageError: stored (and pinned), but not durable: a full
+        disk kept the older SSD copy, which a crash before it is deleted would serve after the restart.
         """
         self.batch_put([key], [data], pin_s=pin_s, ttl_s=ttl_s)
 
@@ -102,7 +103,8 @@ class TieredCache:
                   ttl_s: float | None = None, versions: Sequence[int] | None = None) -> None:
         """Store each buffer under its key. All inputs are validated before anything is written.
         `versions` (`kvpool.core.versions`; default: stamped now) order writes: a block older than
-        the one held, or than the key's removal, is not stored (and is no error)."""
+        the one held, or than the key's removal, is not stored (and is no error). A StorageError (see
+        `put`) is raised once every block was written."""
         if len(keys) != len(buffers) or (versions is not None and len(versions) != len(keys)):
             raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers"
                                   + (f" and {len(versions)} versions" if versions is not None else ""))
@@ -116,11 +118,18 @@ class TieredCache:
         expires = time.time() + ttl_s if ttl_s else 0.0
         device = self._stack.device
         stamps = versions if versions is not None else CLOCK.batch(len(raw_keys))
+        refused: StorageError | None = None
         for k, v, src, version in zip(raw_keys, views, buffers, stamps):
-            block = self._write(k, v, expires, pin_s, version)
+            try:
+                block = self._write(k, v, expires, pin_s, version)
+            except StorageError as e:  # stored, but a full disk kept an older SSD copy: the rest go on, as
+                refused = refused or e  # a worker's put does, and the first refusal is raised at the end
+                continue
             if block is not None and device is not None and device.holds_tensor(src):
                 self._moves.copy_to_device(k, src, block)
         self._stack.counters.puts += len(raw_keys)
+        if refused is not None:
+            raise refused
 
     def _write(self, key: bytes, data: memoryview, expires: float, pin_s: float,
                version: int) -> DramBlock | None:
@@ -159,9 +168,11 @@ class TieredCache:
         removal: then its slot is freed and False returned). Version 0 is stamped now."""
         with self._lock:
             stored = self._admit(block)
-            self._stack.delete_replaced()
-            if stored and pin_s > 0:
-                self._dram.pins.pin((block.key,), pin_s)
+            try:
+                self._stack.delete_replaced()
+            finally:  # (a full disk refusing the older copy's deletion: the block is stored all the same)
+                if stored and pin_s > 0:
+                    self._dram.pins.pin((block.key,), pin_s)
         return stored
 
     def _stamp(self, block: DramBlock) -> None:

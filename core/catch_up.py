@@ -9,7 +9,8 @@ the worker left (`Op.CHANGES`, from each peer's
 hit would cost a wrong answer). If a peer does not answer, or its log does not reach back to when the
 worker left, the worker cannot prove any block fresh and drops them all. Until it is done its reads
 are misses (`TieredCache.fence`). When it left is known from `AliveStamp`, the wall time of its last
-heartbeat, kept beside its SSD tier (a worker without one starts empty and under a new id). A peer is
+heartbeat (after an absence not caught up before it stopped, of its last one before that), kept beside
+its SSD tier (a worker without one starts empty and under a new id). A peer is
 asked at the address it registered; another worker answering there now (a restart of a worker without
 an SSD tier on the same port) cannot tell what the one asked accepted: as if it did not answer.
 """
@@ -35,25 +36,34 @@ log = logging.getLogger("kvpool.worker")
 
 
 class AliveStamp:
-    """The wall time (unix ms) of a worker's last heartbeat, in a file beside its SSD tier: after a
-    restart, when it left (at most a heartbeat before it stopped). Written atomically; None when never
-    written. A worker without an SSD tier keeps none: it starts holding nothing."""
+    """Two wall times (unix ms) in a file beside a worker's SSD tier, written atomically at each heartbeat:
+    its last sign of life (after a restart: it accepted nothing after it, but for a heartbeat's time) and
+    the last time it could vouch for every block it held (its reads neither fenced nor past a deadline:
+    a stall or a lapse since is not caught up yet). A restart catches up since the second; the two are
+    the same but after such an absence. A worker without an SSD tier keeps none: it starts holding nothing."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def read(self) -> int | None:
+    def read(self) -> tuple[int, int] | None:
+        """(last sign of life, last time current); None when never written (or unreadable)."""
         try:
-            return int(self.path.read_text().strip())
+            stamps = [int(x) for x in self.path.read_text().split()]
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as e:
             log.warning("unreadable alive stamp %s (%s): treated as none", self.path, e)
             return None
+        if len(stamps) not in (1, 2):  # (one: written by a version that kept only the first)
+            log.warning("unreadable alive stamp %s (%d numbers): treated as none", self.path, len(stamps))
+            return None
+        return stamps[0], min(stamps)
 
-    def touch(self) -> None:
+    def touch(self, current_ms: int | None = None) -> None:
+        """Stamp now as the last sign of life; `current_ms` (None: now) as the last time current."""
+        now = int(time.time() * 1000)
         try:
-            write_private(self.path, f"{int(time.time() * 1000)}\n")
+            write_private(self.path, f"{now} {now if current_ms is None else min(current_ms, now)}\n")
         except OSError as e:  # a full disk: the next start finds an older stamp (asks for more: safe)
             log.debug("alive stamp %s not written: %s", self.path, e)
 

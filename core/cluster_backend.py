@@ -25,7 +25,7 @@ from .buffers import byte_size, readable, readable_all
 from .cluster import Membership, rank
 from .config import default_node_id
 from .connection import max_block_of, refuse_too_large
-from .errors import KVPoolError, PartialFailure, PartialPut, PoolUnavailable
+from .errors import KVPoolError, PartialFailure, PartialPut, PoolUnavailable, StorageError
 from .fanout import FanOut, Transport
 from .missed_writes import MissedWrites
 from .nats_creds import redacted_url
@@ -354,19 +354,27 @@ class ClusterBackend:
         owner held as new or newer."""
         stored = [0] * len(keys)
         superseded: set[int] = set()
+        refused: list[StorageError] = []
 
-        def put(t: Transport, idx: list[int]) -> list[int]:
-            held = t.put_as_of([keys[i] for i in idx], [buffers[i] for i in idx], pin_s, [versions[i] for i in idx])
-            return [idx[j] for j in held]
+        def put(t: Transport, idx: list[int]) -> tuple[list[int], StorageError | None]:
+            try:
+                held = t.put_as_of([keys[i] for i in idx], [buffers[i] for i in idx], pin_s,
+                                   [versions[i] for i in idx])
+            except StorageError as e:  # stored there, not durable (a full disk kept older SSD copies): the
+                return [], e  # owner answered, and the owners that did not are still told what they missed
+            return [idx[j] for j in held], None
 
         groups = self._replica_groups(ranked)
         answered: set[str] = set()
-        for w, idx, held in self.fanout.each(live, groups, put, self._deadline()):
+        for w, idx, (held, error) in self.fanout.each(live, groups, put, self._deadline()):
             answered.add(w)
             superseded.update(held)
+            refused += [error] if error is not None else []
             for i in idx:
                 stored[i] += 1
         self._missed(groups, answered, keys, [v - 1 for v in versions])  # (the put's own version stays welcome)
+        if refused and all(stored):
+            raise refused[0]
         if not all(stored):
             why = (f"{stored.count(0)} of {len(keys)} blocks were stored by no live worker that answered (one that "
                    "did not answer in time may still store them)")

@@ -62,6 +62,11 @@ class ReplicaState:
         with self._lock:
             self._stack.fence_at = time.monotonic() + seconds
 
+    def current(self) -> bool:
+        """Whether it can vouch for every block it holds now: reads neither fenced (a catch-up pending) nor
+        past the heartbeat or stall deadline (an absence that the catch-up has yet to follow)."""
+        return self._stack.readable_from == 0
+
     def stall_until(self, deadline: float) -> None:
         """Reads are misses after `deadline` (monotonic seconds) unless this is called again first: the
         stall watch's own deadline (`kvpool.core.stall_watch`). Set without the cache's lock (one

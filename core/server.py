@@ -143,6 +143,9 @@ class Worker(RequestHandlers):
             self.worker_id = cfg.worker_id or (stored_worker_id(id_path) if id_path else secrets.token_hex(4))
             self._alive = (AliveStamp(id_path.with_suffix(".alive")) if id_path else
                            named_alive_stamp(cfg.worker_id) if cfg.worker_id and cfg.nats_url else None)
+            self._stamped = self._alive.read() if self._alive is not None else None  # None: a new id, or no stamp
+            self._current_ms = self._stamped[1] if self._stamped is not None else None
+            """The last time this worker could vouch for every block it holds (`AliveStamp`); None: never."""
             self._catching_up = threading.Lock()
             self._beats = 0  # heartbeats that got through: a catch-up waits for one after the outage
             self.cache = TieredCache(cache_cfg, share_arena=True)
@@ -235,7 +238,7 @@ class Worker(RequestHandlers):
         self._close_listeners()
         self._drain_connections(time.monotonic() + timeout)
         if self.membership is not None and self._alive is not None:
-            self._alive.touch()  # its last sign of life: it accepts nothing after the drain
+            self._touch_alive(self._alive)  # its last sign of life: it accepts nothing after the drain
         self.cache.flush()
         if self.events is not None:  # after the flush (its last tier moves are published too), before the
             self.events.close()  # cache closes: it takes back the DRAM copies, reading what SSD keeps
@@ -246,13 +249,15 @@ class Worker(RequestHandlers):
     # ----- catching up after an absence (`kvpool.core.catch_up`) -------------------------------
 
     def _catch_up_at_start(self) -> tuple[int, float] | None:
-        """A start on the state of an earlier run: drop what peers changed since that run's last sign of
-        life (everything, if that cannot be told) before serving. Where it keeps blocks and has peers:
+        """A start on the state of an earlier run: drop what peers changed since that run was last current
+        (its last sign of life but after an absence it had not caught up on; everything, if that cannot be
+        told) before serving. Where it keeps blocks and has peers:
         when this catch-up began (unix ms, less the clock-skew bound) and time.monotonic(), for `_settle`."""
         cfg = self.config
-        last = self._alive.read() if self._alive is not None else None  # None: a new id, or no stamp
+        stamped = self._stamped
         # this run's change log starts now; the last run accepted nothing after its last stamp plus a tick
-        self.cache.replicas.covered_since(last + int((2 * cfg.heartbeat_s + 1) * 1000) if last is not None else 0)
+        self.cache.replicas.covered_since(stamped[0] + int((2 * cfg.heartbeat_s + 1) * 1000) if stamped else 0)
+        last = self._current_ms  # it may have missed what peers accepted since then
         held = self.cache.stats()
         if not _holds(held):
             return None
@@ -277,6 +282,7 @@ class Worker(RequestHandlers):
         log.info("worker %s: blocks kept from its last run are misses for %.0f s (member TTL), until it has "
                  "learnt what clients that had not seen it back wrote elsewhere", self.worker_id,
                  self.config.member_ttl_s)
+        done = False  # a stop cuts it short: reads stay fenced, and so the alive stamp (`_touch_alive`)
         try:
             if self._stopping.wait(self.config.member_ttl_s):
                 return
@@ -291,10 +297,12 @@ class Worker(RequestHandlers):
                     log.warning("worker %s: a peer could not tell what it accepted since this worker came back; "
                                 "dropping its blocks (misses, never outdated bytes)", self.worker_id)
                     self.cache.drop_all()
+            done = True
         except KVPoolError as e:  # closed under it (stopping)
             log.debug("second catch-up ended: %s", e)
         finally:
-            self.cache.replicas.fence(False)
+            if done or not self._stopping.is_set():
+                self.cache.replicas.fence(False)
 
     def _catch_up(self, since_ms: int, members: dict[str, Any]) -> None:
         peers = {w: info for w, info in members.items() if w != self.worker_id}
@@ -318,9 +326,18 @@ class Worker(RequestHandlers):
     def _keep_alive_stamp(self, stamp: AliveStamp) -> None:
         """The alive stamp, every heartbeat (and at stop): not NATS's, so a worker cut off from NATS that
         still accepts writes keeps stamping."""
-        stamp.touch()
+        self._touch_alive(stamp)
         while not self._stopping.wait(self.config.heartbeat_s):
-            stamp.touch()
+            self._touch_alive(stamp)
+
+    def _touch_alive(self, stamp: AliveStamp) -> None:
+        """Stamp now, and the last time it was current: a stall or lapse not caught up yet (one a stop
+        cuts short included: it stopped as it woke) leaves that at its last stamp before the absence, so
+        a restart catches up on what it missed (an adversarial check: a replica stopped as it woke from a
+        pause later served a block overwritten meanwhile)."""
+        if self.cache.replicas.current():
+            self._current_ms = int(time.time() * 1000)
+        stamp.touch(self._current_ms)
 
     def _left_cluster(self, gap_s: float) -> None:
         """Heartbeats lapsed past the member TTL (NATS out of reach, or this process paused): clients may
@@ -361,6 +378,7 @@ class Worker(RequestHandlers):
         from .errors import KVPoolError
 
         horizon = left - self.config.member_ttl_s - self.config.heartbeat_s
+        done = False  # a stop cuts it short: reads stay fenced, and so the alive stamp (`_touch_alive`)
         with self._catching_up:
             try:
                 give_up = time.monotonic() + max(60.0, 3 * self.config.member_ttl_s)
@@ -375,14 +393,17 @@ class Worker(RequestHandlers):
                             continue
                         log.warning("worker %s: not back in the cluster (%s); dropping its blocks", self.worker_id, e)
                         self.cache.drop_all()
+                        done = True
                         break
                     try:
                         self._catch_up(since_ms, members)
+                        done = True
                     except KVPoolError as e:  # closed under it (stopping)
                         log.debug("catch-up ended: %s", e)
                     break
             finally:
-                self.cache.replicas.fence(False)
+                if done or not self._stopping.is_set():
+                    self.cache.replicas.fence(False)
 
     def _close_listeners(self, timeout: float = 10.0) -> None:
         self._stop_accepting(timeout)
