@@ -203,23 +203,6 @@ class ConnectionServing:
         return False
 
     def _admit(self, sock: socket.socket, transport: str, authed: bool, peer: str) -> None:
-        with self._conns_lock:
-            # (a stranger the worker shut goes at once: its thread waits on no lock, no disk; an
-            # authenticated one shut mid-request may be held up there, and still counts)
-            full = sum(c.authed or not c.closing for c in self._conns) >= self.config.max_connections
-            waiting = [c for c in self._conns if not c.authed and not c.closing]
-        if full and not waiting:
-            self._refused(transport, "max_connections")
-            sock.close()
-            return
-        if full or (not authed and len(waiting) >= self.config.max_unauthenticated):
-            # The oldest stranger makes room: a client with the token authenticates within a round
-            # trip and so outlives any crowd of strangers, who only ever displace each other (and
-            # never shut out authenticated clients, a same-node one included, by holding slots).
-            oldest = min(waiting, key=lambda c: c.since)
-            limit = "max_connections" if full else "max_unauthenticated"
-            self._refused(transport, limit)
-            oldest.shut(f"displaced by a newer connection ({limit})")
         if transport == "tcp":
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
@@ -232,7 +215,25 @@ class ConnectionServing:
         if not conn.authed:
             sock.settimeout(self.config.auth_timeout_s)  # lifted by a good AUTH; the watchdog bounds the rest
         t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name="kvpool-conn")
+        # Counted, made room for and added at once: connections accepted together on two listeners (TCP
+        # and Unix) neither both pass the limit nor both displace the same stranger.
         with self._conns_lock:
+            # (a stranger the worker shut goes at once: its thread waits on no lock, no disk; an
+            # authenticated one shut mid-request may be held up there, and still counts)
+            full = sum(c.authed or not c.closing for c in self._conns) >= self.config.max_connections
+            waiting = [c for c in self._conns if not c.authed and not c.closing]
+            if full and not waiting:
+                self._refused(transport, "max_connections")
+                sock.close()
+                return
+            if full or (not authed and len(waiting) >= self.config.max_unauthenticated):
+                # The oldest stranger makes room: a client with the token authenticates within a round
+                # trip and so outlives any crowd of strangers, who only ever displace each other (and
+                # never shut out authenticated clients, a same-node one included, by holding slots).
+                oldest = min(waiting, key=lambda c: c.since)
+                limit = "max_connections" if full else "max_unauthenticated"
+                self._refused(transport, limit)
+                oldest.shut(f"displaced by a newer connection ({limit})")
             self._conns.add(conn)
             self._threads.append(t)
         t.start()
