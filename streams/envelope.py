@@ -20,6 +20,10 @@ from .errors import MalformedMessage
 KIND = "Kvpool-Kind"
 TYPE = "Kvpool-Type"
 SIG = "Kvpool-Sig"
+SENT = "Kvpool-Sent"
+"""When a handoff message was published: ms since the epoch on its producer's clock (signed with the rest
+of the `Kvpool-*` headers where a stream secret is set). A receiver orders the chains of a request id by
+it and drops a message older than the stream keeps messages (`handoff`)."""
 INLINE, REF, KV, END = "inline", "ref", "kv", "end"
 KINDS = (INLINE, REF, KV, END)
 INVALID = "invalid"
@@ -28,6 +32,8 @@ INVALID = "invalid"
 _REQUEST = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _HEX32, _HEX64 = re.compile(r"^[0-9a-f]{32}$"), re.compile(r"^[0-9a-f]{64}$")
 _U64 = 1 << 64
+_MS_DIGITS = 16
+"""Most digits a publish time in ms may have (today's have 13)."""
 _NAME_MAX = 255
 """Longest worker id or arena name a place may carry."""
 
@@ -235,6 +241,18 @@ class End:
         return cls(_request(d.get("request")),
                    None if layers is None else _int(layers, "layer count", 0, lim.max_layer + 1),
                    Seal.of(d["seal"]) if "seal" in d else None)
+
+
+def sent_ms(headers: dict[str, str]) -> int | None:
+    """The message's publish time (`SENT`), ms since the epoch; None where it carries none (a producer
+    of an earlier version)."""
+    value = headers.get(SENT)
+    if value is None:
+        return None
+    value = value.strip()
+    if not (value.isdigit() and value.isascii() and len(value) <= _MS_DIGITS):
+        raise _fail(f"publish time {value[:40]!r} is not 1 to {_MS_DIGITS} decimal digits (ms since the epoch)")
+    return int(value)
 
 
 def kind_of(headers: dict[str, str] | None) -> str:

@@ -16,7 +16,8 @@ in the request's producer chain (`sealing`); a message failing these is dropped,
 chain also orders the request: a message ahead of its place waits for the ones before it, and one seen
 twice (live and read back) counts once. The request's own messages are checked for consistency: a layer
 twice, or an `end` whose layer count disagrees with the layers that arrived, is a HandoffError, never a
-short or mixed request.
+short or mixed request. A request id may be used again: a read-back finds every request of the id still
+stored, and the receiver takes the newest by the publish time its messages carry (`envelope.SENT`).
 """
 from __future__ import annotations
 
@@ -29,14 +30,17 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+
 from kvpool.core import Key, PoolClient
+from kvpool.core.versions import CLOCK_SKEW_MS
 
 from . import envelope as env
 from ._link import Link, translate
 from .admin import check_token, subject
 from .consumer import Checks
 from .errors import ForgedMessage, HandoffError, HandoffTimeout, MalformedMessage, StreamError
-from .live import Feed, Raw, stored_last, stored_seq
+from .live import Feed, Raw, Retention, stored_last, stored_seq
 from .payload import fetch_many
 from .sealing import ChainCheck, verify
 from .wire import Wire
@@ -82,11 +86,41 @@ class _Request:
         self._reject = reject
         self._ahead: dict[int, list[tuple[Item, Raw]]] = {}
         self._bodies: dict[int, bytes] = {}  # body of each accepted message, by its index in the chain
+        self._sent = -1  # publish time of the accepted chain's first message (-1: none, or not stamped)
+        self._earlier: set[str] = set()  # nonces of chains skipped as earlier requests of this id
         self.gap = False
+
+    def skip_earlier(self, burst: list[tuple[Item, Raw]], now_ms: int) -> None:
+        """Mark, in `burst` (read back from the stream, in stream order), the chains of earlier requests of
+        this id: an id used again (a decode engine restarted) finds an earlier request nobody read, or a
+        replay of one, stored before (or after) its own. Of the chains that start in the burst, the
+        request's is the one whose first message was published last (`envelope.SENT`, then stream order),
+        or the one already accepted; an older one whose end is in the burst too was a whole request before
+        it, and its messages are dropped. An older one without its end is left to the chain check: two
+        producers at once claim the id (HandoffError)."""
+        starts: dict[str, tuple[int, int]] = {}
+        ended: set[str] = set()
+        for item, raw in burst:
+            seal = item.seal
+            if seal is None or seal.nonce == self.chain.nonce:
+                continue
+            if seal.n == 0 and (seal.commit or isinstance(item, env.End)):
+                starts.setdefault(seal.nonce, (_sent_or_oldest(raw, now_ms), raw.seq or 0))
+            if isinstance(item, env.End):
+                ended.add(seal.nonce)
+        if self.chain.nonce is None and starts:
+            newest = max(starts, key=starts.__getitem__)
+            taken = starts.pop(newest)
+        else:
+            taken = (self._sent, 0)  # the accepted chain: one stamped as it is, or unstamped, is not older
+        self._earlier.update(nonce for nonce, at in starts.items() if nonce in ended and at < taken)
 
     def take(self, item: Item, raw: Raw) -> list[tuple[Item, Raw]]:
         """The messages now in order (accepted by the chain): `item` and any that waited for it."""
         seal, chain = item.seal, self.chain
+        if seal is not None and seal.nonce in self._earlier:
+            self._reject(raw, ForgedMessage("it belongs to an earlier request of this id (left unread, or replayed)"))
+            return []
         if seal is not None and chain.nonce is not None and seal.nonce == chain.nonce and seal.n < chain.n:
             if self._bodies.get(seal.n) != raw.data:  # the same message read twice counts once
                 self._reject(raw, ForgedMessage("it repeats a place in the request's chain (forged or replayed)"))
@@ -110,6 +144,8 @@ class _Request:
         n = self.chain.n
         for item, raw in candidates:
             if not out and self.chain.accept(item.seal, last=isinstance(item, env.End)):
+                if n == 0:
+                    self._sent = _sent_or_oldest(raw, _now_ms())
                 self._bodies[n] = raw.data
                 out.append((item, raw))
             elif not out or self._bodies.get(n) != raw.data:
@@ -132,7 +168,17 @@ class HandoffReceiver:
     called or anything is allocated. `counts`: messages `rejected` (dropped) and `recovered` (taken from
     the stream's stored copy rather than live: published before the receiver subscribed, or lost on
     the live path), and blocks read `in_place` (from the worker's shared memory on the producer's node)
-    and `from_pool` (a get: another node, or a place that did not hold the block any more) so far."""
+    and `from_pool` (a get: another node, or a place that did not hold the block any more) so far.
+
+    Request ids used again: every handoff message carries its publish time (ms, the producer's clock;
+    signed where a stream secret is set). Where the stream holds more than one request of the id (an
+    earlier one nobody read, or a replay of one), the receiver takes the one whose first message was
+    published last (then: stored last); an earlier one whose end is stored too is dropped (`rejected`),
+    one without its end, or a request of the id that starts after the receiver took one, is a
+    HandoffError. A message published longer ago than the stream's max_age (plus the clock skew allowed,
+    `kvpool.core.versions.CLOCK_SKEW_MS`) cannot be a stored one: a replay, dropped. A receiver that
+    starts before the new request's first message is published finds only the earlier one, and takes it:
+    ids that are never used again are the only sure way."""
 
     def __init__(self, stream: str, nats_url: str, pool: PoolClient, *, timeout_s: float = 5.0,
                  secret: str | bytes | None = None, limits: env.Limits | None = None) -> None:
@@ -150,6 +196,7 @@ class HandoffReceiver:
         # a receiver dropped unclosed lets its socket go too (its link disconnects by its own finalizer)
         self._dropped = weakref.finalize(self, self._wire.close)
         self._dropped.atexit = False
+        self._retention = Retention(self._link, self.stream)
 
     def iter_layers(self, request_id: str, timeout: float = 10.0,
                     into: Into | None = None) -> Iterator[tuple[int, list[Key], list[memoryview]]]:
@@ -205,9 +252,11 @@ class HandoffReceiver:
                 live = burst[0].seq is None
                 refs: list[env.Ref] = []
                 end: tuple[env.End, Raw] | None = None
-                for raw in burst:
-                    item = self._admit(raw, request_id, rejected)
-                    for it, came in req.take(item, raw) if item is not None else ():
+                admitted = [(one, raw) for raw in burst if (one := self._admit(raw, request_id, rejected)) is not None]
+                if not live:
+                    req.skip_earlier(admitted, _now_ms())
+                for item, raw in admitted:
+                    for it, came in req.take(item, raw):
                         self.counts["recovered"] += came.seq is not None
                         if isinstance(it, env.End):
                             end = it, came
@@ -224,11 +273,7 @@ class HandoffReceiver:
                 recover = req.gap and live  # a live message ahead of its place: one was lost, read back
                 for part in _by_bytes(refs, self._checks.limits.max_bytes):  # (a burst read back may name
                     # thousands of layers: what is read ahead of the caller stays within one message's bound)
-                    got = fetch_many(self.pool, part,
-                                     [into(r.layer, r.total) if into is not None else None for r in part],
-                                     [f"layer {r.layer} of request {request_id!r}" for r in part], self.counts)
-                    for ref, (_, blocks) in zip(part, got):
-                        yield ref.layer, ref.keys, blocks
+                    yield from self._fetched(part, into, request_id)
                 if end is not None:
                     req.drop_waiting()
                     try:
@@ -241,6 +286,19 @@ class HandoffReceiver:
                     return
         finally:
             feed.close()
+
+    def _fetched(self, part: list[env.Ref], into: Into | None,
+                 request_id: str) -> Iterator[tuple[int, list[Key], list[memoryview]]]:
+        """Each layer of `part` as `iter_layers` yields it, its blocks copied in one pool request for the
+        run; one at a time, each as it is yielded, where `into` gave layers of the run buffers that share
+        bytes (a scratch buffer used again for each layer: copied all at once, each would hold the last)."""
+        intos = [into(r.layer, r.total) if into is not None else None for r in part]
+        whats = [f"layer {r.layer} of request {request_id!r}" for r in part]
+        step = 1 if len(part) > 1 and _overlapping(intos) else len(part)
+        for at in range(0, len(part), step):
+            got = fetch_many(self.pool, part[at:at + step], intos[at:at + step], whats[at:at + step], self.counts)
+            for ref, (_, blocks) in zip(part[at:at + step], got):
+                yield ref.layer, ref.keys, blocks
 
     def _purge(self, filt: str, end: Raw, request_id: str) -> None:
         """Drop the request's messages from the stream, in the background: the caller has every layer,
@@ -325,10 +383,23 @@ class HandoffReceiver:
                 raise MalformedMessage(f"it names request {item.request!r}")
             if item.seal is None:
                 raise ForgedMessage("it carries no producer seal")
+            self._check_age(raw)
         except (MalformedMessage, ForgedMessage) as e:
             self._reject(request_id, raw, e, rejected)
             return None
         return item
+
+    def _check_age(self, raw: Raw) -> None:
+        """ForgedMessage if `raw` was published longer ago than the stream keeps messages (its max_age,
+        and the clock skew allowed): a replay. MalformedMessage for a malformed publish time."""
+        sent = env.sent_ms(raw.headers)
+        max_age = self._retention.max_age_s()
+        if sent is None or not max_age:
+            return
+        age = _now_ms() - sent
+        if age > max_age * 1000 + CLOCK_SKEW_MS:
+            raise ForgedMessage(f"it was published {age} ms ago; stream {self.stream!r} keeps messages "
+                                f"{max_age} s (replayed)", size=age, limit=int(max_age * 1000) + CLOCK_SKEW_MS)
 
     def _reject(self, request_id: str, raw: Raw, err: StreamError, rejected: list[int]) -> None:
         rejected[0] += 1
@@ -352,6 +423,35 @@ class HandoffReceiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _overlapping(bufs: list[Any]) -> bool:
+    """Whether any two of `bufs` (None: a fresh buffer, shared with none) share a byte. One that is not
+    a contiguous buffer counts as sharing: read one at a time, `fetch_many` says what is wrong with it
+    for its own layer."""
+    spans: list[tuple[int, int]] = []
+    for buf in bufs:
+        if buf is None:
+            continue
+        try:
+            view = np.frombuffer(memoryview(buf).cast("B"), np.uint8)
+        except (TypeError, ValueError):
+            return True
+        if view.size:
+            spans.append((view.ctypes.data, view.ctypes.data + view.size))
+    spans.sort()
+    return any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _sent_or_oldest(raw: Raw, now_ms: int) -> int:
+    """The publish time of an admitted message for ordering chains: -1 (the oldest) where it carries none,
+    and no later than the clock skew allowed ahead of `now_ms` (a time further ahead counts that far)."""
+    sent = env.sent_ms(raw.headers)
+    return -1 if sent is None else min(sent, now_ms + CLOCK_SKEW_MS)
 
 
 def _by_bytes(refs: list[env.Ref], most: int) -> Iterator[list[env.Ref]]:

@@ -9,12 +9,16 @@ reads what the stream holds on the subject, from where the last read stopped (in
 where the stream allows it, else a message per request), and the receiver calls it
 at start (messages published before it subscribed), on a gap in the request's chain, when nothing has
 arrived for a while, and before giving up. A message may so arrive twice; the receiver counts it once.
+The first read starts at the subject's first stored message: an earlier request of the same id, left
+unread, may be there too, and which chain is the request's is the receiver's call (`handoff`).
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
+import logging
 import time
 from typing import Any
 
@@ -24,6 +28,10 @@ from ._link import Link
 from .errors import StreamTimeout
 from .wire import Msg, Wire
 
+log = logging.getLogger("kvpool.streams")
+
+RETENTION_S = 30.0
+"""How long a receiver goes on with the stream's max_age it last asked for (`Retention`)."""
 _RECOVER_BATCH = 4096
 """Stored messages one `stored()` reads at most (the rest on the next call)."""
 _DIRECT_GET = "$JS.API.DIRECT.GET"
@@ -64,6 +72,33 @@ async def stored_seq(link: Link, stream: str, subj: str, data: bytes, most: int)
             return int(m.seq)
         seq = int(m.seq) + 1
     return None
+
+
+class Retention:
+    """How long `stream` keeps messages (its max_age), asked through `link` in the background when made and
+    again every `RETENTION_S`: what checks a message against it never waits for a round trip."""
+
+    def __init__(self, link: Link, stream: str) -> None:
+        self._link, self.stream = link, stream
+        self._known: float | None = None
+        self._asked = time.monotonic()
+        self._asking: concurrent.futures.Future[Any] | None = link.io.spawn(link.js.stream_info(stream))
+
+    def max_age_s(self) -> float | None:
+        """The stream's max_age in seconds (0: none); None while not known (not answered yet, or the
+        stream info could not be read: the check waits for a later answer)."""
+        asking = self._asking
+        if asking is not None and asking.done():
+            self._asking = None
+            if not asking.cancelled() and asking.exception() is None:
+                self._known = float(asking.result().config.max_age or 0)
+            else:
+                log.debug("stream %r: its retention is not known: %r", self.stream,
+                          None if asking.cancelled() else asking.exception())
+        elif asking is None and time.monotonic() - self._asked > RETENTION_S and not self._link.io.loop.is_closed():
+            self._asked = time.monotonic()  # (an admin may have changed it)
+            self._asking = self._link.io.spawn(self._link.js.stream_info(self.stream))
+        return self._known
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ import logging
 import numbers
 import re
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
@@ -134,7 +135,8 @@ class Producer:
             chain = self._chain(request_id)
             body = dataclasses.replace(ref, seal=chain.next()).encode()
             try:
-                announcer.send(subj, body, self._signed(subj, {env.KIND: env.KV}, body), ref.keys, ref.total)
+                announcer.send(subj, body, self._signed(subj, {env.KIND: env.KV, **_sent()}, body), ref.keys,
+                               ref.total)
             except BaseException:  # not announced: a retry of this layer takes its place in the chain
                 chain.take_back()
                 raise
@@ -191,7 +193,7 @@ class Producer:
                                   f"{published} layer(s) of it", size=layers, limit=published)
         chain = self._chain(request_id)  # (kept until the end is stored: asked again, it goes on the same chain)
         body = env.End(request_id, chain.layers, chain.next(last=True)).encode()
-        headers = {env.KIND: env.END, env.TYPE: "json"}
+        headers = {env.KIND: env.END, env.TYPE: "json", **_sent()}
         try:
             seq = self._announcing().publish(subj, body, self._signed(subj, headers, body))
         except BaseException:  # the end may be asked again (sent, but not acknowledged: stored twice, read once)
@@ -270,6 +272,12 @@ class Producer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _sent() -> dict[str, str]:
+    """A handoff message's publish time header (`envelope.SENT`): a receiver takes the newest request of an
+    id used again, and drops a replay older than the stream keeps messages (signed, with a stream secret)."""
+    return {env.SENT: str(time.time_ns() // 1_000_000)}
 
 
 def _release_later(held: list[Callable[[], None]]) -> None:

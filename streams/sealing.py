@@ -4,6 +4,9 @@ ties a handoff request's messages to the producer of its first one.
 Signatures (`sign`/`verify`): with a secret configured (`secret=` or KVPOOL_STREAM_SECRET), a producer
 signs every message over its subject, its `Kvpool-*` headers and its body; consumers and handoff
 receivers with the secret drop messages that are unsigned or badly signed. Other headers are not signed.
+A signature alone does not make a message fresh: a handoff message also carries its publish time
+(`envelope.SENT`, a `Kvpool-*` header, so signed), by which a receiver tells a replay of an earlier
+request of the same id from the newest one (`handoff`).
 
 The chain (`Sealer`/`ChainCheck`), always on: message n of a request reveals a random secret whose
 SHA-256 the message before it committed to, so nobody who merely reads the stream can publish the next
