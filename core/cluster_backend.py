@@ -25,7 +25,16 @@ from .buffers import byte_size, readable, readable_all
 from .cluster import Membership, rank
 from .config import default_node_id
 from .connection import max_block_of, refuse_too_large
-from .errors import KVPoolError, PartialFailure, PartialPut, PoolUnavailable, StorageError
+from .errors import (
+    CapacityError,
+    CorruptBlock,
+    KVPoolError,
+    PartialFailure,
+    PartialPut,
+    PoolUnavailable,
+    QuotaExceeded,
+    StorageError,
+)
 from .fanout import FanOut, Transport
 from .missed_writes import MissedWrites
 from .nats_creds import redacted_url
@@ -354,33 +363,39 @@ class ClusterBackend:
         owner held as new or newer."""
         stored = [0] * len(keys)
         superseded: set[int] = set()
-        refused: list[StorageError] = []
+        not_durable: list[StorageError] = []
+        refusals: list[KVPoolError] = []
 
-        def put(t: Transport, idx: list[int]) -> tuple[list[int], StorageError | None]:
+        def put(t: Transport, idx: list[int]) -> tuple[list[int], KVPoolError | None]:
             try:
                 held = t.put_as_of([keys[i] for i in idx], [buffers[i] for i in idx], pin_s,
                                    [versions[i] for i in idx])
-            except StorageError as e:  # stored there, not durable (a full disk kept older SSD copies): the
-                return [], e  # owner answered, and the owners that did not are still told what they missed
+            except (StorageError, CapacityError, QuotaExceeded, CorruptBlock) as e:  # the owner answered: its
+                return [], e  # own refusal (or a store not durable), the put going on with the other owners
             return [idx[j] for j in held], None
 
         groups = self._replica_groups(ranked)
         answered: set[str] = set()
         for w, idx, (held, error) in self.fanout.each(live, groups, put, self._deadline()):
+            if error is not None and not isinstance(error, StorageError):
+                refusals.append(error)  # not stored there (not all of them, maybe): its older copies are
+                continue  # to go as a missed owner's do (else served once the other owners lose the block)
             answered.add(w)
             superseded.update(held)
-            refused += [error] if error is not None else []
+            not_durable += [error] if isinstance(error, StorageError) else []
             for i in idx:
                 stored[i] += 1
         self._missed(groups, answered, keys, [v - 1 for v in versions])  # (the put's own version stays welcome)
-        if refused and all(stored):
-            raise refused[0]
+        if not_durable and all(stored):
+            raise not_durable[0]
         if not all(stored):
             why = (f"{stored.count(0)} of {len(keys)} blocks were stored by no live worker that answered (one that "
                    "did not answer in time may still store them)")
             if any(stored):  # the others were: the caller may tell them apart (those an owner held newer
                 # were not stored either: their put again, with a fresh version, is not made now)
                 raise PartialPut(why, failed=sorted({i for i, n in enumerate(stored) if not n} | superseded))
+            if refusals:  # each owner that answered refused: its own error, as where there is one owner
+                raise refusals[0]
             if self.fanout.answering(others_than=groups):  # the pool answers, only these blocks' owners did
                 raise PartialPut(why, failed=list(range(len(keys))))  # not: not an outage of the pool
             raise PoolUnavailable(why)
