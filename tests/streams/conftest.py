@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
+from kvpool.core.client import PoolClient
 from kvpool.core.nats_server import NatsServer
 from kvpool.core.procs import WorkerProcess
 from kvpool.streams import StreamConfig, create_stream
@@ -27,3 +28,11 @@ def make_stream(nats: NatsServer) -> Callable[..., str]:
 def worker(spawn: Callable[..., WorkerProcess], nats: NatsServer) -> WorkerProcess:
     """One `kvpool worker` registered in the test's NATS cluster."""
     return spawn(nats_url=nats.url)
+
+
+@pytest.fixture
+def pool(nats: NatsServer, worker: WorkerProcess) -> Iterator[PoolClient]:
+    """A cluster client of that worker, once it is listed."""
+    with PoolClient(mode="cluster", nats_url=nats.url) as c:
+        assert c.wait_for_members(lambda m: len(m) == 1, 15)
+        yield c

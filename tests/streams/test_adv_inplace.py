@@ -3,10 +3,7 @@ receiver yields when its request id has an earlier, unread request stored on the
 signed messages of an earlier request are published again. Real nats-server and `kvpool worker`."""
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
-import pytest
 
 from kvpool.core import PoolClient
 from kvpool.streams import HandoffError, HandoffReceiver, HandoffTimeout, Producer
@@ -19,12 +16,6 @@ BLOCK = 64 << 10
 def _block(tag: str, layer: int) -> np.ndarray:
     return np.random.default_rng([sum(tag.encode()), layer]).integers(0, 256, BLOCK, dtype=np.uint8)
 
-
-@pytest.fixture
-def pool(nats, worker) -> Iterator[PoolClient]:
-    with PoolClient(mode="cluster", nats_url=nats.url) as c:
-        assert c.wait_for_members(lambda m: len(m) == 1, 15)
-        yield c
 
 
 def _publish(url: str, stream: str, pool: PoolClient, request: str, tag: str, layers: int = 2) -> None:

@@ -43,12 +43,6 @@ def _block(request: str, layer: int) -> np.ndarray:
     return np.random.default_rng([sum(request.encode()), layer]).integers(0, 256, BLOCK, dtype=np.uint8)
 
 
-@pytest.fixture
-def pool(nats, worker):
-    with PoolClient(mode="cluster", nats_url=nats.url) as c:
-        assert c.wait_for_members(lambda m: len(m) == 1, 15)
-        yield c
-
 
 def _typed_or(value: Any, call: Any) -> None:
     """`call()` returns `value` or raises a KVPoolError; anything else escaping is the bug."""

@@ -9,7 +9,6 @@ import time
 import numpy as np
 import pytest
 
-from kvpool.core.client import PoolClient
 from kvpool.streams import Consumer, HandoffReceiver, HandoffTimeout, stream_info
 
 LAYERS, BLOCKS, BLOCK = 8, 2, 512 << 10
@@ -51,12 +50,6 @@ def _reap(child: subprocess.Popen) -> None:
     child.wait()
     child.stdout.close()
 
-
-@pytest.fixture
-def pool(nats, worker):
-    with PoolClient(mode="cluster", nats_url=nats.url) as c:
-        assert c.wait_for_members(lambda m: len(m) == 1, 15)
-        yield c
 
 
 def test_handoff_delivers_every_layer_identical_and_nats_never_carries_the_bulk(nats, make_stream, pool):

@@ -7,7 +7,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,12 +22,6 @@ LAYERS, BLOCK = 6, 64 << 10
 def _block(request: str, layer: int) -> np.ndarray:
     return np.random.default_rng([sum(request.encode()), layer]).integers(0, 256, BLOCK, dtype=np.uint8)
 
-
-@pytest.fixture
-def pool(nats, worker) -> Iterator[PoolClient]:
-    with PoolClient(mode="cluster", nats_url=nats.url) as c:
-        assert c.wait_for_members(lambda m: len(m) == 1, 15)
-        yield c
 
 
 def forge_end(url: str, subject: str, request: str) -> None:
