@@ -65,6 +65,10 @@ class Holdings:
         for k in self._ssd:
             yield ("copied" if k in dram else "stored"), k, "ssd"
 
+    def on_ssd(self) -> Holdings:
+        """The blocks the SSD tier holds, each as `stored` there (what outlives the process)."""
+        return Holdings({}, self._ssd)
+
     def tell(self, listener: CacheListener) -> None:
         """Tell `listener` of each block, as `add_listener(replay=True)` does."""
         for kind, key, tier in self:

@@ -20,21 +20,13 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from . import protocol as P
 from .background import Background
 from .buffers import byte_size, readable, readable_all
 from .cluster import Membership, rank
 from .config import default_node_id
-from .connection import max_block_of, refuse_too_large
-from .errors import (
-    CapacityError,
-    CorruptBlock,
-    KVPoolError,
-    PartialFailure,
-    PartialPut,
-    PoolUnavailable,
-    QuotaExceeded,
-    StorageError,
-)
+from .connection import item_error, max_block_of, refuse_too_large
+from .errors import KVPoolError, PartialFailure, PartialPut, PoolUnavailable, ProtocolError
 from .fanout import FanOut, Transport
 from .missed_writes import MissedWrites
 from .nats_creds import redacted_url
@@ -45,6 +37,10 @@ from .transport import ShmTransport
 from .versions import CLOCK, REMOVED, SUPERSEDED
 
 __all__ = ["Groups", "Repair", "Repairs", "ClusterBackend"]
+
+_STORED = (P.ITEM_OK, P.ITEM_STORAGE, P.ITEM_SUPERSEDED)
+"""A put's item statuses of an owner that took the block: stored (not durable, for ITEM_STORAGE), or
+holding a version as new or newer."""
 
 log = logging.getLogger("kvpool.client")
 
@@ -333,15 +329,18 @@ class ClusterBackend:
         if self.replication > 1:  # CUDA tensors to the host once, not once per owner (R=1: the transport's)
             buffers = readable_all(buffers)
         versions = CLOCK.batch(len(keys))
+        not_durable: list[KVPoolError] = []  # (StorageErrors: stored, but a full disk kept older SSD copies)
         try:
-            superseded = self._put_as_of(live, ranked, keys, buffers, pin_s, versions)
+            superseded = self._put_as_of(live, ranked, keys, buffers, pin_s, versions, not_durable)
             if superseded:
                 again = [keys[i] for i in superseded]
                 try:
                     self._put_as_of(live, [ranked[i] for i in superseded], again, [buffers[i] for i in superseded],
-                                    pin_s, self._restamp(live, again, superseded, versions))
+                                    pin_s, self._restamp(live, again, superseded, versions), not_durable)
                 except PartialPut as e:  # (its indices are the batch's)
                     raise PartialPut(str(e), failed=[superseded[j] for j in e.failed]) from None
+            if not_durable:
+                raise not_durable[0]
         finally:  # (a put that failed may have reached an owner: the older copies go too)
             self._supersede(live, ranked, keys, versions)
 
@@ -358,48 +357,61 @@ class ClusterBackend:
             refuse_too_large([key], [size], min(limit[w] for w in owners[:self.replication]))
 
     def _put_as_of(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
-                   buffers: Sequence[Any], pin_s: float, versions: list[int]) -> list[int]:
+                   buffers: Sequence[Any], pin_s: float, versions: list[int], not_durable: list[KVPoolError]
+                   ) -> list[int]:
         """Put to every live owner (the first `replication` of `ranked`) as of `versions`; the indices an
-        owner held as new or newer."""
+        owner held as new or newer. Each owner's answer is taken block by block: one it stored but could
+        not make durable (a full disk) counts as stored, its error appended to `not_durable` for the caller
+        to raise once the put is done; one it refused (no room, its tenant's quota, corrupt on arrival)
+        leaves that owner owed the removal of its older copy, as an owner that missed the put is (else
+        that copy is served once the other owners lose the newer block)."""
         stored = [0] * len(keys)
         superseded: set[int] = set()
-        not_durable: list[StorageError] = []
-        refusals: list[KVPoolError] = []
+        refused: Groups = {}
+        first_refusal: tuple[int, int] | None = None  # (item status, index)
+        storage_at: int | None = None
 
-        def put(t: Transport, idx: list[int]) -> tuple[list[int], KVPoolError | None]:
-            try:
-                held = t.put_as_of([keys[i] for i in idx], [buffers[i] for i in idx], pin_s,
-                                   [versions[i] for i in idx])
-            except (StorageError, CapacityError, QuotaExceeded, CorruptBlock) as e:  # the owner answered: its
-                return [], e  # own refusal (or a store not durable), the put going on with the other owners
-            return [idx[j] for j in held], None
+        def put(t: Transport, idx: list[int]) -> list[int]:
+            return t.put_statuses([keys[i] for i in idx], [buffers[i] for i in idx], pin_s, [versions[i] for i in idx])
 
         groups = self._replica_groups(ranked)
         answered: set[str] = set()
-        for w, idx, (held, error) in self.fanout.each(live, groups, put, self._deadline()):
-            if error is not None and not isinstance(error, StorageError):
-                refusals.append(error)  # not stored there (not all of them, maybe): its older copies are
-                continue  # to go as a missed owner's do (else served once the other owners lose the block)
+        for w, idx, status in self.fanout.each(live, groups, put, self._deadline()):
             answered.add(w)
-            superseded.update(held)
-            not_durable += [error] if isinstance(error, StorageError) else []
-            for i in idx:
-                stored[i] += 1
-        self._missed(groups, answered, keys, [v - 1 for v in versions])  # (the put's own version stays welcome)
-        if not_durable and all(stored):
-            raise not_durable[0]
+            for i, st in zip(idx, status):
+                if st in _STORED:
+                    stored[i] += 1
+                    if st == P.ITEM_SUPERSEDED:
+                        superseded.add(i)
+                    elif st == P.ITEM_STORAGE and storage_at is None:
+                        storage_at = i
+                else:
+                    refused.setdefault(w, []).append(i)
+                    first_refusal = first_refusal or (st, i)
+        below = [v - 1 for v in versions]  # (the put's own version stays welcome)
+        self._missed(groups, answered, keys, below)
+        for w, idx in refused.items():
+            self._missed({w: idx}, set(), keys, below)
         if not all(stored):
             why = (f"{stored.count(0)} of {len(keys)} blocks were stored by no live worker that answered (one that "
                    "did not answer in time may still store them)")
             if any(stored):  # the others were: the caller may tell them apart (those an owner held newer
                 # were not stored either: their put again, with a fresh version, is not made now)
                 raise PartialPut(why, failed=sorted({i for i, n in enumerate(stored) if not n} | superseded))
-            if refusals:  # each owner that answered refused: its own error, as where there is one owner
-                raise refusals[0]
+            if first_refusal is not None:  # each owner that answered refused: its own error, as with one owner
+                raise self._item_error(*first_refusal, keys, buffers)
             if self.fanout.answering(others_than=groups):  # the pool answers, only these blocks' owners did
                 raise PartialPut(why, failed=list(range(len(keys))))  # not: not an outage of the pool
             raise PoolUnavailable(why)
+        if storage_at is not None:
+            not_durable.append(self._item_error(P.ITEM_STORAGE, storage_at, keys, buffers))
         return sorted(superseded)
+
+    def _item_error(self, status: int, i: int, keys: Sequence[bytes], buffers: Sequence[Any]) -> KVPoolError:
+        """The error a worker's item status `status` for block `i` means (`connection.item_error`)."""
+        max_block = self.max_block if status == P.ITEM_TOO_LARGE else 0  # (told in that error's words only)
+        error = item_error(status, keys[i], byte_size(buffers[i]), max_block)
+        return error if error is not None else ProtocolError(f"item status {status} taken for a failure")
 
     def _restamp(self, live: dict[str, WorkerInfo], again: Sequence[bytes], idx: list[int],
                  versions: list[int]) -> list[int]:

@@ -44,8 +44,8 @@ from .records import PoolStats, WorkerInfo, WorkerStats
 from .tls import ca_file, client_context, server_name
 from .versions import CLOCK, Change
 
-__all__ = ["put_outcome", "DEFAULT_MAX_BLOCK", "Busy", "Connection", "raise_item", "refuse_too_large", "send_pin",
-           "pin_request", "sessions_entered", "max_block_of"]
+__all__ = ["put_outcome", "item_error", "DEFAULT_MAX_BLOCK", "Busy", "Connection", "raise_item", "refuse_too_large",
+           "send_pin", "pin_request", "sessions_entered", "max_block_of"]
 
 log = logging.getLogger("kvpool.transport")
 
@@ -373,6 +373,14 @@ class Connection:
         the worker holds a version of their key as new or newer. Raises the first failed block's error."""
         raise NotImplementedError
 
+    def put_statuses(self, keys: Sequence[bytes], buffers: Sequence[Any], pin_s: float,
+                     versions: Sequence[int] | None) -> list[int]:
+        """`put_as_of`, each block's outcome told rather than the first failure raised: its item status
+        (`protocol.ITEM_OK`: stored; ITEM_SUPERSEDED; ITEM_STORAGE: stored, not durable; else the worker's
+        refusal, `raise_item` says which). Errors of the whole call (no worker, a broken connection, a
+        block too large for the worker, refused before any is sent) are raised as by `put_as_of`."""
+        raise NotImplementedError
+
     def batch_put(self, keys: Sequence[bytes], buffers: Sequence[Any], pin_s: float = 0.0,
                   versions: Sequence[int] | None = None) -> None:
         """Store blocks; with `pin_s` > 0, pinned for that many seconds (see `batch_pin`). With
@@ -524,25 +532,35 @@ def put_outcome(status: Sequence[int], keys: Sequence[bytes], lens: Sequence[int
 
 
 def raise_item(status: int, key: bytes, size: int, max_block: int) -> None:
-    """The error of a put's per-block status, if it is one. A block the worker found corrupt on
-    arrival (damaged on the way) is not stored: CorruptBlock, and the caller may put it again."""
+    """Raise the error of a put's per-block status, if it is one (`item_error`)."""
+    error = item_error(status, key, size, max_block)
+    if error is not None:
+        raise error
+
+
+def item_error(status: int, key: bytes, size: int, max_block: int) -> KVPoolError | None:
+    """The error of a put's per-block status; None for a block stored (ITEM_OK) or not stored because the
+    worker holds a version as new or newer (ITEM_SUPERSEDED). A block the worker found corrupt on arrival
+    (damaged on the way) is not stored: CorruptBlock, and the caller may put it again."""
+    if status in (P.ITEM_OK, P.ITEM_SUPERSEDED):
+        return None
     if status == P.ITEM_TOO_LARGE:
-        raise BlockTooLarge(f"block {key[:24]!r} is {size} bytes; the worker's max block is {max_block}",
-                            key=key, size=size, limit=max_block)
+        return BlockTooLarge(f"block {key[:24]!r} is {size} bytes; the worker's max block is {max_block}",
+                             key=key, size=size, limit=max_block)
     if status == P.ITEM_FULL:
-        raise CapacityError(f"worker has no room for block {key[:24]!r} ({size} bytes)", key=key, size=size)
+        return CapacityError(f"worker has no room for block {key[:24]!r} ({size} bytes)", key=key, size=size)
     if status == P.ITEM_QUOTA:
-        raise QuotaExceeded(f"block {key[:24]!r} ({size} bytes) would take this token's tenant past its quota "
-                            "of bytes stored on the worker; nothing was stored under it", key=key, size=size)
+        return QuotaExceeded(f"block {key[:24]!r} ({size} bytes) would take this token's tenant past its quota "
+                             "of bytes stored on the worker; nothing was stored under it", key=key, size=size)
     if status == P.ITEM_STORAGE:
-        raise StorageError(f"block {key[:24]!r} is stored, but a full disk on the worker kept the older SSD copy "
-                           "it replaces: a crash would bring that back", key=key, size=size)
+        return StorageError(f"block {key[:24]!r} is stored, but a full disk on the worker kept the older SSD copy "
+                            "it replaces: a crash would bring that back", key=key, size=size)
     if status == P.ITEM_CORRUPT:
-        raise CorruptBlock(f"block {key[:24]!r} arrived corrupt at the worker (checksum mismatch); nothing "
-                           "was stored under it", key=key, size=size)
-    if status != P.ITEM_OK:  # no status a worker sends: whether the block was stored is not known
-        raise ProtocolError(f"the worker answered the put of block {key[:24]!r} with status {status}, which "
-                            "no worker sends")
+        return CorruptBlock(f"block {key[:24]!r} arrived corrupt at the worker (checksum mismatch); nothing "
+                            "was stored under it", key=key, size=size)
+    # no status a worker sends: whether the block was stored is not known
+    return ProtocolError(f"the worker answered the put of block {key[:24]!r} with status {status}, which "
+                         "no worker sends")
 
 
 def refuse_too_large(keys: Sequence[bytes], lens: Sequence[int], max_block: int) -> None:

@@ -158,7 +158,7 @@ class EventQueue(CacheListener):
         holdings, then the changes from now on. Take calls come from one thread, which is also the one
         that registers the queue (or registers it before that thread starts)."""
         replay = (BlockEvent(kind, tier, "", key) for kind, key, tier in holdings)
-        self._ahead = itertools.chain(self._ahead or (), self._next, self._q, replay)
+        self._ahead = itertools.chain(self._next, self._ahead or (), self._q, replay)  # (`_next`: `_ahead`'s head)
         self._next, self._q = collections.deque(), collections.deque()
         return True
 
@@ -317,13 +317,22 @@ class EventPublisher:
         with self._lock:
             self._closing = True
             self._cache.remove_listener(self.queue)
-            if going:
-                self.queue.cleared()
-                kept = _OnSsd(self.queue)
-                self._cache.add_listener(kept, replay=True)
-                self._cache.remove_listener(kept)
         self._stop.set()
         self._thread.join(10)
+        if not going:
+            return
+        if self._thread.is_alive():  # a sink stuck past the wait: the queue is not this thread's to take from
+            log.warning("events: the publisher did not stop within 10 s; what the SSD tier keeps is not announced")
+            return
+        self.queue.unbounded = True  # (a full queue drops no part of the last announcement)
+        try:
+            self.queue.cleared()
+            kept = _OnSsd(self.queue)
+            self._cache.add_listener(kept, replay=True)
+            self._cache.remove_listener(kept)
+        finally:
+            self.queue.unbounded = False
+        self.flush()
 
 
 class _OnSsd(CacheListener):
@@ -338,6 +347,9 @@ class _OnSsd(CacheListener):
 
     def copied(self, key: bytes, tier: str) -> None:
         self.stored(key, tier)
+
+    def replayed(self, holdings: Holdings) -> bool:
+        return self.queue.replayed(holdings.on_ssd())  # (unbounded: the queue's bound counts no replay)
 
 
 class NatsSink:

@@ -104,7 +104,8 @@ class PartedPut:
         self.parts = part_slices(lens, min(PART_BYTES, max(MIN_PART_BYTES, sum(lens) // 4)))
         self.offsets = np.full(len(keys), -1, dtype="<i8")
         self.status = np.zeros(len(keys), dtype="<i1")
-        """Each block's: 0 stored (or not yet answered), else the worker's item status."""
+        """Each block's: 0 stored (or not yet answered), else the worker's item status (ITEM_FULL, once `run`
+        returns, for a block the put gave up on when a part found no room)."""
         self._replies: deque[tuple[int, slice]] = deque()  # (op, blocks) of each request not yet answered
         self._refused = False  # a part found no room: the rest of the batch is not put
 
@@ -125,6 +126,8 @@ class PartedPut:
             sent()
         while self._replies:
             self._read()
+        if self._refused:  # the blocks left without a slot (granted ones given back included) are not stored
+            self.status[(self.status == 0) & (self.offsets < 0)] = P.ITEM_FULL
         return self.offsets
 
     def _alloc_copy_and_commit(self) -> None:

@@ -56,7 +56,7 @@ from . import protocol as P
 from .auth import unix_socket_usable
 from .client import PoolClient
 from .cluster_backend import ClusterBackend
-from .connection import raise_item
+from .connection import item_error, raise_item
 from .errors import KVPoolError, PoolUnavailable
 from .fanout import Departures
 from .fastcopy import copy_into
@@ -265,11 +265,8 @@ class Stager:
             if op == P.Op.COMMIT_UNCHECKED:  # one superseded (a newer version held) is not a failure
                 bad = np.flatnonzero((got != 0) & (got != P.ITEM_SUPERSEDED))
                 if bad.size and self._failed is None:
-                    i = int(bad[0])
-                    try:
-                        raise_item(int(got[i]), keys[i], int(sizes[i]), self.transport.info.max_block)
-                    except KVPoolError as e:  # kept for the caller's next put or settle
-                        self._failed = e
+                    i = int(bad[0])  # kept for the caller's next put or settle
+                    self._failed = item_error(int(got[i]), keys[i], int(sizes[i]), self.transport.info.max_block)
             elif (got >= 0).all():
                 puts = len(sizes) // len(keys)  # (an ALLOC asks for that many puts' slots; a put has keys)
                 shape = tuple(sizes[:len(keys)].tolist())

@@ -75,11 +75,18 @@ class TcpTransport(Connection):
         `_FRAMES_IN_FLIGHT` unanswered): the worker receives, hashes and commits one while the next is
         hashed and sent. A block the worker refuses fails alone; the error raised is the first failed
         block's."""
-        return self._put_views(keys, readable_all(buffers), pin_s, versions)
+        views = readable_all(buffers)
+        status = self._put_statuses(keys, views, pin_s, versions)
+        return put_outcome(status, keys, [v.nbytes for v in views], max_block_of(self.info))
 
-    def _put_views(self, keys: Sequence[bytes], views: Sequence[memoryview], pin_s: float,
-                   versions: Sequence[int] | None) -> list[int]:
-        """`put_as_of` of the buffers' byte views (`readable_all`)."""
+    def put_statuses(self, keys: Sequence[bytes], buffers: Sequence[Any], pin_s: float,
+                     versions: Sequence[int] | None) -> list[int]:
+        """`Connection.put_statuses`, as `put_as_of` puts."""
+        return self._put_statuses(keys, readable_all(buffers), pin_s, versions)
+
+    def _put_statuses(self, keys: Sequence[bytes], views: Sequence[memoryview], pin_s: float,
+                      versions: Sequence[int] | None) -> list[int]:
+        """`put_statuses` of the buffers' byte views (`readable_all`), through the socket."""
         lens = [v.nbytes for v in views]
         refuse_too_large(keys, lens, self.max_block)
         stamps = _stamps(versions, len(keys))
@@ -95,7 +102,7 @@ class TcpTransport(Connection):
                     status += self._put_reply(sock, unanswered.popleft())
             while unanswered:
                 status += self._put_reply(sock, unanswered.popleft())
-        return put_outcome(status, keys, lens, self.info.max_block)
+        return status
 
     @staticmethod
     def _send_put(sock: Any, keys: Sequence[bytes], views: Sequence[memoryview], versions: np.ndarray) -> None:
@@ -246,31 +253,32 @@ class ShmTransport(TcpTransport):
                 self._arena, self._pages = arena, pages
         return arena, pages
 
-    def put_as_of(self, keys: Sequence[bytes], buffers: Sequence[Any], pin_s: float,
-                  versions: Sequence[int] | None) -> list[int]:
-        """`Connection.put_as_of`: a batch larger than the worker lets one connection reserve at once
-        goes in several rounds; one of at most `SOCKET_PUT_BYTES` through the socket."""
-        views = readable_all(buffers)
+    def _put_statuses(self, keys: Sequence[bytes], views: Sequence[memoryview], pin_s: float,
+                      versions: Sequence[int] | None) -> list[int]:
+        """`put_statuses` (and so `put_as_of`): a batch larger than the worker lets one connection reserve
+        at once goes in several rounds; one of at most `SOCKET_PUT_BYTES` through the socket."""
         lens = [v.nbytes for v in views]
         if sum(lens) <= SOCKET_PUT_BYTES and not recording_now():
             if self._spare.pending:  # slots a run of arena puts kept: this put will not use them
                 with self._session() as sock:
                     self._spare.give_back(sock, self.generation)
-            return self._put_views(keys, views, pin_s, versions)
+            return super()._put_statuses(keys, views, pin_s, versions)
         stamps = _stamps(versions, len(keys))
-        superseded: list[int] = []
+        status: list[int] = []
         with self._session() as sock:  # one exchange for the batch (a session is ~10 µs of Python)
             info = self.info
             refuse_too_large(keys, lens, max_block_of(info))
             for f in P.frames(len(keys), lens, info.max_reserve or P.MAX_DATA, P.RESERVE_FLOOR):
-                superseded += [f.start + i for i in self._put_frame(sock, keys[f], views[f], pin_s, stamps[f])]
-        return superseded
+                status += self._put_frame(sock, keys[f], views[f], pin_s, stamps[f])
+                if P.ITEM_FULL in status:  # no room: the rest is not tried (its blocks are not stored either)
+                    return status + [P.ITEM_FULL] * (len(keys) - f.stop)
+        return status
 
     def _put_frame(self, sock: socket.socket, keys: Sequence[bytes], views: Sequence[memoryview], pin_s: float,
                    versions: np.ndarray) -> list[int]:
-        """Copy the frame's blocks into slots of the arena part by part (`kvpool.core.shm_put`); the
-        indices of those superseded. Within a session, on its connection `sock` (where a frame before
-        this one may have asked for slots: their answer is read first)."""
+        """Copy the frame's blocks into slots of the arena part by part (`kvpool.core.shm_put`); each
+        block's item status. Within a session, on its connection `sock` (where a frame before this one
+        may have asked for slots: their answer is read first)."""
         self._spare.read_answer(sock, self.generation)
         arena, pages = self._mapped(writable=True)
         if pin_s > 0:
@@ -282,14 +290,14 @@ class ShmTransport(TcpTransport):
         except BaseException:
             self.close()  # replies may be unread; the worker frees the slots of a closed connection
             raise
-        superseded = put_outcome(put.status.tolist(), keys, put.lens, max_block_of(self.info))
+        status = put.status
         sizes = put.sizes
-        if superseded:  # not stored: they lie nowhere
-            kept = put.status == 0
+        kept = (status == P.ITEM_OK) | (status == P.ITEM_STORAGE)
+        if not kept.all():  # not stored: they lie nowhere
             keys, offsets, sizes, versions = [k for k, ok in zip(keys, kept.tolist()) if ok], offsets[kept], \
                 sizes[kept], versions[kept]
         committed(self.info, keys, offsets, sizes, versions)  # where they lie, for whoever records it
-        return superseded
+        return [int(st) for st in status.tolist()]
 
     @contextmanager
     def batch_lease(self, keys: Sequence[bytes]) -> Iterator[list[memoryview | None]]:
