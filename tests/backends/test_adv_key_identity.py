@@ -132,8 +132,7 @@ def vllm_keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """What the vLLM connector's keys are for pairs of instances/requests whose KV differs (one vLLM
     process for all the vLLM checks). kvpool is imported from this checkout (a `kvpool` link on
     PYTHONPATH), not from whatever checkout the engine environment was last pointed at."""
-    py = envs.find_python("vllm")
-    assert py is not None, f"no vLLM environment; build it with `{envs.how_to_install('vllm')}`"
+    py = envs.ensure("vllm")  # (built if missing: minutes, once per machine)
     d = tmp_path_factory.mktemp("vllm-keys")
     (d / "kvpool").symlink_to(ROOT)
     (d / "driver.py").write_text(_VLLM_DRIVER)
@@ -158,6 +157,7 @@ def vllm_keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 # Bug: vLLM --kv-cache-dtype fp8_e4m3 and fp8_e5m2 both give spec.dtype torch.uint8, so the namespace
 # says "uint8" for both and an e5m2 instance loads e4m3 bytes (decoded as another float format).
+@pytest.mark.timeout(600)  # the first on a machine builds vLLM's environment
 def test_vllm_fp8_e4m3_and_e5m2_instances_never_share_blocks(vllm_keys: dict[str, Any]) -> None:
     assert vllm_keys["fp8_shared_keys"] == 0, vllm_keys["fp8_namespaces"]
     assert vllm_keys["e5m2_matched_blocks"] == 0 and vllm_keys["e5m2_loaded_blocks"] == 0
@@ -166,18 +166,21 @@ def test_vllm_fp8_e4m3_and_e5m2_instances_never_share_blocks(vllm_keys: dict[str
 
 # Bug: the vLLM connector keys a LoRA request by lora_name only; vLLM hashes (name, path), so one name
 # re-pointed at another adapter (or reused by another instance for another adapter) reads the old KV.
+@pytest.mark.timeout(600)  # the first on a machine builds vLLM's environment
 def test_vllm_same_lora_name_other_adapter_path_never_shares_blocks(vllm_keys: dict[str, Any]) -> None:
     assert vllm_keys["lora_shared_keys"] == 0
 
 
 # Bug: a mixed prompt (token ids + prompt embeddings, sentinel ids at the embedded positions) is keyed
 # by its token ids alone; vLLM adds a per-block hash of the embeddings. Other embeddings -> same keys.
+@pytest.mark.timeout(600)  # the first on a machine builds vLLM's environment
 def test_vllm_mixed_prompt_with_other_embeddings_never_shares_blocks(vllm_keys: dict[str, Any]) -> None:
     assert vllm_keys["embeds_shared_keys"] == 0
 
 
 # Bug: the namespace names the model by `model` only; two instances of one model id at different
 # `--revision`s (different weights) share every key.
+@pytest.mark.timeout(600)  # the first on a machine builds vLLM's environment
 def test_vllm_other_model_revision_never_shares_blocks(vllm_keys: dict[str, Any]) -> None:
     assert vllm_keys["revision_shared_keys"] == 0
 
@@ -185,6 +188,7 @@ def test_vllm_other_model_revision_never_shares_blocks(vllm_keys: dict[str, Any]
 # Bug: the layout in the namespace is the spec's [H, N, C] with N = block_size, not the kernel block size
 # the attention backend splits blocks into (PagedKV regroups [2B, H, 16, C] views), so an instance on a
 # backend with 16-token kernel blocks loads blocks a 32-token one wrote as [H, 32, C]: tokens permuted.
+@pytest.mark.timeout(600)  # the first on a machine builds vLLM's environment
 def test_vllm_instances_with_other_kernel_block_sizes_never_load_permuted_kv(vllm_keys: dict[str, Any]) -> None:
     assert vllm_keys["kernel16_loaded_blocks"] == 0 or vllm_keys["kernel16_same_kv"]
 

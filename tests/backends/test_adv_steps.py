@@ -257,8 +257,7 @@ _DRIVER = textwrap.dedent('''
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every scenario in one vLLM-environment process (~10 s). kvpool is imported from this checkout."""
-    py = envs.find_python("vllm")
-    assert py is not None, f"no vLLM environment; build it with `{envs.how_to_install('vllm')}`"
+    py = envs.ensure("vllm")  # (built if missing: minutes, once per machine)
     d = tmp_path_factory.mktemp("adv-steps")
     (d / "kvpool").symlink_to(ROOT)
     (d / "driver.py").write_text(_DRIVER)
@@ -287,6 +286,7 @@ def steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 # Bug: wait_for_save skips only the saves of the request whose load failed; a request of the same step
 # that shares the failed blocks through vLLM's prefix cache saves blocks computed on top of them
 # (vLLM recomputes that request too, but the wrong KV stays in the pool and other instances load it).
+@pytest.mark.timeout(600)  # the first on a machine builds vLLM's environment
 def test_vllm_a_failed_load_shared_by_a_prefix_cache_hit_stores_no_wrong_kv(steps: dict[str, Any]) -> None:
     s = steps["shared"]
     assert s["steps"][0]["loads"] == [["r1", 5]], s["steps"]  # r1 loads; r2 rides on the same blocks
@@ -298,6 +298,7 @@ def test_vllm_a_failed_load_shared_by_a_prefix_cache_hit_stores_no_wrong_kv(step
 # Bug: with async scheduling (vLLM 0.32's default) step N+1 is planned before vLLM learns that step N's
 # load failed; its saves of the blocks computed on top of the failed ones are not skipped (wait_for_save
 # looks only at the loads of its own step), so wrong KV is stored and served to other instances.
+@pytest.mark.timeout(600)  # the first on a machine builds vLLM's environment
 def test_vllm_async_scheduling_stores_no_kv_computed_after_a_failed_load(steps: dict[str, Any]) -> None:
     s = steps["chunked_async"]
     assert s["steps"][0]["loads"] == [["r", 3]], s["steps"]
