@@ -40,6 +40,7 @@ from .registry import AddParser, Subparsers
 from .shm_read import get_placed, put_placed, read_placed
 from .shm_refs import Place
 from .shm_stage import Stagers
+from .versions import CLOCK_SKEW_MS
 
 __all__ = [
     "TieredCache", "PoolClient", "AsyncPoolClient", "CacheConfig", "block_keys", "MAX_KEY_BYTES",
@@ -50,5 +51,5 @@ __all__ = [
     # what the faces build on
     "ClientConfig", "load_config", "Key", "key_bytes", "checksum", "readable", "readable_all", "LoopThread",
     "nats_connect", "nats_failure", "nats_denied", "NatsCreds", "Role", "find_creds", "redacted_url", "AddParser",
-    "Subparsers", "Place", "put_placed", "read_placed", "get_placed", "Stagers", "keys_bytes",
+    "Subparsers", "Place", "put_placed", "read_placed", "get_placed", "Stagers", "keys_bytes", "CLOCK_SKEW_MS",
 ]

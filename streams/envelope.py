@@ -22,8 +22,9 @@ TYPE = "Kvpool-Type"
 SIG = "Kvpool-Sig"
 SENT = "Kvpool-Sent"
 """When a handoff message was published: ms since the epoch on its producer's clock (signed with the rest
-of the `Kvpool-*` headers where a stream secret is set). A receiver orders the chains of a request id by
-it and drops a message older than the stream keeps messages (`handoff`)."""
+of the `Kvpool-*` headers where a stream secret is set; without one, anyone may stamp any time). A receiver
+drops a message older than the stream keeps messages, a replay (`handoff`); it never orders the chains of a
+request id by it (clocks disagree, and producers of the version before carry none)."""
 INLINE, REF, KV, END = "inline", "ref", "kv", "end"
 KINDS = (INLINE, REF, KV, END)
 INVALID = "invalid"

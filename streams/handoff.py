@@ -16,8 +16,10 @@ in the request's producer chain (`sealing`); a message failing these is dropped,
 chain also orders the request: a message ahead of its place waits for the ones before it, and one seen
 twice (live and read back) counts once. The request's own messages are checked for consistency: a layer
 twice, or an `end` whose layer count disagrees with the layers that arrived, is a HandoffError, never a
-short or mixed request. A request id may be used again: a read-back finds every request of the id still
-stored, and the receiver takes the newest by the publish time its messages carry (`envelope.SENT`).
+short or mixed request. A request id is for one request while the stream keeps its messages: messages of
+a second chain on the subject (the id used again, a second producer, a forged first message) fail the
+request with HandoffError, never yield another request's layers; a message published longer ago than the
+stream keeps messages (`envelope.SENT`) is a replay, dropped.
 """
 from __future__ import annotations
 
@@ -32,8 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.core import Key, PoolClient
-from kvpool.core.versions import CLOCK_SKEW_MS
+from kvpool.core import CLOCK_SKEW_MS, Key, PoolClient
 
 from . import envelope as env
 from ._link import Link, translate
@@ -42,7 +43,7 @@ from .consumer import Checks
 from .errors import ForgedMessage, HandoffError, HandoffTimeout, MalformedMessage, StreamError
 from .live import Feed, Raw, Retention, stored_last, stored_seq
 from .payload import fetch_many
-from .sealing import ChainCheck, verify
+from .sealing import ChainCheck, two_chains, verify
 from .wire import Wire
 
 log = logging.getLogger("kvpool.streams")
@@ -69,6 +70,10 @@ end, so that the purge takes it too."""
 _SCAN_AFTER_S = 0.01
 """How long a purge waits for the end it took live to be the subject's last stored message before it looks
 through the subject for it (a request of the same id stored after it)."""
+RETENTION_WAIT_S = 1.0
+"""How long a receiver that does not know the stream's max_age yet (its ask not answered, or failed: a
+receiver made before its stream) waits for an answer before it checks a message's age; after a wait that
+went unanswered, it checks none for `live.ASK_AGAIN_S` (and asks again)."""
 _SCAN = 70000
 """Messages of a request's subject looked through for its end, where the end came live and the subject's
 last stored message is not it (a request of the same id published after it): a request's layers and end."""
@@ -86,41 +91,11 @@ class _Request:
         self._reject = reject
         self._ahead: dict[int, list[tuple[Item, Raw]]] = {}
         self._bodies: dict[int, bytes] = {}  # body of each accepted message, by its index in the chain
-        self._sent = -1  # publish time of the accepted chain's first message (-1: none, or not stamped)
-        self._earlier: set[str] = set()  # nonces of chains skipped as earlier requests of this id
         self.gap = False
-
-    def skip_earlier(self, burst: list[tuple[Item, Raw]], now_ms: int) -> None:
-        """Mark, in `burst` (read back from the stream, in stream order), the chains of earlier requests of
-        this id: an id used again (a decode engine restarted) finds an earlier request nobody read, or a
-        replay of one, stored before (or after) its own. Of the chains that start in the burst, the
-        request's is the one whose first message was published last (`envelope.SENT`, then stream order),
-        or the one already accepted; an older one whose end is in the burst too was a whole request before
-        it, and its messages are dropped. An older one without its end is left to the chain check: two
-        producers at once claim the id (HandoffError)."""
-        starts: dict[str, tuple[int, int]] = {}
-        ended: set[str] = set()
-        for item, raw in burst:
-            seal = item.seal
-            if seal is None or seal.nonce == self.chain.nonce:
-                continue
-            if seal.n == 0 and (seal.commit or isinstance(item, env.End)):
-                starts.setdefault(seal.nonce, (_sent_or_oldest(raw, now_ms), raw.seq or 0))
-            if isinstance(item, env.End):
-                ended.add(seal.nonce)
-        if self.chain.nonce is None and starts:
-            newest = max(starts, key=starts.__getitem__)
-            taken = starts.pop(newest)
-        else:
-            taken = (self._sent, 0)  # the accepted chain: one stamped as it is, or unstamped, is not older
-        self._earlier.update(nonce for nonce, at in starts.items() if nonce in ended and at < taken)
 
     def take(self, item: Item, raw: Raw) -> list[tuple[Item, Raw]]:
         """The messages now in order (accepted by the chain): `item` and any that waited for it."""
         seal, chain = item.seal, self.chain
-        if seal is not None and seal.nonce in self._earlier:
-            self._reject(raw, ForgedMessage("it belongs to an earlier request of this id (left unread, or replayed)"))
-            return []
         if seal is not None and chain.nonce is not None and seal.nonce == chain.nonce and seal.n < chain.n:
             if self._bodies.get(seal.n) != raw.data:  # the same message read twice counts once
                 self._reject(raw, ForgedMessage("it repeats a place in the request's chain (forged or replayed)"))
@@ -139,13 +114,13 @@ class _Request:
         return out
 
     def _judge(self, candidates: list[tuple[Item, Raw]]) -> list[tuple[Item, Raw]]:
-        """The one of `candidates` (messages claiming the chain's next place) that the chain accepts."""
+        """The one of `candidates` (messages claiming the chain's next place) that the chain accepts;
+        HandoffError for a message of another chain than the accepted one."""
         out: list[tuple[Item, Raw]] = []
         n = self.chain.n
         for item, raw in candidates:
+            self._one_chain(item)
             if not out and self.chain.accept(item.seal, last=isinstance(item, env.End)):
-                if n == 0:
-                    self._sent = _sent_or_oldest(raw, _now_ms())
                 self._bodies[n] = raw.data
                 out.append((item, raw))
             elif not out or self._bodies.get(n) != raw.data:
@@ -153,11 +128,18 @@ class _Request:
         return out
 
     def drop_waiting(self) -> None:
-        """The request ended: what still waits ahead of its place never had one."""
+        """The request ended: what still waits ahead of its place never had one (HandoffError where one is
+        of another chain)."""
         for waiting in self._ahead.values():
-            for _, raw in waiting:
+            for item, raw in waiting:
+                self._one_chain(item)
                 self._reject(raw, ForgedMessage("it is outside the request's producer chain (after its end)"))
         self._ahead.clear()
+
+    def _one_chain(self, item: Item) -> None:
+        nonce = self.chain.nonce
+        if item.seal is not None and nonce is not None and item.seal.nonce != nonce:
+            raise two_chains(self.chain.request, nonce, item.seal.nonce)
 
 
 class HandoffReceiver:
@@ -170,15 +152,22 @@ class HandoffReceiver:
     the live path), and blocks read `in_place` (from the worker's shared memory on the producer's node)
     and `from_pool` (a get: another node, or a place that did not hold the block any more) so far.
 
-    Request ids used again: every handoff message carries its publish time (ms, the producer's clock;
-    signed where a stream secret is set). Where the stream holds more than one request of the id (an
-    earlier one nobody read, or a replay of one), the receiver takes the one whose first message was
-    published last (then: stored last); an earlier one whose end is stored too is dropped (`rejected`),
-    one without its end, or a request of the id that starts after the receiver took one, is a
-    HandoffError. A message published longer ago than the stream's max_age (plus the clock skew allowed,
-    `kvpool.core.versions.CLOCK_SKEW_MS`) cannot be a stored one: a replay, dropped. A receiver that
-    starts before the new request's first message is published finds only the earlier one, and takes it:
-    ids that are never used again are the only sure way."""
+    A request id is for one request while the stream keeps its messages (its max_age). The first producer
+    chain the receiver sees is the request's; a message of another chain of the id, stored or arriving (an
+    earlier request nobody read, a replay of one, a second producer, a forged first message), fails the
+    request with HandoffError. Where the receiver reads the stream back before it took any message, it
+    also looks at the subject's last stored message (one get, where the read-back stopped short of it): an
+    earlier complete request followed by a newer one fails before any layer is yielded. A receiver that
+    reads an earlier request whole before the newer one is published takes it: ids that are not used again
+    are the only sure way.
+
+    Every handoff message carries its publish time (`envelope.SENT`: ms, the producer's clock); one
+    published longer ago than the stream's max_age (plus the clock skew allowed,
+    `kvpool.core.versions.CLOCK_SKEW_MS`) cannot be a stored one: a replay, dropped. The time is signed
+    where a stream secret is set; without one nothing authenticates it, and the check only drops stale
+    copies. The max_age is asked when the receiver is made (again every `live.ASK_AGAIN_S` while an ask
+    fails: a receiver made before its stream); a message to check before it is known waits up to
+    `RETENTION_WAIT_S` for the answer, and passes unchecked where none comes."""
 
     def __init__(self, stream: str, nats_url: str, pool: PoolClient, *, timeout_s: float = 5.0,
                  secret: str | bytes | None = None, limits: env.Limits | None = None) -> None:
@@ -204,12 +193,13 @@ class HandoffReceiver:
 
         `timeout`: seconds to wait for each next layer (or the end); past it, HandoffTimeout (the producer
         is slow or died mid-request). A missing or corrupt block raises PayloadError; a layer twice, an
-        end whose layer count disagrees with the layers that arrived, or a second producer claiming the
-        request raises HandoffError. Each buffer is a checksum-verified copy of its block: a view into
-        `into(layer, nbytes)` (e.g. the decode engine's own KV memory), or a fresh buffer. A handoff has
-        one reader: once the end arrives, the request's messages are purged from the stream (in the
-        background: the loop ends with the last layer; `close` waits for the purges under way), which
-        also ends the producer's pins on their blocks."""
+        end whose layer count disagrees with the layers that arrived, or messages of a second producer
+        chain on the request's subject (a second producer, a forged first message, the id used again
+        within the stream's max_age) raise HandoffError. Each buffer is a checksum-verified copy of its
+        block: a view into `into(layer, nbytes)` (e.g. the decode engine's own KV memory), or a fresh
+        buffer. A handoff has one reader: once the end arrives, the request's messages are purged from the
+        stream (in the background: the loop ends with the last layer; `close` waits for the purges under
+        way), which also ends the producer's pins on their blocks."""
         filt = subject(self.stream, "req", check_token(request_id, "request id"))
         with self._purges_lock:
             earlier = self._purges.get(filt)
@@ -253,8 +243,8 @@ class HandoffReceiver:
                 refs: list[env.Ref] = []
                 end: tuple[env.End, Raw] | None = None
                 admitted = [(one, raw) for raw in burst if (one := self._admit(raw, request_id, rejected)) is not None]
-                if not live:
-                    req.skip_earlier(admitted, _now_ms())
+                if not live and admitted and req.chain.nonce is None:  # nothing taken yet: look at all of it first
+                    self._one_request(feed, request_id, burst, admitted, max(LOOK_S, last + timeout - time.monotonic()))
                 for item, raw in admitted:
                     for it, came in req.take(item, raw):
                         self.counts["recovered"] += came.seq is not None
@@ -364,37 +354,66 @@ class HandoffReceiver:
         log.warning("stream %r: request %r read whole, but its messages were not purged: %s",
                     self.stream, request_id, err)
 
-    def _admit(self, raw: Raw, request_id: str, rejected: list[int]) -> Item | None:
-        """The layer or end in `raw` if it is well formed, signed where a secret is set, and of this
-        request; None (dropped, counted, logged) if not. Its place in the chain is `_Request`'s call."""
-        try:
-            kind = env.kind_of(raw.headers)
-            key = self._checks.key
-            if key is not None and (why := verify(key, raw.subject, raw.headers, raw.data)):
-                raise ForgedMessage(f"{why} (a stream secret is set)")
-            item: Item
-            if kind == env.KV:
-                item = env.Ref.decode(raw.data, self._checks.current_limits())
-            elif kind == env.END:
-                item = env.End.decode(raw.data, self._checks.limits)
+    def _one_request(self, feed: Feed, request_id: str, burst: list[Raw], admitted: list[tuple[Item, Raw]],
+                     within: float) -> None:
+        """HandoffError where the subject holds messages of more than one producer chain, looked for in a
+        read-back before any of it is taken: in `burst`, and, where the read-back did not reach the
+        subject's end (it stops at `live._RECOVER_BATCH` messages, or at its time bound), in the subject's
+        last stored message (one get): the request stops at its end, and a newer request of the id stored
+        after an earlier complete one would be seen only there. A last message that fails the checks
+        (forged, malformed) tells nothing."""
+        nonces = dict.fromkeys(item.seal.nonce for item, _ in admitted if item.seal is not None)
+        last = None if feed.reached_end else feed.last_stored(within)  # (a read to the end holds the last)
+        if last is not None and last.seq is not None and last.seq > max(raw.seq or 0 for raw in burst):
+            try:
+                item = self._item(last, request_id)
+            except (MalformedMessage, ForgedMessage):
+                pass
             else:
-                raise MalformedMessage(f"a {kind!r} message on a handoff subject")
-            if item.request != request_id:
-                raise MalformedMessage(f"it names request {item.request!r}")
-            if item.seal is None:
-                raise ForgedMessage("it carries no producer seal")
-            self._check_age(raw)
+                if item.seal is not None:
+                    nonces.setdefault(item.seal.nonce)
+        if len(nonces) > 1:
+            first, other, *_ = nonces
+            raise two_chains(request_id, first, other)
+
+    def _admit(self, raw: Raw, request_id: str, rejected: list[int]) -> Item | None:
+        """The layer or end in `raw` if it passes `_item`'s checks; None (dropped, counted, logged) if not.
+        Its place in the chain is `_Request`'s call."""
+        try:
+            return self._item(raw, request_id)
         except (MalformedMessage, ForgedMessage) as e:
             self._reject(request_id, raw, e, rejected)
             return None
+
+    def _item(self, raw: Raw, request_id: str) -> Item:
+        """The layer or end in `raw`: MalformedMessage or ForgedMessage unless it is well formed, signed
+        where a secret is set, of this request, sealed, and not older than the stream keeps messages."""
+        kind = env.kind_of(raw.headers)
+        key = self._checks.key
+        if key is not None and (why := verify(key, raw.subject, raw.headers, raw.data)):
+            raise ForgedMessage(f"{why} (a stream secret is set)")
+        item: Item
+        if kind == env.KV:
+            item = env.Ref.decode(raw.data, self._checks.current_limits())
+        elif kind == env.END:
+            item = env.End.decode(raw.data, self._checks.limits)
+        else:
+            raise MalformedMessage(f"a {kind!r} message on a handoff subject")
+        if item.request != request_id:
+            raise MalformedMessage(f"it names request {item.request!r}")
+        if item.seal is None:
+            raise ForgedMessage("it carries no producer seal")
+        self._check_age(raw)
         return item
 
     def _check_age(self, raw: Raw) -> None:
         """ForgedMessage if `raw` was published longer ago than the stream keeps messages (its max_age,
         and the clock skew allowed): a replay. MalformedMessage for a malformed publish time."""
         sent = env.sent_ms(raw.headers)
-        max_age = self._retention.max_age_s()
-        if sent is None or not max_age:
+        if sent is None:
+            return
+        max_age = self._retention.max_age_s(min(RETENTION_WAIT_S, self._link.timeout_s))
+        if not max_age:
             return
         age = _now_ms() - sent
         if age > max_age * 1000 + CLOCK_SKEW_MS:
@@ -445,13 +464,6 @@ def _overlapping(bufs: list[Any]) -> bool:
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-def _sent_or_oldest(raw: Raw, now_ms: int) -> int:
-    """The publish time of an admitted message for ordering chains: -1 (the oldest) where it carries none,
-    and no later than the clock skew allowed ahead of `now_ms` (a time further ahead counts that far)."""
-    sent = env.sent_ms(raw.headers)
-    return -1 if sent is None else min(sent, now_ms + CLOCK_SKEW_MS)
 
 
 def _by_bytes(refs: list[env.Ref], most: int) -> Iterator[list[env.Ref]]:

@@ -10,7 +10,8 @@ where the stream allows it, else a message per request), and the receiver calls 
 at start (messages published before it subscribed), on a gap in the request's chain, when nothing has
 arrived for a while, and before giving up. A message may so arrive twice; the receiver counts it once.
 The first read starts at the subject's first stored message: an earlier request of the same id, left
-unread, may be there too, and which chain is the request's is the receiver's call (`handoff`).
+unread, may be there too (`last_stored` tells the receiver whether the subject holds another chain past
+what one read returned: `handoff` fails the request then).
 """
 from __future__ import annotations
 
@@ -31,7 +32,10 @@ from .wire import Msg, Wire
 log = logging.getLogger("kvpool.streams")
 
 RETENTION_S = 30.0
-"""How long a receiver goes on with the stream's max_age it last asked for (`Retention`)."""
+"""How long a receiver goes on with the stream's max_age it was last told before it asks again (`Retention`)."""
+ASK_AGAIN_S = 0.5
+"""How soon a receiver asks again for the stream's max_age after an ask that failed, or has not answered
+within the link's timeout (a receiver made before its stream exists, NATS away for a while)."""
 _RECOVER_BATCH = 4096
 """Stored messages one `stored()` reads at most (the rest on the next call)."""
 _DIRECT_GET = "$JS.API.DIRECT.GET"
@@ -75,30 +79,65 @@ async def stored_seq(link: Link, stream: str, subj: str, data: bytes, most: int)
 
 
 class Retention:
-    """How long `stream` keeps messages (its max_age), asked through `link` in the background when made and
-    again every `RETENTION_S`: what checks a message against it never waits for a round trip."""
+    """How long `stream` keeps messages (its max_age), asked through `link` in the background when made,
+    again every `RETENTION_S`, and every `ASK_AGAIN_S` while an ask fails or goes unanswered."""
 
     def __init__(self, link: Link, stream: str) -> None:
         self._link, self.stream = link, stream
         self._known: float | None = None
+        self._answered = False  # whether the last ask that ended was answered
         self._asked = time.monotonic()
-        self._asking: concurrent.futures.Future[Any] | None = link.io.spawn(link.js.stream_info(stream))
+        self._asking: concurrent.futures.Future[Any] | None = None
+        self._wait_after = 0.0  # (monotonic) no wait for an answer before then: the last wait went unanswered
+        self._ask()
 
-    def max_age_s(self) -> float | None:
+    def max_age_s(self, wait_s: float = 0.0) -> float | None:
         """The stream's max_age in seconds (0: none); None while not known (not answered yet, or the
-        stream info could not be read: the check waits for a later answer)."""
-        asking = self._asking
-        if asking is not None and asking.done():
-            self._asking = None
-            if not asking.cancelled() and asking.exception() is None:
-                self._known = float(asking.result().config.max_age or 0)
-            else:
-                log.debug("stream %r: its retention is not known: %r", self.stream,
-                          None if asking.cancelled() else asking.exception())
-        elif asking is None and time.monotonic() - self._asked > RETENTION_S and not self._link.io.loop.is_closed():
-            self._asked = time.monotonic()  # (an admin may have changed it)
-            self._asking = self._link.io.spawn(self._link.js.stream_info(self.stream))
+        stream info could not be read). Known once, it is kept while later asks fail. `wait_s`: where it
+        is not known, the seconds to wait for an answer (an ask under way, or one made now); after a
+        wait that went unanswered, none for `ASK_AGAIN_S`."""
+        self._settle()
+        now = time.monotonic()
+        if self._asking is None:
+            if now - self._asked > (RETENTION_S if self._answered else ASK_AGAIN_S):
+                self._ask()  # (an admin may have changed it)
+        elif now - self._asked > self._link.timeout_s + ASK_AGAIN_S:  # an ask never answered (its loop stopped)
+            self._asking.cancel()
+            self._ask()
+        if self._known is None and wait_s > 0 and now >= self._wait_after:
+            if self._asking is None:
+                self._ask()
+            if self._asking is not None:
+                concurrent.futures.wait([self._asking], wait_s)
+                self._settle()
+            if self._known is None:
+                self._wait_after = time.monotonic() + ASK_AGAIN_S
         return self._known
+
+    def _ask(self) -> None:
+        """Ask in the background; nothing where the link's loop is closed (the receiver closing)."""
+        self._asked = time.monotonic()
+        self._asking = None
+        if self._link.io.loop.is_closed():
+            return
+        ask = self._link.js.stream_info(self.stream)
+        try:
+            self._asking = self._link.io.spawn(ask)
+        except RuntimeError:  # the loop closed since (asyncio: "Event loop is closed")
+            ask.close()
+
+    def _settle(self) -> None:
+        """Take the answer of an ask that ended."""
+        asking = self._asking
+        if asking is None or not asking.done():
+            return
+        self._asking = None
+        self._answered = not asking.cancelled() and asking.exception() is None
+        if self._answered:
+            self._known = float(asking.result().config.max_age or 0)
+        else:
+            log.debug("stream %r: its retention is not known: %r", self.stream,
+                      None if asking.cancelled() else asking.exception())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +159,9 @@ class Feed:
         self._next_seq = 1
         self._read_back: list[Raw] = []  # read from the stream, not yet returned (a bounded read cut short)
         self._direct: bool | None = None  # whether the stream answers batched direct gets (None: not asked yet)
+        self.reached_end = False
+        """Whether the last `stored()` read up to the subject's last stored message (not cut short by its
+        bound of `_RECOVER_BATCH` messages, nor by time)."""
         self._reconnects = wire.reconnects
         self._arrived: list[Raw] = []
         self._sid = wire.subscribe(subj)  # in place at the server: every later publish reaches it live
@@ -152,6 +194,7 @@ class Feed:
         the read may take (default: the link's timeout); a read cut short returns what it took by then, or
         raises StreamTimeout if that is nothing."""
         bound = self._link.timeout_s if within is None else min(within, self._link.timeout_s)
+        self.reached_end = False
         try:
             self._link.call(asyncio.wait_for(self._read_stored(), bound),
                             f"read {self.subject!r} back from stream {self.stream!r}", timeout=bound)
@@ -161,16 +204,27 @@ class Feed:
         out, self._read_back = self._read_back, []
         return out
 
+    def last_stored(self, within: float | None = None) -> Raw | None:
+        """The last message the stream holds on the subject (one get), or None: past what `stored()` read
+        where it did not reach the end. `within`: as `stored`'s; a get not answered by then raises
+        StreamTimeout."""
+        bound = self._link.timeout_s if within is None else min(within, self._link.timeout_s)
+        return self._link.call(asyncio.wait_for(stored_last(self._link, self.stream, self.subject), bound),
+                               f"read the last message of {self.subject!r} from stream {self.stream!r}",
+                               timeout=bound)
+
     async def _read_stored(self) -> None:
         while self._direct is not False and len(self._read_back) < _RECOVER_BATCH:
             before = len(self._read_back)
             pending = await self._read_batch()
             self._direct = pending is not None
+            self.reached_end = pending == 0
             if pending == 0 or (pending is not None and len(self._read_back) == before):
                 return
         while len(self._read_back) < _RECOVER_BATCH:  # a message per request
             m = await _get(self._link, self.stream, seq=self._next_seq, subject=self.subject, next=True)
             if m is None or m.seq is None:
+                self.reached_end = True
                 return
             # no await between these two: a read cut short keeps every message it took
             self._next_seq = int(m.seq) + 1

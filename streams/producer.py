@@ -275,8 +275,8 @@ class Producer:
 
 
 def _sent() -> dict[str, str]:
-    """A handoff message's publish time header (`envelope.SENT`): a receiver takes the newest request of an
-    id used again, and drops a replay older than the stream keeps messages (signed, with a stream secret)."""
+    """A handoff message's publish time header (`envelope.SENT`): a receiver drops a replay older than the
+    stream keeps messages (signed, with a stream secret; without one, not authenticated)."""
     return {env.SENT: str(time.time_ns() // 1_000_000)}
 
 

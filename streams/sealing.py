@@ -5,8 +5,8 @@ Signatures (`sign`/`verify`): with a secret configured (`secret=` or KVPOOL_STRE
 signs every message over its subject, its `Kvpool-*` headers and its body; consumers and handoff
 receivers with the secret drop messages that are unsigned or badly signed. Other headers are not signed.
 A signature alone does not make a message fresh: a handoff message also carries its publish time
-(`envelope.SENT`, a `Kvpool-*` header, so signed), by which a receiver tells a replay of an earlier
-request of the same id from the newest one (`handoff`).
+(`envelope.SENT`, a `Kvpool-*` header, so signed), by which a receiver drops a replay older than the
+stream keeps messages (`handoff`); without a secret nothing authenticates that time.
 
 The chain (`Sealer`/`ChainCheck`), always on: message n of a request reveals a random secret whose
 SHA-256 the message before it committed to, so nobody who merely reads the stream can publish the next
@@ -90,6 +90,13 @@ class Sealer:
         self._next, self._revealed, self.n = self._before
 
 
+def two_chains(request: str, nonce: str, other: str) -> HandoffError:
+    """The error of a request whose subject holds, or receives, messages of two producer chains."""
+    return HandoffError(f"request {request!r}: messages of two producer chains ({nonce[:8]}… and {other[:8]}…): "
+                        f"more than one request of id {request!r} is stored or published (ids must not be used "
+                        "again within the stream's max_age), or a second producer or a forged message claims it")
+
+
 class ChainCheck:
     """A receiver's view of one request's chain. `accept(seal)` is True for the request producer's next
     message, False for one to drop (forged or replayed: outside the chain), and raises HandoffError when
@@ -111,8 +118,7 @@ class ChainCheck:
             self.nonce, self._commit, self.n = seal.nonce, seal.commit, 1
             return True
         if seal.nonce != self.nonce and seal.n == 0 and (seal.commit or last):
-            raise HandoffError(f"request {self.request!r}: messages of two producer chains ({self.nonce[:8]}… "
-                               f"and {seal.nonce[:8]}…): a second producer or a forged message claims it")
+            raise two_chains(self.request, self.nonce, seal.nonce)
         if seal.nonce != self.nonce or seal.n != self.n or not seal.reveal or \
                 not hmac.compare_digest(_h(bytes.fromhex(seal.reveal)), self._commit):
             return False
