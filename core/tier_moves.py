@@ -8,6 +8,7 @@ blocks waits for them instead of failing.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -18,8 +19,11 @@ from .blocks import BlockMeta
 from .buffers import Destination
 from .errors import BufferSizeError, CapacityError, PoolClosed
 from .fastcopy import hash_at
+from .sparse_log import SparseLog
 from .tier_stack import TierStack
 from .tiers.dram_tier import DramBlock, block_meta
+
+_device_log = SparseLog(logging.getLogger("kvpool.cache"))
 
 __all__ = ["TierMoves"]
 
@@ -401,7 +405,10 @@ class TierMoves:
         with stack.lock:
             if stack.dram.blocks.get(k) is not block:
                 return  # replaced, removed or evicted since it was read: the copy could be stale
-            stack.counters.device_evictions += device.put(k, t)
+            try:
+                stack.counters.device_evictions += device.put(k, t)
+            except RuntimeError as e:  # (torch's, a full GPU's among them): a cache of a cache goes without
+                _device_log.log("device copy of a block not made (the read or put itself is done): %s", e)
 
     def read_device(self, k: bytes, dest: Destination) -> int:
         """Copy `k`'s device copy into `dest` (a tensor); its size, or -1 without a current copy. Lock
@@ -412,7 +419,8 @@ class TierMoves:
         with stack.lock:
             stack.check_open()
             t = device.get(k)
-            if t is None or not stack.present(k, time.time()):
+            floor = stack.readable_from  # (fenced: a worker back from an absence reads no older block)
+            if t is None or not stack.present(k, time.time()) or (floor and stack.version_of(k) < floor):
                 return -1  # a device copy is only as good as the block below it
             n = int(t.numel())
             if n > dest.nbytes:

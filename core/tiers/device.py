@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from ..errors import ConfigError
 from ..policies import EVICTION_POLICY
 
 __all__ = ["DeviceTier", "cuda_available"]
@@ -27,10 +28,14 @@ class DeviceTier:
     `capacity` bytes of them, evicted in the order `policy` (a key of `EVICTION_POLICY`) says."""
 
     def __init__(self, device: str = "cuda", capacity: int = 1 << 30, policy: str = "lru") -> None:
-        import torch
-
+        try:
+            import torch
+        except ImportError as e:
+            raise ConfigError(f"device={device!r}: the device tier needs torch (pip install torch)") from e
         self._torch = torch
         dev = torch.device(device)
+        if dev.type == "cuda" and not (cuda_available() and (dev.index or 0) < torch.cuda.device_count()):
+            raise ConfigError(f"device={device!r}: no such CUDA device here (device='auto' uses one where present)")
         if dev.type == "cuda" and dev.index is None:
             # tensors report an explicit index, and torch.device("cuda") != torch.device("cuda", 0)
             dev = torch.device("cuda", torch.cuda.current_device())
@@ -67,7 +72,7 @@ class DeviceTier:
         while self.nbytes + n > self.capacity:
             self.drop(next(iter(self._order)))
             evicted += 1
-        flat = t.detach().contiguous().reshape(-1).view(self._torch.uint8)
+        flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(self._torch.uint8)
         self.blocks[key] = flat.to(self.device, copy=True)
         self._order.add(key)
         self.nbytes += n
