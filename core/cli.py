@@ -47,10 +47,6 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenants", dest="tenants_file", metavar="FILE",
                    help="tenant tokens, each bound to the key namespace '<tenant>/' with a quota: a 0600 JSON/TOML "
                         "file {name: {token, quota_bytes}} (or KVPOOL_TENANTS_FILE)")
-    p.add_argument("--nats-url", help="register in the cluster at this NATS server")
-    p.add_argument("--nats-creds", help="file with the NATS nkey seed or password to register with (or "
-                                        "KVPOOL_NATS_CREDS; default: the worker credentials of `kvpool up` in "
-                                        "<state dir>/nats)")
     p.add_argument("--worker-id", help="this worker's id in the cluster (default: kept with its SSD tier or state)")
     p.add_argument("--advertise-host", help="the address other machines reach this worker at (default --host; "
                                             "required with a wildcard --host in a cluster)")
@@ -66,6 +62,15 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--events", action="store_true", default=None,
                    help="publish block events on NATS kvpool.events.<worker> (see kvpool events)")
     p.add_argument("--events-zmq", metavar="ENDPOINT", help="publish block events in vLLM's ZMQ format, bound here")
+
+
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    """The options that name a NATS to register at: `kvpool worker`'s only (`kvpool up` registers its
+    worker at the NATS it starts, so it has none, and refuses them as any unknown option)."""
+    p.add_argument("--nats-url", help="register in the cluster at this NATS server")
+    p.add_argument("--nats-creds", help="file with the NATS nkey seed or password to register with (or "
+                                        "KVPOOL_NATS_CREDS; default: the worker credentials of `kvpool up` in "
+                                        "<state dir>/nats)")
 
 
 def _build_worker(args: argparse.Namespace) -> Any:
@@ -179,7 +184,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             from .status_watch import watch
 
             client.wait_for_members(bool, 3.0)  # membership arrives over NATS just after connecting
-            return watch(client, args.nats_url, args.interval, args.count)
+            # (sys.stdout as it is now: watch's default is the one of when it was imported)
+            return watch(client, redacted_url(args.nats_url), args.interval, args.count, sys.stdout)
         workers = client.stats().workers
     if args.json:
         print(json.dumps({w: s.as_dict() for w, s in workers.items()}))
@@ -239,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = cast(Subparsers, parser.add_subparsers(dest="command", required=True))  # (of _Parser: see its doc)
     w = sub.add_parser("worker", help="serve this node's tiered cache to local and remote clients")
     _worker_args(w)
+    _cluster_args(w)
     w.set_defaults(func=cmd_worker)
     u = sub.add_parser("up", help="start nats-server and one worker: the single-machine deployment")
     _worker_args(u)
@@ -275,13 +282,21 @@ _SECRET_FLAGS = {"--token": "KVPOOL_TOKEN", "--nats-url": "KVPOOL_NATS_URL"}
 """Options that may carry a secret (a token; a NATS URL with a user and password), and the environment
 variable each has instead."""
 
+_OWN_NATS = frozenset({"up"})
+"""Commands that start their own NATS and take no `--nats-url`: one given them is not moved to the
+environment (where it would be ignored in silence) but left for the parser to refuse, its password
+replaced by *** (the parser's error repeats it)."""
+
 
 def _secrets_out_of_sight(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """`argv` without the secret-bearing options, and the environment that carries them instead: any user
     of the machine can read a process's command line (/proc/PID/cmdline), only its own user its
     environment. A NATS URL without credentials stays where it is."""
+    from .nats_creds import redacted_url
+
     out: list[str] = []
     env: dict[str, str] = {}
+    command = next((a for a in argv if not a.startswith("-")), None)  # (the top level's options take no value)
     i = 0
     while i < len(argv):
         flag, eq, value = argv[i].partition("=")
@@ -289,7 +304,9 @@ def _secrets_out_of_sight(argv: list[str]) -> tuple[list[str], dict[str, str]]:
             if not eq:
                 i += 1
                 value = argv[i]
-            if flag != "--nats-url" or "@" in value:
+            if flag == "--nats-url" and command in _OWN_NATS:
+                out += [flag, redacted_url(value)]
+            elif flag != "--nats-url" or "@" in value:
                 env[_SECRET_FLAGS[flag]] = value
             else:
                 out += [flag, value]
@@ -308,9 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import KVPoolError
 
     if argv is None:
-        rest, hidden = _secrets_out_of_sight(sys.argv[1:])
+        argv, hidden = _secrets_out_of_sight(sys.argv[1:])
         if hidden:
-            os.execve(sys.executable, [sys.executable, "-m", "kvpool.core.cli", *rest], {**os.environ, **hidden})
+            os.execve(sys.executable, [sys.executable, "-m", "kvpool.core.cli", *argv], {**os.environ, **hidden})
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

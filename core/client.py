@@ -13,6 +13,7 @@ exception or a hang: every call is bounded by `timeout_s`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -61,6 +62,7 @@ class ClientConfig:
     replication: int = 1
     """cluster mode: copies written per block (top-R workers by rendezvous score)."""
     timeout_s: float = 5.0
+    """Seconds each call may take, at most (above 0, finite)."""
     node_id: str | None = None
     """this machine's id (workers with the same id are reached through shared memory); default
     `kvpool.core.config.default_node_id()`, as a worker's."""
@@ -88,6 +90,8 @@ class ClientConfig:
         if self.placement == "local" and self.replication > 1:
             raise ConfigError(f"placement 'local' keeps one copy, on this node: replication {self.replication} "
                               "would not be kept (a handoff's layers need none; place by hash for copies)", limit=1)
+        if not 0 < self.timeout_s < math.inf:
+            raise ConfigError(f"timeout_s={self.timeout_s}: a finite number of seconds above 0 (KVPOOL_TIMEOUT_S)")
         if self.replication > 1 and self.timeout_s < STALL_S:
             raise ConfigError(f"timeout_s {self.timeout_s} with replication {self.replication}: at least {STALL_S} s "
                               "(a worker paused for less does not know it may have been left out of a write, and "

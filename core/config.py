@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import mmap
 import os
 import re
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
     from .nats_creds import NatsCreds
 
 C = TypeVar("C", bound="DataclassInstance")
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+"""A device tier's `device`: "auto", "cpu" (tests) or a CUDA device ("cuda", "cuda:N")."""
 
 WORKER_ID = re.compile(r"[-_=A-Za-z0-9]{1,128}(\.[-_=A-Za-z0-9]{1,128}){0,7}")
 """A worker id: a key of NATS's member bucket (dot-separated tokens of `-_=` and letters and digits;
@@ -236,6 +240,13 @@ class CacheConfig:
             raise ConfigError(f"dram_bytes {self.dram_bytes} is smaller than one slab ({self.dram_slab_size})")
         if self.policy not in EVICTION_POLICY:
             raise ConfigError(f"policy {self.policy!r} is not one of {sorted(EVICTION_POLICY)}")
+        name = self.dram_name
+        if name is not None and ("/" in name or "\0" in name or name in ("", ".", "..")
+                                 or len(name.encode()) > 254):
+            raise ConfigError(f"dram_name={name!r}: a shared-memory name is 1 to 254 bytes without '/' or NUL "
+                              "(and not '.' or '..')")
+        if self.device and not _DEVICE.fullmatch(self.device):
+            raise ConfigError(f"device={self.device!r}: 'auto', 'cpu', 'cuda' or 'cuda:N' (unset: no device tier)")
 
 
 @section("worker")
@@ -340,6 +351,16 @@ class WorkerConfig:
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
                 raise ConfigError(f"{name}={port}: a TCP port is 0 to 65535 (0: any free one)", size=port, limit=65535)
+        for name in ("io_timeout_s", "auth_timeout_s", "heartbeat_s", "member_ttl_s"):
+            seconds = getattr(self, name)
+            if not (0 < seconds < math.inf):
+                raise ConfigError(f"{name}={seconds}: a finite number of seconds above 0")
+        for name in ("max_connections", "max_unauthenticated"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: at least 1", size=getattr(self, name), limit=1)
+        if not 1 <= self.nats_replicas <= 5:
+            raise ConfigError(f"nats_replicas={self.nats_replicas}: JetStream keeps 1 to 5 replicas",
+                              size=self.nats_replicas, limit=5)
         if not (self.heartbeat_s > 0 and self.member_ttl_s > 2 * self.heartbeat_s):
             raise ConfigError(f"member_ttl_s={self.member_ttl_s} with heartbeat_s={self.heartbeat_s}: the TTL must "
                               "exceed two heartbeats (a worker's reads stay open member_ttl_s - heartbeat_s after "

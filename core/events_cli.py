@@ -12,6 +12,7 @@ import threading
 from .errors import ConfigError, PoolUnavailable
 from .events import EventBatch, EventFeed, key_to_json
 from .events_zmq import HASHES, LAYOUTS, VllmFormat, ZmqSink
+from .nats_creds import redacted_url
 from .registry import Subparsers
 
 __all__ = ["add_parser", "run"]
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpool events: {e}", file=sys.stderr)
         return 2
     if sink is not None:
-        print(f"kvpool events: {args.nats_url} -> vLLM KV events on {sink.endpoint} ({args.layout}, "
+        print(f"kvpool events: {redacted_url(args.nats_url)} -> vLLM KV events on {sink.endpoint} ({args.layout}, "
               f"{args.block_hash} hashes)", file=sys.stderr, flush=True)
     try:
         while not done.is_set():

@@ -1,17 +1,23 @@
 """Prometheus metrics of a worker: operations, bytes, latency, tier fill, evictions, connections."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .metrics_http import MetricsServer
+from .stats import CacheCounters
 
 __all__ = ["WorkerMetrics"]
 
 log = logging.getLogger("kvpool.metrics")
+
+_CUMULATIVE_STATS = frozenset({f.name for f in dataclasses.fields(CacheCounters)} | {"pins_refused"})
+"""Cache stats that only grow while the cache is open: exported as counters (`kvpool_cache_<name>_total`,
+so that `rate()` applies); the others (tier fill, blocks, leases, pins now) are gauges."""
 
 _LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 2.0)
 
@@ -75,21 +81,25 @@ class WorkerMetrics:
 
 
 class _CacheCollector:
-    """Exports the cache's counters and tier fill at scrape time."""
+    """Exports the cache's counters (as counters) and tier fill (as gauges) at scrape time."""
 
     def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
         self._stats = stats
 
-    def describe(self) -> list[GaugeMetricFamily]:
+    def describe(self) -> list[Metric]:
         return []
 
-    def collect(self) -> list[GaugeMetricFamily]:
+    def collect(self) -> list[Metric]:
         try:
             s = self._stats()
         except Exception as e:  # a closing cache: no sample this scrape
             log.debug("no cache sample this scrape: %r", e)
             return []
-        out = []
+        out: list[Metric] = []
         for name, value in s.items():
-            out.append(GaugeMetricFamily(f"kvpool_cache_{name}", f"TieredCache stat {name}", value=value))
+            if name in _CUMULATIVE_STATS:
+                out.append(CounterMetricFamily(f"kvpool_cache_{name}", f"TieredCache counter {name} (since "
+                                               "the cache opened)", value=value))
+            else:
+                out.append(GaugeMetricFamily(f"kvpool_cache_{name}", f"TieredCache stat {name}", value=value))
         return out

@@ -156,8 +156,11 @@ class ConnectionServing:
 
     def _accept_loop(self, lsock: socket.socket, transport: str) -> None:
         """Accept until stop(). An accept error (EMFILE, ENFILE, ENOBUFS, ...) never ends the loop while
-        the worker is listed: it is counted, logged once per change, and retried after a back-off."""
+        the worker is listed: it is counted, logged once per change, and retried after a back-off. An
+        unexpected error admitting a connection closes that connection (logged once per listener) and
+        the loop goes on: a listener that died would leave the worker looking healthy, serving no one."""
         backoff = 0.0
+        admit_failed = False
         while not self._stopping.is_set():
             try:
                 sock, addr = lsock.accept()
@@ -185,7 +188,13 @@ class ConnectionServing:
                         log.debug("cannot start TLS with %s: %s", peer, e)
                         sock.close()
                         continue
-            self._admit(sock, transport, authed, peer)
+            try:
+                self._admit(sock, transport, authed, peer)
+            except Exception:  # a bug, or a setting that slipped past WorkerConfig's checks
+                sock.close()
+                log.log(logging.DEBUG if admit_failed else logging.ERROR, "cannot admit a %s connection from %s: "
+                        "closed (further failures are logged at debug level)", transport, peer, exc_info=True)
+                admit_failed = True
 
     def _unix_peer_ok(self, sock: socket.socket) -> bool:
         """A Unix-socket peer is served only if the kernel says it is this user (or root); the socket

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -93,6 +94,9 @@ class CacheOptions:
             (self.workers >= 0, f"workers {self.workers} must be >= 0"),
             (not (self.workers and self.cluster), "--workers and --cluster exclude each other"),
             (self.duration is None or self.ops is None, "give a duration or a number of ops, not both"),
+            (self.duration is None or 0 < self.duration < math.inf,
+             f"duration {self.duration} s must be a finite number of seconds above 0"),
+            (self.ops is None or self.ops >= 1, f"ops {self.ops} must be >= 1"),
             (not (self.cluster and self.instance_id is None and (self.ssd or self.dram_bytes)),
              "--ssd and --dram-bytes size the pool this run starts; an existing --cluster has its own"),
             (self.role == "both" or self.cluster is not None or self.instance_id is not None,

@@ -50,7 +50,7 @@ def scraped(spawn, tmp_path) -> set[str]:
 
 
 def test_every_query_names_exported_metrics(dash: dict, scraped: set[str]) -> None:
-    assert {"kvpool_ops_total", "kvpool_op_seconds_bucket", "kvpool_cache_hits_dram"} <= scraped
+    assert {"kvpool_ops_total", "kvpool_op_seconds_bucket", "kvpool_cache_hits_dram_total"} <= scraped
     used = set()
     for where, expr in _exprs(dash):
         assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), (where, expr)
