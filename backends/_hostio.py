@@ -173,6 +173,7 @@ class HostIO:
         self._client: PoolClient | None = None
         self._lock = threading.Lock()
         self._retry_at = 0.0 if connect is not None else float("inf")  # no connect: closed until replaced
+        self._closed = False  # `close` was called: for good (an outage's back-off never ends it)
         self._outage = False
         self._logged: set[str] = set()
         self._reconnecting: threading.Thread | None = None
@@ -183,7 +184,7 @@ class HostIO:
     @property
     def closed(self) -> bool:
         """True after close(), or when built without a way to connect: every call then fails."""
-        return self._retry_at == float("inf")
+        return self._closed or self._retry_at == float("inf")
 
     # ----- the fail-soft boundary ------------------------------------------------------------
 
@@ -194,7 +195,7 @@ class HostIO:
         if self._client is not None and not self._outage:
             return self._client
         with self._lock:
-            if time.monotonic() < self._retry_at:
+            if self._closed or time.monotonic() < self._retry_at:
                 return None
             if self._client is None and self._connect is not None:
                 if self._started:
@@ -242,6 +243,8 @@ class HostIO:
                       "logged at debug level)", why)
             return st
         if st == Status.RPC_FAIL:
+            if self._closed:  # a call that was under way when the store closed: no outage, no reconnect
+                return st
             self._retry_at = time.monotonic() + self.retry_s
             if not self._outage:
                 self._outage = True
@@ -520,7 +523,8 @@ class HostIO:
             if self._client is not None:
                 self._client.close()
                 self._client = None
-            self._retry_at = float("inf")  # closed: every later call reports RPC_FAIL
+            self._closed = True  # every later call reports RPC_FAIL (a call under way that fails after this
+            self._retry_at = float("inf")  # starts no outage's back-off, and so no reconnect: see `_failed`)
             reconnecting = self._reconnecting
         if reconnecting is not None:
             reconnecting.join(_RECONNECT_WAIT_S)

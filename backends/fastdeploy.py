@@ -136,8 +136,8 @@ class KVPoolStore(_Base):
         deadline = time.monotonic() + timeout
         while True:
             st = self._io.batch_remove(self._keys([key]))[0]
-            if st != Status.RPC_FAIL or time.monotonic() >= deadline:
-                return st == Status.OK
+            if st != Status.RPC_FAIL or time.monotonic() >= deadline or self._io.closed:
+                return st == Status.OK  # (a closed store never answers again: no wait for it)
             time.sleep(min(self._io.retry_s, max(0.0, deadline - time.monotonic())))
 
     def clear(self) -> bool:
