@@ -60,13 +60,15 @@ class Announcer:
             self._take(self._wire.pending(self._sid))
         self._raise_refused()
 
-    def send(self, subj: str, body: bytes, headers: dict[str, str], keys: Sequence[Key], nbytes: int = 0) -> str:
+    def send(self, subj: str, body: bytes, headers: dict[str, str], keys: Sequence[Key], nbytes: int = 0,
+             msg_id: str | None = None) -> str:
         """Publish an announcement naming blocks `keys` (`nbytes` of them); returns its token without
         waiting for the ack. One that raises was not sent, and is not sent later: the caller may send it
-        again."""
+        again. `msg_id`: JetStream's duplicate id (default: one of this announcer's own), the same for a
+        message sent again by a caller that had no answer (JetStream then stores it once)."""
         self._resend_if_reconnected()  # (before this one is listed: it goes out once, below)
         token = str(next(self._tokens))
-        headers = {**headers, _EXPECTED_STREAM: self.stream, _MSG_ID: f"{self._id}.{token}"}
+        headers = {**headers, _EXPECTED_STREAM: self.stream, _MSG_ID: msg_id or f"{self._id}.{token}"}
         self._unacked[token] = (subj, body, headers, keys, nbytes)
         try:
             self._wire.publish(subj, body, headers, reply=f"{self._inbox}.{token}")
@@ -80,10 +82,11 @@ class Announcer:
             raise
         return token
 
-    def publish(self, subj: str, body: bytes, headers: dict[str, str]) -> int:
-        """Publish a message after every announcement before it is stored; its stream sequence."""
+    def publish(self, subj: str, body: bytes, headers: dict[str, str], msg_id: str | None = None) -> int:
+        """Publish a message after every announcement before it is stored; its stream sequence (`msg_id`
+        as for `send`)."""
         self.flush()
-        token = self.send(subj, body, headers, ())
+        token = self.send(subj, body, headers, (), msg_id=msg_id)
         self._seqs[token] = 0
         self.flush()
         return self._seqs.pop(token)

@@ -20,6 +20,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import threading
 import time
 from typing import Any
 
@@ -80,42 +81,48 @@ async def stored_seq(link: Link, stream: str, subj: str, data: bytes, most: int)
 
 class Retention:
     """How long `stream` keeps messages (its max_age), asked through `link` in the background when made,
-    again every `RETENTION_S`, and every `ASK_AGAIN_S` while an ask fails or goes unanswered."""
+    again every `RETENTION_S`, and every `ASK_AGAIN_S` while an ask fails or goes unanswered. Threads may
+    share one (a receiver read by several)."""
 
     def __init__(self, link: Link, stream: str) -> None:
         self._link, self.stream = link, stream
+        self._lock = threading.Lock()
         self._known: float | None = None
         self._answered = False  # whether the last ask that ended was answered
         self._asked = time.monotonic()
         self._asking: concurrent.futures.Future[Any] | None = None
-        self._wait_after = 0.0  # (monotonic) no wait for an answer before then: the last wait went unanswered
-        self._ask()
+        self._waited_in_vain = False  # a wait went unanswered: none again (live layers would pay it each time)
+        with self._lock:
+            self._ask()
 
     def max_age_s(self, wait_s: float = 0.0) -> float | None:
         """The stream's max_age in seconds (0: none); None while not known (not answered yet, or the
         stream info could not be read). Known once, it is kept while later asks fail. `wait_s`: where it
-        is not known, the seconds to wait for an answer (an ask under way, or one made now); after a
-        wait that went unanswered, none for `ASK_AGAIN_S`."""
-        self._settle()
-        now = time.monotonic()
-        if self._asking is None:
-            if now - self._asked > (RETENTION_S if self._answered else ASK_AGAIN_S):
-                self._ask()  # (an admin may have changed it)
-        elif now - self._asked > self._link.timeout_s + ASK_AGAIN_S:  # an ask never answered (its loop stopped)
-            self._asking.cancel()
-            self._ask()
-        if self._known is None and wait_s > 0 and now >= self._wait_after:
+        is not known, the seconds to wait for an answer (an ask under way, or one made now), unless a
+        wait went unanswered before: then the answer is only taken when it comes."""
+        with self._lock:
+            self._settle()
+            now = time.monotonic()
+            if self._asking is None:
+                if now - self._asked > (RETENTION_S if self._answered else ASK_AGAIN_S):
+                    self._ask()  # (an admin may have changed it)
+            elif now - self._asked > self._link.timeout_s + ASK_AGAIN_S:  # never answered (its loop stopped)
+                self._asking.cancel()
+                self._ask()
+            if self._known is not None or wait_s <= 0 or self._waited_in_vain:
+                return self._known
             if self._asking is None:
                 self._ask()
-            if self._asking is not None:
-                concurrent.futures.wait([self._asking], wait_s)
-                self._settle()
-            if self._known is None:
-                self._wait_after = time.monotonic() + ASK_AGAIN_S
-        return self._known
+            asking = self._asking
+        if asking is not None:
+            concurrent.futures.wait([asking], wait_s)
+        with self._lock:
+            self._settle()
+            self._waited_in_vain = self._known is None
+            return self._known
 
     def _ask(self) -> None:
-        """Ask in the background; nothing where the link's loop is closed (the receiver closing)."""
+        """Ask in the background; nothing where the link's loop is closed (the receiver closing). Lock held."""
         self._asked = time.monotonic()
         self._asking = None
         if self._link.io.loop.is_closed():
@@ -127,7 +134,7 @@ class Retention:
             ask.close()
 
     def _settle(self) -> None:
-        """Take the answer of an ask that ended."""
+        """Take the answer of an ask that ended. Lock held."""
         asking = self._asking
         if asking is None or not asking.done():
             return

@@ -195,8 +195,11 @@ class Producer:
         body = env.End(request_id, chain.layers, chain.next(last=True)).encode()
         headers = {env.KIND: env.END, env.TYPE: "json", **_sent()}
         try:
-            seq = self._announcing().publish(subj, body, self._signed(subj, headers, body))
-        except BaseException:  # the end may be asked again (sent, but not acknowledged: stored twice, read once)
+            # (one duplicate id for the request's end: an end asked again after one stored but not
+            # acknowledged is stored once, and a receiver's purge leaves no copy behind to fail the id's next use)
+            seq = self._announcing().publish(subj, body, self._signed(subj, headers, body),
+                                             msg_id=f"kvpool-end.{chain.nonce}")
+        except BaseException:  # the end may be asked again (sent, but not acknowledged)
             chain.take_back()
             raise
         self._chains.pop(request_id, None)
