@@ -32,8 +32,6 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
-
 from kvpool.core import CLOCK_SKEW_MS, Key, PoolClient
 
 from . import envelope as env
@@ -42,8 +40,9 @@ from .admin import check_token, subject
 from .consumer import Checks
 from .errors import ForgedMessage, HandoffError, HandoffTimeout, MalformedMessage, StreamError
 from .live import Feed, Raw, Retention, stored_last, stored_seq
-from .payload import fetch_many
-from .sealing import ChainCheck, two_chains, verify
+from .payload import by_bytes, fetch_many, overlapping
+from .request_chain import Item, RequestChain
+from .sealing import two_chains, verify
 from .wire import Wire
 
 log = logging.getLogger("kvpool.streams")
@@ -57,8 +56,6 @@ RECOVER_MAX_S = 2.0
 FIRST_LIVE_S = 0.002
 """How long a receiver waits for its request's first message to come live before it reads the stream
 back (where a request published before the receiver subscribed is found)."""
-_AHEAD = 1024
-"""Messages ahead of their place in the chain a receiver holds while it waits for the ones before."""
 LOOK_S = 0.25
 """The least time a read-back is given (more while the caller's timeout allows, up to the link's): with
 NATS unreachable, `iter_layers(timeout=t)` gives up after about t + LOOK_S, not the link's timeout."""
@@ -80,66 +77,6 @@ last stored message is not it (a request of the same id published after it): a r
 
 Into = Callable[[int, int], Any]
 """into(layer, nbytes) -> a writable buffer of at least `nbytes` for that layer's blocks, back to back."""
-Item = env.Ref | env.End
-
-
-class _Request:
-    """One request's messages put back in their producer chain's order, whichever way each came."""
-
-    def __init__(self, request: str, reject: Callable[[Raw, StreamError], None]) -> None:
-        self.chain = ChainCheck(request)
-        self._reject = reject
-        self._ahead: dict[int, list[tuple[Item, Raw]]] = {}
-        self._bodies: dict[int, bytes] = {}  # body of each accepted message, by its index in the chain
-        self.gap = False
-
-    def take(self, item: Item, raw: Raw) -> list[tuple[Item, Raw]]:
-        """The messages now in order (accepted by the chain): `item` and any that waited for it."""
-        seal, chain = item.seal, self.chain
-        if seal is not None and chain.nonce is not None and seal.nonce == chain.nonce and seal.n < chain.n:
-            if self._bodies.get(seal.n) != raw.data:  # the same message read twice counts once
-                self._reject(raw, ForgedMessage("it repeats a place in the request's chain (forged or replayed)"))
-            return []
-        if seal is not None and seal.n > chain.n and (chain.nonce is None or seal.nonce == chain.nonce):
-            if sum(map(len, self._ahead.values())) >= _AHEAD:
-                self._reject(raw, ForgedMessage(f"more than {_AHEAD} messages wait ahead of their place"))
-            else:
-                self._ahead.setdefault(seal.n, []).append((item, raw))
-                self.gap = True
-            return []
-        out = self._judge([(item, raw)])
-        while out and not isinstance(out[-1][0], env.End) and chain.n in self._ahead:
-            out += self._judge(self._ahead.pop(chain.n))
-        self.gap = bool(self._ahead)
-        return out
-
-    def _judge(self, candidates: list[tuple[Item, Raw]]) -> list[tuple[Item, Raw]]:
-        """The one of `candidates` (messages claiming the chain's next place) that the chain accepts;
-        HandoffError for a message of another chain than the accepted one."""
-        out: list[tuple[Item, Raw]] = []
-        n = self.chain.n
-        for item, raw in candidates:
-            self._one_chain(item)
-            if not out and self.chain.accept(item.seal, last=isinstance(item, env.End)):
-                self._bodies[n] = raw.data
-                out.append((item, raw))
-            elif not out or self._bodies.get(n) != raw.data:
-                self._reject(raw, ForgedMessage("it is outside the request's producer chain (forged or replayed)"))
-        return out
-
-    def drop_waiting(self) -> None:
-        """The request ended: what still waits ahead of its place never had one (HandoffError where one is
-        of another chain)."""
-        for waiting in self._ahead.values():
-            for item, raw in waiting:
-                self._one_chain(item)
-                self._reject(raw, ForgedMessage("it is outside the request's producer chain (after its end)"))
-        self._ahead.clear()
-
-    def _one_chain(self, item: Item) -> None:
-        nonce = self.chain.nonce
-        if item.seal is not None and nonce is not None and item.seal.nonce != nonce:
-            raise two_chains(self.chain.request, nonce, item.seal.nonce)
 
 
 class HandoffReceiver:
@@ -210,7 +147,7 @@ class HandoffReceiver:
                                      f"id was not purged within {timeout} s (is NATS reachable?)")
         feed = Feed(self._link, self._wire, self.stream, filt)
         rejected = [0]
-        req = _Request(request_id, lambda raw, err: self._reject(request_id, raw, err, rejected))
+        req = RequestChain(request_id, lambda raw, err: self._reject(request_id, raw, err, rejected))
         seen: set[int] = set()
         try:
             last = time.monotonic()
@@ -261,7 +198,7 @@ class HandoffReceiver:
                 if refs or end is not None:
                     last, quiet = time.monotonic(), RECOVER_S
                 recover = req.gap and live  # a live message ahead of its place: one was lost, read back
-                for part in _by_bytes(refs, self._checks.limits.max_bytes):  # (a burst read back may name
+                for part in by_bytes(refs, self._checks.limits.max_bytes):  # (a burst read back may name
                     # thousands of layers: what is read ahead of the caller stays within one message's bound)
                     yield from self._fetched(part, into, request_id)
                 if end is not None:
@@ -284,7 +221,7 @@ class HandoffReceiver:
         bytes (a scratch buffer used again for each layer: copied all at once, each would hold the last)."""
         intos = [into(r.layer, r.total) if into is not None else None for r in part]
         whats = [f"layer {r.layer} of request {request_id!r}" for r in part]
-        step = 1 if len(part) > 1 and _overlapping(intos) else len(part)
+        step = 1 if len(part) > 1 and overlapping(intos) else len(part)
         for at in range(0, len(part), step):
             got = fetch_many(self.pool, part[at:at + step], intos[at:at + step], whats[at:at + step], self.counts)
             for ref, (_, blocks) in zip(part[at:at + step], got):
@@ -378,7 +315,7 @@ class HandoffReceiver:
 
     def _admit(self, raw: Raw, request_id: str, rejected: list[int]) -> Item | None:
         """The layer or end in `raw` if it passes `_item`'s checks; None (dropped, counted, logged) if not.
-        Its place in the chain is `_Request`'s call."""
+        Its place in the chain is `RequestChain`'s call."""
         try:
             return self._item(raw, request_id)
         except (MalformedMessage, ForgedMessage) as e:
@@ -444,37 +381,5 @@ class HandoffReceiver:
         self.close()
 
 
-def _overlapping(bufs: list[Any]) -> bool:
-    """Whether any two of `bufs` (None: a fresh buffer, shared with none) share a byte. One that is not
-    a contiguous buffer counts as sharing: read one at a time, `fetch_many` says what is wrong with it
-    for its own layer."""
-    spans: list[tuple[int, int]] = []
-    for buf in bufs:
-        if buf is None:
-            continue
-        try:
-            view = np.frombuffer(memoryview(buf).cast("B"), np.uint8)
-        except (TypeError, ValueError):
-            return True
-        if view.size:
-            spans.append((view.ctypes.data, view.ctypes.data + view.size))
-    spans.sort()
-    return any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))
-
-
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-def _by_bytes(refs: list[env.Ref], most: int) -> Iterator[list[env.Ref]]:
-    """`refs` in runs of at most `most` bytes (a larger one alone), in order."""
-    run: list[env.Ref] = []
-    total = 0
-    for ref in refs:
-        if run and total + ref.total > most:
-            yield run
-            run, total = [], 0
-        run.append(ref)
-        total += ref.total
-    if run:
-        yield run

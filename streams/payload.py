@@ -11,8 +11,10 @@ checksum disagrees) it gets from the pool.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
+
+import numpy as np
 
 from kvpool.core import (
     BufferSizeError,
@@ -155,3 +157,35 @@ def _get(pool: PoolClient, keys: list[Key], views: list[memoryview], labels: lis
     except BufferSizeError as e:
         raise PayloadError(f"{labels[0]}: a block's size disagrees with its message: {e}", key=e.key, size=e.size,
                            limit=e.limit) from e
+
+
+def overlapping(bufs: list[Any]) -> bool:
+    """Whether any two of `bufs` (None: a fresh buffer, shared with none) share a byte. One that is not
+    a contiguous buffer counts as sharing: read one at a time, `fetch_many` says what is wrong with it
+    for its own layer."""
+    spans: list[tuple[int, int]] = []
+    for buf in bufs:
+        if buf is None:
+            continue
+        try:
+            view = np.frombuffer(memoryview(buf).cast("B"), np.uint8)
+        except (TypeError, ValueError):
+            return True
+        if view.size:
+            spans.append((view.ctypes.data, view.ctypes.data + view.size))
+    spans.sort()
+    return any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))
+
+
+def by_bytes(refs: list[Ref], most: int) -> Iterator[list[Ref]]:
+    """`refs` in runs of at most `most` bytes (a larger one alone), in order."""
+    run: list[Ref] = []
+    total = 0
+    for ref in refs:
+        if run and total + ref.total > most:
+            yield run
+            run, total = [], 0
+        run.append(ref)
+        total += ref.total
+    if run:
+        yield run

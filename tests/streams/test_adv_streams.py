@@ -236,10 +236,10 @@ def test_cli_pub_publishes_stdins_bytes_as_they_are(nats, make_stream, capsys, m
 def test_a_burst_is_fetched_in_runs_of_at_most_one_messages_bytes() -> None:
     from types import SimpleNamespace
 
-    from kvpool.streams.handoff import _by_bytes
+    from kvpool.streams.payload import by_bytes
 
     refs = [SimpleNamespace(total=t) for t in (400, 400, 300, 900, 1500, 1, 1)]
-    runs = [[r.total for r in run] for run in _by_bytes(refs, 1000)]  # type: ignore[arg-type]
+    runs = [[r.total for r in run] for run in by_bytes(refs, 1000)]  # type: ignore[arg-type]
     assert runs == [[400, 400], [300], [900], [1500], [1, 1]]
 
 
