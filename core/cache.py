@@ -219,7 +219,11 @@ class TieredCache:
             if any(stored):
                 kept = [b for b, ok in zip(blocks, stored) if ok]
                 self._stack.changes.record([b.key for b in kept], [b.version for b in kept], False)
-                self._stack.delete_replaced()
+                try:
+                    self._stack.delete_replaced()
+                except StorageError as e:  # committed, not durable: which were stored goes with it
+                    e.stored = stored
+                    raise
         return stored
 
     def _enter(self, block: DramBlock) -> bool:

@@ -296,7 +296,7 @@ def _secrets_out_of_sight(argv: list[str]) -> tuple[list[str], dict[str, str]]:
 
     out: list[str] = []
     env: dict[str, str] = {}
-    command = next((a for a in argv if not a.startswith("-")), None)  # (the top level's options take no value)
+    command: str | None = None  # the first word that is neither an option nor a secret option's value
     i = 0
     while i < len(argv):
         flag, eq, value = argv[i].partition("=")
@@ -304,13 +304,16 @@ def _secrets_out_of_sight(argv: list[str]) -> tuple[list[str], dict[str, str]]:
             if not eq:
                 i += 1
                 value = argv[i]
-            if flag == "--nats-url" and command in _OWN_NATS:
-                out += [flag, redacted_url(value)]
+            if command is None or (flag == "--nats-url" and command in _OWN_NATS):
+                # (no command takes it there: left, its secret hidden, for the parser to refuse)
+                out += [flag, redacted_url(value) if flag == "--nats-url" else "***"]
             elif flag != "--nats-url" or "@" in value:
                 env[_SECRET_FLAGS[flag]] = value
             else:
                 out += [flag, value]
         else:
+            if command is None and not argv[i].startswith("-"):
+                command = argv[i]  # (the top level's own options take no value)
             out.append(argv[i])
         i += 1
     return out, env

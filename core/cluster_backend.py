@@ -24,7 +24,7 @@ from .buffers import byte_size, readable_all
 from .cluster import Membership, rank
 from .config import default_node_id
 from .connection import item_error, max_block_of, refuse_too_large
-from .errors import KVPoolError, PartialFailure, PartialPut, PoolUnavailable, ProtocolError
+from .errors import KVPoolError, PartialFailure, PartialPut, PoolUnavailable, ProtocolError, StorageError
 from .fanout import FanOut, Transport
 from .missed_writes import MissedWrites
 from .nats_creds import redacted_url
@@ -245,18 +245,18 @@ class ClusterBackend:
         if self.replication > 1:  # CUDA tensors to the host once, not once per owner (R=1: the transport's)
             buffers = readable_all(buffers)
         versions = CLOCK.batch(len(keys))
-        not_durable: list[KVPoolError] = []  # (StorageErrors: stored, but a full disk kept older SSD copies)
+        deferred: list[KVPoolError] = []  # (blocks refused; or stored, but a full disk kept older SSD copies)
         try:
-            superseded = self._put_as_of(live, ranked, keys, buffers, pin_s, versions, not_durable)
+            superseded = self._put_as_of(live, ranked, keys, buffers, pin_s, versions, deferred)
             if superseded:
                 again = [keys[i] for i in superseded]
                 try:
                     self._put_as_of(live, [ranked[i] for i in superseded], again, [buffers[i] for i in superseded],
-                                    pin_s, self._restamp(live, again, superseded, versions), not_durable)
+                                    pin_s, self._restamp(live, again, superseded, versions), deferred)
                 except PartialPut as e:  # (its indices are the batch's)
                     raise PartialPut(str(e), failed=[superseded[j] for j in e.failed]) from None
-            if not_durable:
-                raise not_durable[0]
+            if deferred:  # a refusal before a store not durable (StorageError): the block not stored is told
+                raise next((e for e in deferred if not isinstance(e, StorageError)), deferred[0])
         finally:  # (a put that failed may have reached an owner: the older copies go too)
             self._supersede(live, ranked, keys, versions)
 
@@ -273,18 +273,19 @@ class ClusterBackend:
             refuse_too_large([key], [size], min(limit[w] for w in owners[:self.replication]))
 
     def _put_as_of(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
-                   buffers: Sequence[Any], pin_s: float, versions: list[int], not_durable: list[KVPoolError]
+                   buffers: Sequence[Any], pin_s: float, versions: list[int], deferred: list[KVPoolError]
                    ) -> list[int]:
         """Put to every live owner (the first `replication` of `ranked`) as of `versions`; the indices an
-        owner held as new or newer. Each owner's answer is taken block by block: one it stored but could
-        not make durable (a full disk) counts as stored, its error appended to `not_durable` for the caller
-        to raise once the put is done; one it refused (no room, its tenant's quota, corrupt on arrival)
-        leaves that owner owed the removal of its older copy, as an owner that missed the put is (else
-        that copy is served once the other owners lose the newer block)."""
+        owner held as new or newer. Each owner's answer is taken block by block: a block it refused (no
+        room, its tenant's quota, corrupt on arrival) leaves that owner owed the removal of its older copy,
+        as an owner that missed the put is (else that copy is served once the other owners lose the newer
+        block). The error of the first block every owner that answered refused, else of the first stored
+        but not durable (a full disk), is appended to `deferred`, for the caller to raise once the blocks
+        held newer are put again; PartialPut (or PoolUnavailable) where a block's owners did not answer."""
         stored = [0] * len(keys)
         superseded: set[int] = set()
         refused: Groups = {}
-        first_refusal: tuple[int, int] | None = None  # (item status, index)
+        refusals: dict[int, int] = {}  # index -> the first refusal's item status
         storage_at: int | None = None
 
         def put(t: Transport, idx: list[int]) -> list[int]:
@@ -303,24 +304,25 @@ class ClusterBackend:
                         storage_at = i
                 else:
                     refused.setdefault(w, []).append(i)
-                    first_refusal = first_refusal or (st, i)
+                    refusals.setdefault(i, st)
         below = [v - 1 for v in versions]  # (the put's own version stays welcome)
         self._missed(groups, answered, keys, below)
         for w, idx in refused.items():
             self._missed({w: idx}, set(), keys, below)
-        if not all(stored):
-            why = (f"{stored.count(0)} of {len(keys)} blocks were stored by no live worker that answered (one that "
+        unstored = [i for i, n in enumerate(stored) if not n]
+        if unstored and not all(i in refusals for i in unstored):  # some blocks' owners did not answer
+            why = (f"{len(unstored)} of {len(keys)} blocks were stored by no live worker that answered (one that "
                    "did not answer in time may still store them)")
             if any(stored):  # the others were: the caller may tell them apart (those an owner held newer
                 # were not stored either: their put again, with a fresh version, is not made now)
-                raise PartialPut(why, failed=sorted({i for i, n in enumerate(stored) if not n} | superseded))
-            if first_refusal is not None:  # each owner that answered refused: its own error, as with one owner
-                raise self._item_error(*first_refusal, keys, buffers)
+                raise PartialPut(why, failed=sorted({*unstored, *superseded}))
             if self.fanout.answering(others_than=groups):  # the pool answers, only these blocks' owners did
                 raise PartialPut(why, failed=list(range(len(keys))))  # not: not an outage of the pool
             raise PoolUnavailable(why)
-        if storage_at is not None:
-            not_durable.append(self._item_error(P.ITEM_STORAGE, storage_at, keys, buffers))
+        if unstored:  # each refused by every owner that answered: the first one's own error, as with one owner
+            deferred.append(self._item_error(refusals[unstored[0]], unstored[0], keys, buffers))
+        elif storage_at is not None:
+            deferred.append(self._item_error(P.ITEM_STORAGE, storage_at, keys, buffers))
         return sorted(superseded)
 
     def _item_error(self, status: int, i: int, keys: Sequence[bytes], buffers: Sequence[Any]) -> KVPoolError:

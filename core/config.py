@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import mmap
 import os
 import re
@@ -23,6 +22,10 @@ from .policies import EVICTION_POLICY
 
 __all__ = ["parse_size", "default_state_dir", "default_node_id", "read_file", "load", "section", "SECTIONS",
            "CacheConfig", "WorkerConfig"]
+
+_MOST_SECONDS = 1e9
+"""The longest timeout, heartbeat or TTL a worker takes (about 31 years): past 2**63 s a socket's timeout
+cannot be set, and the worker would close every connection."""
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -353,8 +356,8 @@ class WorkerConfig:
                 raise ConfigError(f"{name}={port}: a TCP port is 0 to 65535 (0: any free one)", size=port, limit=65535)
         for name in ("io_timeout_s", "auth_timeout_s", "heartbeat_s", "member_ttl_s"):
             seconds = getattr(self, name)
-            if not (0 < seconds < math.inf):
-                raise ConfigError(f"{name}={seconds}: a finite number of seconds above 0")
+            if not (0 < seconds <= _MOST_SECONDS):  # (a socket's timeout takes no more: every connection closed)
+                raise ConfigError(f"{name}={seconds}: seconds above 0, at most {_MOST_SECONDS:.0e}")
         for name in ("max_connections", "max_unauthenticated"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: at least 1", size=getattr(self, name), limit=1)

@@ -24,6 +24,7 @@ import numpy as np
 from . import protocol as P
 from . import request_ids
 from .auth import NONCE_BYTES, find_token, no_auth_env, peer_uid, proof, same_user, token_path
+from .buffers import byte_size
 from .errors import (
     Abandoned,
     AuthError,
@@ -389,10 +390,15 @@ class Connection:
         version as new or newer of (another writer's clock runs ahead of this one's, or stamped in the
         same millisecond) is stamped again above it and put once more: a put made after another one
         was acknowledged replaces it."""
-        superseded = self.put_as_of(keys, buffers, pin_s, versions)
-        if superseded and versions is None:
+        status = self.put_statuses(keys, buffers, pin_s, versions)
+        superseded = [i for i, st in enumerate(status) if st == P.ITEM_SUPERSEDED]
+        if superseded and versions is None:  # (before a failure is raised: the blocks held newer go again)
             again = [keys[i] for i in superseded]
             self.put_as_of(again, [buffers[i] for i in superseded], pin_s, self.stamps_above(again))
+        failed = [i for i, st in enumerate(status) if st not in (P.ITEM_OK, P.ITEM_SUPERSEDED)]
+        if failed:  # a block refused, else one stored but not durable (a full disk): the first one's error
+            i = next((i for i in failed if status[i] != P.ITEM_STORAGE), failed[0])
+            raise_item(status[i], keys[i], byte_size(buffers[i]), self.max_block)
 
     def stamps_above(self, keys: Sequence[bytes]) -> list[int]:
         """Fresh versions for `keys`, above the newest the worker knows of each (its block or removal)."""

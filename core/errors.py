@@ -107,6 +107,10 @@ class ConfigError(KVPoolError, ValueError):
 class StorageError(KVPoolError, OSError):
     """The SSD tier (LMDB) cannot be opened, read or written: a missing folder, a full map, an I/O error."""
 
+    stored: list[bool] | None = None
+    """For a batch of blocks committed but not durable (a full disk kept older SSD copies): whether each
+    was stored (False: a version as new or newer was held); None otherwise."""
+
 
 class ListenError(KVPoolError, OSError):
     """A worker cannot listen: its TCP port (or metrics port) is in use or not allowed, or its Unix socket

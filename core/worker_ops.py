@@ -255,10 +255,8 @@ class RequestHandlers(ConnectionServing):
                     self.cache.abort(off)
             raise
         if None not in slots and sums == csums.tolist():  # the usual batch: a slot each, every block whole
-            stored = self._commit_blocks(keys, cast("list[int]", slots), lens, cast("list[int]", sums),
-                                         versions.tolist())
-            if not stored.all():
-                status[~stored] = P.ITEM_SUPERSEDED
+            self._commit_marked(status, np.arange(len(keys)), keys, cast("list[int]", slots), lens,
+                                cast("list[int]", sums), versions.tolist())
             return
         held = [(i, off) for i, off in enumerate(slots) if off is not None]
         if not held:
@@ -273,28 +271,48 @@ class RequestHandlers(ConnectionServing):
             status[idx[corrupt]] = P.ITEM_CORRUPT
             idx, offs = idx[~corrupt], offs[~corrupt]
         # a pin sent before the block pins it; one no newer than what is held is not stored
-        stored = self._commit_blocks([keys[i] for i in idx.tolist()], offs.tolist(), np.take(lens, idx).tolist(),
-                                     csums[idx].tolist(), versions[idx].tolist())
+        self._commit_marked(status, idx, [keys[i] for i in idx.tolist()], offs.tolist(), np.take(lens, idx).tolist(),
+                            csums[idx].tolist(), versions[idx].tolist())
+
+    def _commit_marked(self, status: np.ndarray, at: np.ndarray, keys: list[bytes], offsets: list[int],
+                       sizes: list[int], csums: list[int], versions: list[int], checked: bool = True) -> None:
+        """`_commit_blocks`, each block not stored (a version as new or newer held) marked ITEM_SUPERSEDED
+        at its index in `status` (`at`), also where the disk refuses to make the batch durable (the
+        StorageError is raised after: the caller marks the rest ITEM_STORAGE)."""
+        try:
+            stored = self._commit_blocks(keys, offsets, sizes, csums, versions, checked)
+        except StorageError as e:
+            if e.stored is not None:
+                status[at[~np.array(e.stored, dtype=bool)]] = P.ITEM_SUPERSEDED
+            raise
         if not stored.all():
-            status[idx[~stored]] = P.ITEM_SUPERSEDED
+            status[at[~stored]] = P.ITEM_SUPERSEDED
 
     def _commit_blocks(self, keys: list[bytes], offsets: list[int], sizes: list[int], csums: list[int],
                        versions: list[int], checked: bool = True) -> np.ndarray:
         """Commit blocks under one lock (`TieredCache.commit_many`; `checked`: their bytes were hashed
         against `csums`), each block's size told to the tenants' tally; whether each was stored (not:
         a version as new or newer is held). A key named twice is committed in turns, so the tally sees
-        each block's own size."""
+        each block's own size. A StorageError (not durable) is raised once every block is committed,
+        with whether each was stored."""
         if not self.tenants:
             return np.array(self.cache.commit_many(keys, offsets, sizes, csums, versions, checked=checked), dtype=bool)
         usage = self.tenant_usage
         runs = [slice(0, len(keys))] if len(set(keys)) == len(keys) else [slice(i, i + 1) for i in range(len(keys))]
         stored: list[bool] = []
+        refused: StorageError | None = None
         for r in runs:
             usage.committing_many(dict(zip(keys[r], sizes[r])))
             try:
                 stored += self.cache.commit_many(keys[r], offsets[r], sizes[r], csums[r], versions[r], checked=checked)
+            except StorageError as e:
+                refused = refused or e
+                stored += e.stored if e.stored is not None else [True] * (r.stop - r.start)
             finally:
                 usage.committing_many(None)
+        if refused is not None:
+            refused.stored = stored
+            raise refused
         return np.array(stored, dtype=bool)
 
     def _over_quota(self, conn: Conn, tenant: Tenant, key: bytes, size: int) -> None:
@@ -478,13 +496,11 @@ class RequestHandlers(ConnectionServing):
             offsets, sizes, csums, versions = offsets[good], sizes[good], csums[good], versions[good]
             offs, lens = offsets.tolist(), sizes.tolist()
         try:
-            stored = self._commit_blocks(keys, offs, lens, csums.tolist(), versions.tolist(), check)
+            self._commit_marked(status, np.flatnonzero(~corrupt), keys, offs, lens, csums.tolist(), versions.tolist(),
+                                check)
         except StorageError as e:  # committed, but a full disk kept older SSD copies: not durable
             self._storage_refused(e)
             status[status == 0] = P.ITEM_STORAGE
-        else:
-            if not stored.all():
-                status[np.flatnonzero(~corrupt)[~stored]] = P.ITEM_SUPERSEDED
         self._bytes_in.inc(sum(lens))
         self._reply(conn, frame, status.tobytes())
 

@@ -245,7 +245,13 @@ class ConnectionServing:
                 oldest.shut(f"displaced by a newer connection ({limit})")
             self._conns.add(conn)
             self._threads.append(t)
-        t.start()
+        try:
+            t.start()
+        except RuntimeError:  # no thread to be had (a pids limit): the connection goes, and so does its slot
+            with self._conns_lock:
+                self._conns.discard(conn)
+                self._threads.remove(t)
+            raise
 
     def _storage_refused(self, e: StorageError) -> None:
         """Log a change the SSD tier would not make durable, once a minute at most."""
