@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -43,7 +44,6 @@ class Announcer:
                  refused: Callable[[Sequence[Key]], None]) -> None:
         self._wire, self.stream, self._stored, self._on_refused = wire, stream, stored, refused
         self._inbox = f"_INBOX.{uuid.uuid4().hex}"
-        self._id = uuid.uuid4().hex  # message ids: this producer's, then a counter
         self._sid = wire.subscribe(self._inbox + ".*")
         self._tokens = itertools.count()
         self._unacked: dict[str, tuple[str, bytes, dict[str, str], Sequence[Key], int]] = {}
@@ -64,11 +64,12 @@ class Announcer:
              msg_id: str | None = None) -> str:
         """Publish an announcement naming blocks `keys` (`nbytes` of them); returns its token without
         waiting for the ack. One that raises was not sent, and is not sent later: the caller may send it
-        again. `msg_id`: JetStream's duplicate id (default: one of this announcer's own), the same for a
+        again. `msg_id`: JetStream's duplicate id (default: a random one, kept for resends), the same for a
         message sent again by a caller that had no answer (JetStream then stores it once)."""
         self._resend_if_reconnected()  # (before this one is listed: it goes out once, below)
         token = str(next(self._tokens))
-        headers = {**headers, _EXPECTED_STREAM: self.stream, _MSG_ID: msg_id or f"{self._id}.{token}"}
+        # (a duplicate id no stranger can guess: one claimed first would have this message dropped)
+        headers = {**headers, _EXPECTED_STREAM: self.stream, _MSG_ID: msg_id or secrets.token_hex(16)}
         self._unacked[token] = (subj, body, headers, keys, nbytes)
         try:
             self._wire.publish(subj, body, headers, reply=f"{self._inbox}.{token}")

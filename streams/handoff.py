@@ -70,7 +70,7 @@ through the subject for it (a request of the same id stored after it)."""
 RETENTION_WAIT_S = 1.0
 """How long a receiver that does not know the stream's max_age yet (its ask not answered, or failed: a
 receiver made before its stream) waits for an answer before it checks a message's age; after a wait that
-went unanswered, it checks none for `live.ASK_AGAIN_S` (and asks again)."""
+timed out it waits no more, and checks the ages once an answer comes (`live.Retention`)."""
 _SCAN = 70000
 """Messages of a request's subject looked through for its end, where the end came live and the subject's
 last stored message is not it (a request of the same id published after it): a request's layers and end."""

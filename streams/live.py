@@ -99,7 +99,8 @@ class Retention:
         """The stream's max_age in seconds (0: none); None while not known (not answered yet, or the
         stream info could not be read). Known once, it is kept while later asks fail. `wait_s`: where it
         is not known, the seconds to wait for an answer (an ask under way, or one made now), unless a
-        wait went unanswered before: then the answer is only taken when it comes."""
+        wait timed out before: then the answer is only taken when it comes (an ask that failed, a stream
+        not made yet, is no reason to stop waiting)."""
         with self._lock:
             self._settle()
             now = time.monotonic()
@@ -118,7 +119,7 @@ class Retention:
             concurrent.futures.wait([asking], wait_s)
         with self._lock:
             self._settle()
-            self._waited_in_vain = self._known is None
+            self._waited_in_vain = self._known is None and asking is not None and not asking.done()  # (timed out)
             return self._known
 
     def _ask(self) -> None:

@@ -198,7 +198,7 @@ class Producer:
             # (one duplicate id for the request's end: an end asked again after one stored but not
             # acknowledged is stored once, and a receiver's purge leaves no copy behind to fail the id's next use)
             seq = self._announcing().publish(subj, body, self._signed(subj, headers, body),
-                                             msg_id=f"kvpool-end.{chain.nonce}")
+                                             msg_id=f"kvpool-end.{chain.end_id}")
         except BaseException:  # the end may be asked again (sent, but not acknowledged)
             chain.take_back()
             raise

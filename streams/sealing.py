@@ -72,6 +72,9 @@ class Sealer:
 
     def __init__(self) -> None:
         self.nonce, self.n = secrets.token_hex(16), 0
+        self.end_id = secrets.token_hex(16)
+        """JetStream's duplicate id of the chain's end, in no message (a stranger who could read the nonce
+        and claim an id made of it first would have the real end dropped as a duplicate)."""
         self._next = secrets.token_bytes(32)
         self._revealed = b""
         self._before = (self._next, self._revealed, self.n)
