@@ -24,7 +24,7 @@ from .buffers import byte_size, readable_all
 from .cluster import Membership, rank
 from .config import default_node_id
 from .connection import item_error, max_block_of, refuse_too_large
-from .errors import KVPoolError, PartialFailure, PartialPut, PoolUnavailable, ProtocolError, StorageError
+from .errors import KVPoolError, PartialFailure, PartialPut, PoolUnavailable, ProtocolError
 from .fanout import FanOut, Transport
 from .missed_writes import MissedWrites
 from .nats_creds import redacted_url
@@ -36,6 +36,15 @@ from .transport import ShmTransport
 from .versions import CLOCK, REMOVED, SUPERSEDED
 
 __all__ = ["ClusterBackend"]
+
+@dataclasses.dataclass
+class Deferred:
+    """The error a put raises once the blocks held newer are put again, and the blocks it did not store
+    (none for a StorageError: stored, not durable)."""
+
+    error: KVPoolError
+    unstored: list[int]
+
 
 _STORED = (P.ITEM_OK, P.ITEM_STORAGE, P.ITEM_SUPERSEDED)
 """A put's item statuses of an owner that took the block: stored (not durable, for ITEM_STORAGE), or
@@ -245,18 +254,22 @@ class ClusterBackend:
         if self.replication > 1:  # CUDA tensors to the host once, not once per owner (R=1: the transport's)
             buffers = readable_all(buffers)
         versions = CLOCK.batch(len(keys))
-        deferred: list[KVPoolError] = []  # (blocks refused; or stored, but a full disk kept older SSD copies)
+        deferred: list[Deferred] = []  # (blocks refused; or stored, but a full disk kept older SSD copies)
         try:
             superseded = self._put_as_of(live, ranked, keys, buffers, pin_s, versions, deferred)
             if superseded:
                 again = [keys[i] for i in superseded]
+                later: list[Deferred] = []
                 try:
                     self._put_as_of(live, [ranked[i] for i in superseded], again, [buffers[i] for i in superseded],
-                                    pin_s, self._restamp(live, again, superseded, versions), deferred)
-                except PartialPut as e:  # (its indices are the batch's)
-                    raise PartialPut(str(e), failed=[superseded[j] for j in e.failed]) from None
+                                    pin_s, self._restamp(live, again, superseded, versions), later)
+                except PoolUnavailable as e:  # (PartialPut too) the batch's indices, with the blocks refused before
+                    failed = [superseded[j] for j in e.failed] if isinstance(e, PartialPut) else superseded
+                    raise PartialPut(str(e), failed=sorted({*failed, *(i for d in deferred for i in d.unstored)})
+                                     ) from None
+                deferred += [Deferred(d.error, [superseded[j] for j in d.unstored]) for d in later]
             if deferred:  # a refusal before a store not durable (StorageError): the block not stored is told
-                raise next((e for e in deferred if not isinstance(e, StorageError)), deferred[0])
+                raise next((d.error for d in deferred if d.unstored), deferred[0].error)
         finally:  # (a put that failed may have reached an owner: the older copies go too)
             self._supersede(live, ranked, keys, versions)
 
@@ -273,7 +286,7 @@ class ClusterBackend:
             refuse_too_large([key], [size], min(limit[w] for w in owners[:self.replication]))
 
     def _put_as_of(self, live: dict[str, WorkerInfo], ranked: list[list[str]], keys: Sequence[bytes],
-                   buffers: Sequence[Any], pin_s: float, versions: list[int], deferred: list[KVPoolError]
+                   buffers: Sequence[Any], pin_s: float, versions: list[int], deferred: list[Deferred]
                    ) -> list[int]:
         """Put to every live owner (the first `replication` of `ranked`) as of `versions`; the indices an
         owner held as new or newer. Each owner's answer is taken block by block: a block it refused (no
@@ -320,9 +333,9 @@ class ClusterBackend:
                 raise PartialPut(why, failed=list(range(len(keys))))  # not: not an outage of the pool
             raise PoolUnavailable(why)
         if unstored:  # each refused by every owner that answered: the first one's own error, as with one owner
-            deferred.append(self._item_error(refusals[unstored[0]], unstored[0], keys, buffers))
+            deferred.append(Deferred(self._item_error(refusals[unstored[0]], unstored[0], keys, buffers), unstored))
         elif storage_at is not None:
-            deferred.append(self._item_error(P.ITEM_STORAGE, storage_at, keys, buffers))
+            deferred.append(Deferred(self._item_error(P.ITEM_STORAGE, storage_at, keys, buffers), []))
         return sorted(superseded)
 
     def _item_error(self, status: int, i: int, keys: Sequence[bytes], buffers: Sequence[Any]) -> KVPoolError:

@@ -392,13 +392,23 @@ class Connection:
         was acknowledged replaces it."""
         status = self.put_statuses(keys, buffers, pin_s, versions)
         superseded = [i for i, st in enumerate(status) if st == P.ITEM_SUPERSEDED]
+        again_failed: KVPoolError | None = None
         if superseded and versions is None:  # (before a failure is raised: the blocks held newer go again)
             again = [keys[i] for i in superseded]
-            self.put_as_of(again, [buffers[i] for i in superseded], pin_s, self.stamps_above(again))
+            try:
+                for j, st in enumerate(self.put_statuses(again, [buffers[i] for i in superseded], pin_s,
+                                                         self.stamps_above(again))):
+                    status[superseded[j]] = st
+            except KVPoolError as e:  # (the first pass's refusals are told first)
+                again_failed = e
         failed = [i for i, st in enumerate(status) if st not in (P.ITEM_OK, P.ITEM_SUPERSEDED)]
-        if failed:  # a block refused, else one stored but not durable (a full disk): the first one's error
-            i = next((i for i in failed if status[i] != P.ITEM_STORAGE), failed[0])
-            raise_item(status[i], keys[i], byte_size(buffers[i]), self.max_block)
+        refused = next((i for i in failed if status[i] != P.ITEM_STORAGE), None)
+        if refused is not None:  # a block refused, else the re-put's failure, else one stored but not durable
+            raise_item(status[refused], keys[refused], byte_size(buffers[refused]), self.max_block)
+        if again_failed is not None:
+            raise again_failed
+        if failed:
+            raise_item(status[failed[0]], keys[failed[0]], byte_size(buffers[failed[0]]), self.max_block)
 
     def stamps_above(self, keys: Sequence[bytes]) -> list[int]:
         """Fresh versions for `keys`, above the newest the worker knows of each (its block or removal)."""

@@ -143,11 +143,13 @@ def redacted_url(url: str) -> str:
     (`user:password@`), or a token (`token@`), replaced by ***, so that an error carries no credentials."""
     def one(u: str) -> str:
         scheme, sep, rest = u.partition("://")
+        if not sep:  # (nats-py takes `user:password@host` without a scheme too)
+            scheme, rest = "", u
         who, at, where = rest.rpartition("@")
-        if not sep or not at:
+        if not at:
             return u
         user = f"{who.split(':', 1)[0]}:" if ":" in who else ""
-        return f"{scheme}://{user}***@{where}"
+        return f"{scheme}{sep}{user}***@{where}"
     return ",".join(one(u) for u in url.split(","))
 
 

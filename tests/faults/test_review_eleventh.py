@@ -162,7 +162,7 @@ def test_a_block_an_owner_holds_newer_is_put_again_when_another_block_is_not_dur
     keys, bufs = [b"k1", b"k2"], [b"x" * 64, b"y" * 64]
     b = _backend({"full": _Transport({b"k1": P.ITEM_STORAGE, b"k2": P.ITEM_SUPERSEDED}), "roomy": _Transport({})})
     again: list[int] | None = None
-    not_durable: list[KVPoolError] = []  # (the caller raises the first once the blocks held newer are put again)
+    not_durable: list[Any] = []  # (`Deferred`s: the caller raises the first once the blocks held newer are put again)
     try:
         again = b._put_as_of({}, [["full", "roomy"], ["full", "roomy"]], keys, bufs, 0.0, [1000, 1001], not_durable)
     except KVPoolError as e:
@@ -171,4 +171,4 @@ def test_a_block_an_owner_holds_newer_is_put_again_when_another_block_is_not_dur
         err = None
     assert again is not None and 1 in again, \
         f"k2 (held newer by an owner) is not put again above that version; the put said {err!r}"
-    assert [type(e).__name__ for e in not_durable] == ["StorageError"]  # k1: said once the put is done
+    assert [type(d.error).__name__ for d in not_durable] == ["StorageError"]  # k1: said once the put is done

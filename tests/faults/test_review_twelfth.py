@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,20 @@ def _ssd_worker(tmp_path: Path, **worker: Any) -> Worker:
                               ssd_map_size=64 << 20)).start()
 
 
+@pytest.fixture(autouse=True)
+def _clock_put_back() -> Iterator[None]:
+    """The clock this process shares with its in-process workers, put back after each test: one test's
+    writer ahead (merged into it by a put made above that writer's version) must not push the next's."""
+    saved = CLOCK._last
+    yield
+    CLOCK._last = saved
+
+
 def _held_newer_elsewhere(w: Worker, key: str, data: bytes) -> None:
-    """`key` put at `w` by another writer whose clock runs 1 s ahead of this process's (which has not seen
+    """`key` put at `w` by another writer whose clock runs 0.5 s ahead of this process's (which has not seen
     that version: the worker runs in this process, and would have merged it into the shared clock)."""
     saved = CLOCK._last
-    w.cache.batch_put([key], [data], versions=[CLOCK.now() + (1000 << COUNTER_BITS)])
+    w.cache.batch_put([key], [data], versions=[CLOCK.now() + (500 << COUNTER_BITS)])
     CLOCK._last = saved
 
 
