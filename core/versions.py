@@ -107,15 +107,25 @@ def observe(version: int) -> None:
     CLOCK.observe(version)
 
 
+def namespace(key: bytes) -> bytes:
+    """The namespace a key (or a cleared prefix) is in, for the marks' bounds: up to its first `/` (a
+    tenant's `<name>/`); b"" for one without."""
+    i = key.find(b"/")
+    return key[:i + 1] if i >= 0 else b""
+
+
 class Tombstones:
     """Keys removed, by the version of their removal, kept for `keep_s` seconds and at most `max_keys`
     (the oldest go first): while one is kept, a put of that key older than the removal is ignored, so
-    an old put that arrives late (a replica back from a pause, a repair) cannot bring the key back."""
+    an old put that arrives late (a replica back from a pause, a repair) cannot bring the key back. A
+    namespace (`namespace`: a tenant's) holding more than an eighth of them gives up its own oldest to
+    make room for its next: one tenant's crowd of removals does not push out another's marks."""
 
     def __init__(self, keep_s: float = 600.0, max_keys: int = 1 << 18) -> None:
         self.keep_s = keep_s
         self.max_keys = max_keys
         self._marks: OrderedDict[bytes, tuple[int, float]] = OrderedDict()  # key -> (version, monotonic at)
+        self._by_ns: dict[bytes, OrderedDict[bytes, None]] = {}  # each namespace's keys, oldest first
 
     def __len__(self) -> int:
         return len(self._marks)
@@ -125,10 +135,15 @@ class Tombstones:
         if old is not None and old[0] > version:
             version = old[0]
         self._marks[key] = (version, time.monotonic())
-        self._trim()
+        ns = namespace(key)
+        own = self._by_ns.setdefault(ns, OrderedDict())
+        own.pop(key, None)
+        own[key] = None
+        self._trim(ns)
 
     def discard(self, key: bytes) -> None:
-        self._marks.pop(key, None)
+        if self._marks.pop(key, None) is not None:
+            self._forget(key)
 
     def none_of(self, keys: list[bytes]) -> bool:
         """Whether none of `keys` has a tombstone kept (expired ones may count: a caller then takes
@@ -145,19 +160,35 @@ class Tombstones:
             return 0 if key not in self._marks else self._marks[key][0]
         return mark[0]
 
-    def _trim(self) -> None:
+    def _trim(self, adding: bytes | None = None) -> None:
+        """Down to `max_keys` (the namespace `adding` to gives up its own oldest where it holds more than an
+        eighth, else the oldest go), and none older than `keep_s`."""
         marks = self._marks
         while len(marks) > self.max_keys:
-            marks.popitem(last=False)
+            own = self._by_ns.get(adding) if adding is not None else None
+            key = next(iter(own if own is not None and len(own) > self.max_keys // 8 else marks))
+            del marks[key]
+            self._forget(key)
         horizon = time.monotonic() - self.keep_s
         while marks:
             key, (_, at) = next(iter(marks.items()))
             if at > horizon:
                 break
             del marks[key]
+            self._forget(key)
+
+    def _forget(self, key: bytes) -> None:
+        """`key` out of its namespace's list (its mark gone)."""
+        ns = namespace(key)
+        own = self._by_ns.get(ns)
+        if own is not None:
+            own.pop(key, None)
+            if not own:
+                del self._by_ns[ns]
 
     def clear(self) -> None:
         self._marks.clear()
+        self._by_ns.clear()
 
 
 class Clears:
@@ -165,7 +196,8 @@ class Clears:
     as of the clear's version unless a newer block of it is held (b"": every key). Unlike tombstones, a
     clear is one mark however many keys it covered, or covered on a peer while this cache was away.
     A lookup costs one dict probe per distinct prefix length; the newest `max_marks` clears are kept
-    (by version; a clear of every key replaces them all)."""
+    (by version, a namespace holding more than an eighth giving up its own first, as `Tombstones`; a
+    clear of every key replaces them all)."""
 
     def __init__(self, max_marks: int = 1024) -> None:
         self.max_marks = max_marks
@@ -182,9 +214,11 @@ class Clears:
             return  # a clear as new or newer already covers it
         marks = {p: v for p, v in self._marks.items() if not (p.startswith(prefix) and v <= version)}
         marks[prefix] = version
-        if len(marks) > self.max_marks:  # the oldest clears go first
-            for p, _ in sorted(marks.items(), key=lambda pv: pv[1])[:len(marks) - self.max_marks]:
-                del marks[p]
+        own = namespace(prefix)
+        while len(marks) > self.max_marks:  # the oldest clears go first: the clearing namespace's own where it
+            mine = [(v, p) for p, v in marks.items() if namespace(p) == own]  # holds more than an eighth (one
+            pool = mine if len(mine) > self.max_marks // 8 else [(v, p) for p, v in marks.items()]  # tenant's
+            del marks[min(pool)[1]]  # clears do not push out another's)
         self._marks = marks
         self._lengths = sorted({len(p) for p in marks})
         self.newest = max(self.newest, version)
