@@ -164,16 +164,16 @@ class Tombstones:
         """Down to `max_keys` (the namespace `adding` to gives up its own oldest where it holds more than an
         eighth, else the oldest go), and none older than `keep_s`."""
         marks = self._marks
-        while len(marks) > self.max_keys:
-            own = self._by_ns.get(adding) if adding is not None else None
-            key = next(iter(own if own is not None and len(own) > self.max_keys // 8 else marks))
-            del marks[key]
-            self._forget(key)
         horizon = time.monotonic() - self.keep_s
-        while marks:
+        while marks:  # (first: a namespace gives up a live mark of its own only where the table is full of live ones)
             key, (_, at) = next(iter(marks.items()))
             if at > horizon:
                 break
+            del marks[key]
+            self._forget(key)
+        while len(marks) > self.max_keys:
+            own = self._by_ns.get(adding) if adding is not None else None
+            key = next(iter(own if own is not None and len(own) > max(1, self.max_keys // 8) else marks))
             del marks[key]
             self._forget(key)
 
@@ -217,8 +217,9 @@ class Clears:
         own = namespace(prefix)
         while len(marks) > self.max_marks:  # the oldest clears go first: the clearing namespace's own where it
             mine = [(v, p) for p, v in marks.items() if namespace(p) == own]  # holds more than an eighth (one
-            pool = mine if len(mine) > self.max_marks // 8 else [(v, p) for p, v in marks.items()]  # tenant's
-            del marks[min(pool)[1]]  # clears do not push out another's)
+            # tenant's clears do not push out another's)
+            pool = mine if len(mine) > max(1, self.max_marks // 8) else [(v, p) for p, v in marks.items()]
+            del marks[min(pool)[1]]
         self._marks = marks
         self._lengths = sorted({len(p) for p in marks})
         self.newest = max(self.newest, version)
