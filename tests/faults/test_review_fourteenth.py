@@ -6,56 +6,20 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fullhelp import A_TOKEN, POOL, SMALL, clock_put_back, held_newer_elsewhere, stop  # noqa: F401 (clock_put_back: autouse)
 
 from kvpool.core import KVPoolError, cli
 from kvpool.core.client import PoolClient
 from kvpool.core.cluster import rank
 from kvpool.core.config import CacheConfig, WorkerConfig
-from kvpool.core.errors import PartialPut, PoolUnavailable, QuotaExceeded, StorageError
+from kvpool.core.errors import PartialPut, PoolUnavailable, QuotaExceeded
 from kvpool.core.nats_server import NatsServer
 from kvpool.core.server import Worker
 from kvpool.core.transport import TcpTransport
-from kvpool.core.versions import CLOCK, COUNTER_BITS
-
-SMALL = {"dram_bytes": 8 << 20, "dram_slab_size": 1 << 20, "prefault": False}
-POOL = "pool-token-" + "p" * 32
-A_TOKEN = "tenant-a-" + "a" * 32
-
-
-def _stop(w: Worker, timeout: float = 10.0) -> BaseException | None:
-    try:
-        w.stop(timeout=timeout)
-    except BaseException as e:
-        w.cache.close()
-        w.metrics.close()
-        return e
-    return None
-
-
-@pytest.fixture(autouse=True)
-def _clock_put_back() -> Iterator[None]:
-    """The clock this process shares with its in-process workers, put back after each test: one test's
-    writer ahead (merged into it by a put made above that writer's version) must not push the next's."""
-    saved = CLOCK._last
-    yield
-    CLOCK._last = saved
-
-
-def _held_newer_elsewhere(w: Worker, key: str, data: bytes) -> None:
-    """`key` put at `w` by another writer whose clock runs 0.5 s ahead of this process's; a StorageError
-    (the disk full: the older SSD copy kept) is that writer's."""
-    saved = CLOCK._last
-    try:
-        w.cache.batch_put([key], [data], versions=[CLOCK.now() + (500 << COUNTER_BITS)])
-    except StorageError:
-        pass
-    finally:
-        CLOCK._last = saved
 
 
 # Bug (connection.py:393-401, Connection.batch_put): the blocks the worker held newer are put again
@@ -83,7 +47,7 @@ def test_a_refused_block_is_still_reported_when_the_reput_of_a_block_held_newer_
             w.cache.flush()  # a/k1's copy on SSD
             ssd.delete_stale = lambda *a, **k: False  # the disk is full: older copies cannot go
             try:
-                _held_newer_elsewhere(w, "a/k1", b"O" * 64)
+                held_newer_elsewhere(w, "a/k1", b"O" * 64)
                 try:
                     c.batch_put(["a/big", "a/k1"], [b"B" * 2048, b"M" * 64])
                     got: object = "no error"
@@ -96,7 +60,7 @@ def test_a_refused_block_is_still_reported_when_the_reput_of_a_block_held_newer_
         assert isinstance(got, QuotaExceeded) and got.key == b"a/big", \
             f"a/big was not stored, yet the put raised {got!r}"
     finally:
-        _stop(w)
+        stop(w)
 
 
 # Bug (cluster_backend.py:249-259, ClusterBackend.batch_put): the refusal of a block every owner refused is
@@ -126,7 +90,7 @@ def test_a_block_every_owner_refused_is_among_the_failed_when_the_reput_meets_a_
             big = next(k for k in keys if owner(k) == ids[0])
             held = next(k for k in keys if owner(k) == ids[0] and k != big)
             elsewhere = next(k for k in keys if owner(k) == ids[1])
-            _held_newer_elsewhere(first[ids[0]], held, b"O" * 64)
+            held_newer_elsewhere(first[ids[0]], held, b"O" * 64)
             c.put(elsewhere, b"e" * 64)  # the other worker answers: the pool is reachable
             real = TcpTransport.put_statuses
 
@@ -147,7 +111,7 @@ def test_a_block_every_owner_refused_is_among_the_failed_when_the_reput_meets_a_
                      f"(failed={getattr(got, 'failed', None)})"
     finally:
         for w in ws:
-            _stop(w)
+            stop(w)
 
 
 # Bug (cli.py:307-308 with nats_creds.py:141-151 redacted_url): a --nats-url before the command (new in

@@ -7,11 +7,11 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fullhelp import A_TOKEN, POOL, SMALL, clock_put_back, held_newer_elsewhere, stop  # noqa: F401 (clock_put_back: autouse)
 
 from kvpool.core import KVPoolError, cli
 from kvpool.core.client import PoolClient
@@ -19,22 +19,6 @@ from kvpool.core.config import CacheConfig, WorkerConfig
 from kvpool.core.errors import QuotaExceeded
 from kvpool.core.nats_server import NatsServer
 from kvpool.core.server import Worker
-from kvpool.core.versions import CLOCK, COUNTER_BITS
-
-SMALL = {"dram_bytes": 8 << 20, "dram_slab_size": 1 << 20, "prefault": False}
-POOL = "pool-token-" + "p" * 32
-A_TOKEN = "tenant-a-" + "a" * 32
-
-
-def _stop(w: Worker, timeout: float = 10.0) -> BaseException | None:
-    """Stop `w`; what its stop raised, if anything (its cache then closed here, so no arena is left)."""
-    try:
-        w.stop(timeout=timeout)
-    except BaseException as e:
-        w.cache.close()
-        w.metrics.close()
-        return e
-    return None
 
 
 def _ssd_worker(tmp_path: Path, **worker: Any) -> Worker:
@@ -43,21 +27,8 @@ def _ssd_worker(tmp_path: Path, **worker: Any) -> Worker:
                               ssd_map_size=64 << 20)).start()
 
 
-@pytest.fixture(autouse=True)
-def _clock_put_back() -> Iterator[None]:
-    """The clock this process shares with its in-process workers, put back after each test: one test's
-    writer ahead (merged into it by a put made above that writer's version) must not push the next's."""
-    saved = CLOCK._last
-    yield
-    CLOCK._last = saved
 
 
-def _held_newer_elsewhere(w: Worker, key: str, data: bytes) -> None:
-    """`key` put at `w` by another writer whose clock runs 0.5 s ahead of this process's (which has not seen
-    that version: the worker runs in this process, and would have merged it into the shared clock)."""
-    saved = CLOCK._last
-    w.cache.batch_put([key], [data], versions=[CLOCK.now() + (500 << COUNTER_BITS)])
-    CLOCK._last = saved
 
 
 # Bug (1150f86): ClusterBackend._put_as_of (core/cluster_backend.py) now takes an owner's refusals block by
@@ -91,7 +62,7 @@ def test_a_tenant_put_past_its_quota_in_cluster_mode_raises_quota_exceeded_as_in
         assert isinstance(got, QuotaExceeded) and got.key == b"a/k4", \
             f"a put past the tenant's quota (one worker, one copy) raised {got!r}"
     finally:
-        _stop(w)
+        stop(w)
 
 
 # Bug (worker_ops.py:205-212 and :481-484, left by 1150f86): a commit whose full disk refuses to delete
@@ -112,7 +83,7 @@ def test_a_later_cluster_put_replaces_a_block_held_newer_when_the_same_commit_me
             assert c.wait_for_members(lambda m: len(m) == 1, 15)
             c.put("k1", b"1" * 64)
             w.cache.flush()  # k1's older copy on SSD: replacing it deletes that copy
-            _held_newer_elsewhere(w, "k2", b"O" * 64)
+            held_newer_elsewhere(w, "k2", b"O" * 64)
             ssd.delete_stale = lambda *a, **k: False  # the disk is full: the older copy cannot go
             try:
                 c.batch_put(["k1", "k2"], [b"N" * 64, b"M" * 64])
@@ -123,7 +94,7 @@ def test_a_later_cluster_put_replaces_a_block_held_newer_when_the_same_commit_me
             got = c.get("k2")
         assert got == b"M" * 64, f"k2 reads {got[:4]!r}...: the earlier put, not this later one"
     finally:
-        _stop(w)
+        stop(w)
 
 
 # Bug (connection.py:392, Connection.batch_put; left by 1150f86, which fixed the cluster client only):
@@ -141,7 +112,7 @@ def test_a_local_put_over_a_full_disk_still_replaces_a_block_held_newer(tmp_path
         with PoolClient(mode="local", worker=w.address, timeout_s=5) as c:
             c.put("k1", b"1" * 64)
             w.cache.flush()
-            _held_newer_elsewhere(w, "k2", b"O" * block)
+            held_newer_elsewhere(w, "k2", b"O" * block)
             ssd.delete_stale = lambda *a, **k: False
             try:
                 c.batch_put(["k1", "k2"], [b"N" * block, b"M" * block])
@@ -152,7 +123,7 @@ def test_a_local_put_over_a_full_disk_still_replaces_a_block_held_newer(tmp_path
             got = c.get("k2")
         assert got == b"M" * block, f"k2 reads {got[:4]!r}...: the earlier put, not this later one"
     finally:
-        _stop(w)
+        stop(w)
 
 
 def _failing_conn_threads(monkeypatch: pytest.MonkeyPatch, n: int) -> list[int]:
@@ -200,7 +171,7 @@ def test_a_connection_whose_thread_could_not_start_does_not_keep_its_slot(
             got = e
         assert got == b"v" * 64, f"a worker serving no one refuses a client: {got!r}"
     finally:
-        _stop(w, timeout=0.5)
+        stop(w, timeout=0.5)
 
 
 # ... and stop() waits its whole timeout for that connection to go (_drain_connections), then raises
@@ -212,7 +183,7 @@ def test_a_worker_stops_cleanly_after_a_connection_thread_failed_to_start(
     w = Worker(WorkerConfig(port=0, unix_path=str(tmp_path / "w.sock"), no_auth=True),
                CacheConfig(**SMALL)).start()  # type: ignore[arg-type]
     _connect_until_failed(w, _failing_conn_threads(monkeypatch, 1))
-    err = _stop(w, timeout=0.5)
+    err = stop(w, timeout=0.5)
     assert err is None, f"worker.stop() raised {err!r}"
 
 
@@ -238,7 +209,7 @@ def test_an_io_timeout_the_config_accepts_lets_clients_in(tmp_path: Path) -> Non
             got = e
         assert got == b"v", f"io_timeout_s=1e19 passed WorkerConfig; the worker then refuses every client: {got!r}"
     finally:
-        _stop(w)
+        stop(w)
 
 
 # Bug (4185bed, cli.py _secrets_out_of_sight): the command is taken to be the first argument not starting

@@ -6,7 +6,6 @@ tombstones and clear marks are shared by every tenant), nor let it hold more of 
 Each test names the bug it shows; each fails on the code it was written against."""
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +17,7 @@ from kvpool.core import protocol as P
 from kvpool.core.client import PoolClient
 from kvpool.core.connection import Connection
 from kvpool.core.server import Worker
-from kvpool.core.transport import TcpTransport, connect
+from kvpool.core.transport import connect
 from kvpool.core.versions import Clears, Tombstones
 
 
@@ -93,23 +92,3 @@ def test_another_tenants_removals_of_its_own_keys_do_not_undo_a_tenants_removal(
     assert seen >= v_removed and got is None, (
         f"tenant b removed 'b/k' (as of {v_removed}); after tenant a removed {n} keys of 'a/', b's key reads as "
         f"removed as of {seen} and a late put of its older copy (version {v_old}) makes b read {got!r}")
-
-
-def _stalled_get(w: Worker, token: str, keys: list[bytes]) -> socket.socket:
-    """A tenant's connection that asks for `keys` and never reads the reply (a tiny receive buffer): the
-    worker's send of a reply larger than the socket buffers stalls, its blocks leased, for io_timeout_s."""
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.settimeout(10)
-    s.connect(("127.0.0.1", w.port))
-    t = TcpTransport(w.address, token=token)
-    try:
-        t._handshake(s)
-    except BaseException:
-        s.close()
-        raise
-    finally:
-        t.close()
-    meta = P.pack_batch(keys)
-    s.sendall(P.header(P.Op.GET, 0, 1, meta, 0) + meta)
-    return s
