@@ -37,6 +37,9 @@ from .versions import CLOCK, REMOVED, SUPERSEDED
 
 __all__ = ["ClusterBackend"]
 
+log = logging.getLogger("kvpool.client")
+
+
 @dataclasses.dataclass
 class Deferred:
     """The error a put raises once the blocks held newer are put again, and the blocks it did not store
@@ -50,7 +53,6 @@ _STORED = (P.ITEM_OK, P.ITEM_STORAGE, P.ITEM_SUPERSEDED)
 """A put's item statuses of an owner that took the block: stored (not durable, for ITEM_STORAGE), or
 holding a version as new or newer."""
 
-log = logging.getLogger("kvpool.client")
 
 def _newest(heard: dict[str, tuple[bool, int]]) -> tuple[int, bool]:
     """The newest (version, is a block) among owners' answers (holds a block, version); a removal
