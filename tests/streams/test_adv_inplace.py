@@ -4,6 +4,7 @@ signed messages of an earlier request are published again. Real nats-server and 
 from __future__ import annotations
 
 import numpy as np
+from handoffhelp import layer_block
 
 from kvpool.core import PoolClient
 from kvpool.streams import HandoffError, HandoffReceiver, HandoffTimeout, Producer
@@ -14,7 +15,7 @@ BLOCK = 64 << 10
 
 
 def _block(tag: str, layer: int) -> np.ndarray:
-    return np.random.default_rng([sum(tag.encode()), layer]).integers(0, 256, BLOCK, dtype=np.uint8)
+    return layer_block(tag, layer, BLOCK)
 
 
 

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from handoffhelp import layer_block, wait_stored
 
 import kvpool.streams.producer as producer_mod
 from kvpool.core import PoolClient
@@ -18,7 +19,6 @@ from kvpool.streams import (
     Producer,
     StreamConfig,
     create_stream,
-    stream_info,
 )
 from kvpool.streams import envelope as env
 from kvpool.streams.admin import subject
@@ -30,7 +30,7 @@ SENT = "Kvpool-Sent"  # (envelope.SENT)
 
 
 def _block(tag: str, layer: int) -> np.ndarray:
-    return np.random.default_rng([sum(tag.encode()), layer]).integers(0, 256, BLOCK, dtype=np.uint8)
+    return layer_block(tag, layer, BLOCK)
 
 
 def _publish(url: str, stream: str, pool: PoolClient, request: str, tag: str, layers: int = 2) -> None:
@@ -61,13 +61,6 @@ def _read(url: str, stream: str, pool: PoolClient, request: str,
         except (HandoffError, HandoffTimeout):
             return None
 
-
-def _stored(url: str, stream: str, messages: int) -> None:
-    """Wait (5 s at most) until `stream` stored `messages` messages."""
-    deadline = time.monotonic() + 5
-    while stream_info(url, stream)["messages"] < messages and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert stream_info(url, stream)["messages"] == messages
 
 
 def _expect(got: list[tuple[int, list[str], bytes]] | None, tag: str, layers: int = 2) -> None:
@@ -147,7 +140,7 @@ def test_without_a_secret_a_complete_request_is_not_replaced_by_one_forged_after
         wire.flush()
     finally:
         wire.close()
-    _stored(nats.url, s, 9)  # x's 3, the real 3, the forged 3
+    wait_stored(nats.url, s, 9)  # x's 3, the real 3, the forged 3
     got = _read(nats.url, s, pool, "r")
     assert got is None or [keys for _, keys, _ in got] != [["evil/L0"], ["evil/L1"]], "the forged request was taken"
     _expect(got, "real")
@@ -178,7 +171,7 @@ def test_a_receiver_opened_before_its_stream_exists_drops_a_replay_older_than_th
 
 
 
-def test_a_request_id_used_again_is_the_new_request_when_many_earlier_ones_are_stored(nats, make_stream, pool):
+def test_a_request_id_used_again_is_the_new_request_when_many_earlier_ones_arewait_stored(nats, make_stream, pool):
     """A decode engine crash-loops: each start asks for request 'r' again (its ids start over) and dies
     before reading it, so the stream holds 64 earlier, complete requests 'r' of 63 layers (4096 messages),
     then the one the engine now asks for. The user sees the 64th earlier request's KV yielded as 'r', no

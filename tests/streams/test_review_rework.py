@@ -7,11 +7,11 @@ import concurrent.futures
 import inspect
 import sys
 import threading
-import time
 from typing import Any
 
 import numpy as np
 import pytest
+from handoffhelp import layer_block, wait_stored
 
 from kvpool.streams import (
     HandoffError,
@@ -22,7 +22,6 @@ from kvpool.streams import (
     StreamTimeout,
     create_stream,
     live,
-    stream_info,
 )
 from kvpool.streams.announcer import Announcer
 
@@ -30,15 +29,8 @@ BLOCK = 16 << 10
 
 
 def _block(tag: str, layer: int) -> np.ndarray:
-    return np.random.default_rng([sum(tag.encode()), layer]).integers(0, 256, BLOCK, dtype=np.uint8)
+    return layer_block(tag, layer, BLOCK)
 
-
-def _stored(url: str, stream: str, messages: int) -> None:
-    """Wait (5 s at most) until `stream` holds `messages` messages."""
-    deadline = time.monotonic() + 5
-    while stream_info(url, stream)["messages"] != messages and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert stream_info(url, stream)["messages"] == messages
 
 
 def test_an_id_read_again_after_its_own_purge_is_not_failed_by_the_earlier_requests_retried_end(
@@ -70,7 +62,7 @@ def test_an_id_read_again_after_its_own_purge_is_not_failed_by_the_earlier_reque
             p.end_request("r", 2)
         p.end_request("r", 2)  # the retry the docstring allows
     monkeypatch.setattr(Announcer, "publish", real)
-    _stored(nats.url, s, 3)  # two layers, the end once (the retry has the same duplicate id: JetStream drops it)
+    wait_stored(nats.url, s, 3)  # two layers, the end once (the retry has the same duplicate id: JetStream drops it)
     with HandoffReceiver(s, nats.url, pool) as rx:
         got = [(layer, list(keys)) for layer, keys, _ in rx.iter_layers("r", timeout=3)]
         assert got == [(0, ["old/L0"]), (1, ["old/L1"])]

@@ -1,0 +1,21 @@
+"""What the handoff checks share: a layer's bytes (the same for a tag and layer in every run) and a wait
+for a stream to hold so many messages."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from kvpool.streams import stream_info
+
+
+def layer_block(tag: str, layer: int, size: int) -> np.ndarray:
+    return np.random.default_rng([sum(tag.encode()), layer]).integers(0, 256, size, dtype=np.uint8)
+
+
+def wait_stored(url: str, stream: str, messages: int) -> None:
+    """Wait (5 s at most) until `stream` holds `messages` messages."""
+    deadline = time.monotonic() + 5
+    while stream_info(url, stream)["messages"] != messages and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert stream_info(url, stream)["messages"] == messages
