@@ -42,6 +42,7 @@ from .errors import (
 from .pins import process_holder
 from .pool_backend import MembersPredicate
 from .records import PoolStats, WorkerInfo, WorkerStats
+from .reply_spin import unix_socket
 from .tls import ca_file, client_context, server_name
 from .versions import CLOCK, Change
 
@@ -125,7 +126,7 @@ class Connection:
     def _connect(self) -> socket.socket:
         try:
             if self.unix:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock = unix_socket()
                 try:
                     sock.settimeout(self.timeout_s)
                     sock.connect(self.address)

@@ -17,6 +17,7 @@
  * slot_span, writable_all     a same-node read's checks of a batch (batch_checks.c)
  * DramBlock                    the DRAM tier's index entry, untracked by the cyclic GC (dram_block.c)
  * block_columns(blocks) -> bytes   DramBlocks' offsets, sizes, checksums and versions as a LEASE reply's columns
+ * spin_readable(fd, spin_us) -> bool   whether a socket has something to read within spin_us, without sleeping (spin.c)
  *
  * dst: a writable, src: a readable C-contiguous buffer of the same length. See kernel.h for how a copy
  * is made. copy, copy_hash, copy_from and copy_into hold the GIL throughout, as a memoryview slice assignment
@@ -38,6 +39,7 @@ int kv_add_dram_block(PyObject *module);
 PyObject *kv_block_columns(PyObject *self, PyObject *blocks);
 PyObject *kv_slot_span(PyObject *self, PyObject *args);
 PyObject *kv_writable_all(PyObject *self, PyObject *buffers);
+PyObject *kv_spin_readable(PyObject *self, PyObject *args);
 uint64_t kv_copy_hash_base(char *dst, const char *src, size_t n);
 void kv_copy_base(char *dst, const char *src, size_t n);
 uint64_t kv_hash_base(const char *src, size_t n);
@@ -304,6 +306,7 @@ static PyMethodDef methods[] = {
     {"block_columns", kv_block_columns, METH_O, "block_columns(blocks) -> bytes: the DramBlocks' offsets, sizes (int64), checksums, versions (uint64), column after column"},
     {"slot_span", kv_slot_span, METH_VARARGS, "slot_span(offsets, sizes, limit) -> (low, high) | None: the span of the slots named (offset >= 0), each checked within [0, limit)"},
     {"writable_all", kv_writable_all, METH_O, "writable_all(buffers) -> bool: whether each exports a writable C-contiguous buffer"},
+    {"spin_readable", kv_spin_readable, METH_VARARGS, "spin_readable(fd, spin_us) -> bool: whether fd has something to read within spin_us microseconds, asked without sleeping (the GIL let go)"},
     {"simd", py_simd, METH_NOARGS, "simd() -> str: the kernels in use (avx2 or base)"},
     {NULL, NULL, 0, NULL},
 };
