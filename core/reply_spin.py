@@ -80,15 +80,16 @@ class SpinSocket(socket.socket):
 
     __slots__ = ("spin",)
 
-    def __init__(self, spin_us: float) -> None:
-        super().__init__(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.spin = ReplySpin(spin_us)
+    def __init__(self, family: int = socket.AF_UNIX, type: int = socket.SOCK_STREAM, proto: int = 0,
+                 fileno: int | None = None) -> None:
+        # (socket.socket's own signature: its `dup` makes one of this class with it)
+        super().__init__(family, type, proto, fileno)
+        self.spin = ReplySpin(spin_us_from_env())
 
 
 def unix_socket() -> socket.socket:
     """A new Unix stream socket for a client: a SpinSocket where the process spins (`KVPOOL_SPIN_US` > 0,
     the C extension built), else a plain one."""
-    spin_us = spin_us_from_env()
-    if spin_us > 0 and spin_readable is not None:
-        return SpinSocket(spin_us)
+    if spin_us_from_env() > 0 and spin_readable is not None:
+        return SpinSocket()
     return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -104,6 +104,13 @@ def test_the_setting_picks_the_socket(monkeypatch: pytest.MonkeyPatch) -> None:
             reply_spin.unix_socket()
 
 
+def test_a_spinning_socket_duplicates_as_sockets_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`socket.dup` makes one of the socket's own class with socket.socket's arguments."""
+    monkeypatch.setenv("KVPOOL_SPIN_US", "40")
+    with reply_spin.unix_socket() as s, s.dup() as d:
+        assert isinstance(d, reply_spin.SpinSocket) and d.spin.spin_us == 40.0 and d.fileno() != s.fileno()
+
+
 def test_a_client_without_the_extension_sleeps_in_its_receives(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVPOOL_SPIN_US", raising=False)
     monkeypatch.setattr(reply_spin, "spin_readable", None)
