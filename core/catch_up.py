@@ -102,7 +102,7 @@ def _from_peer(cache: TieredCache, wid: str, info: WorkerInfo, ask_from: int, to
     same_node = info.node_id == node_id and bool(info.unix) and os.path.exists(info.unix)
     address = info.unix if same_node else info.tcp
     try:
-        conn = connect(address, token, timeout_s)
+        conn = connect(address, token, timeout_s, spin=False)  # (a worker's: its CPU is its clients')
     except KVPoolError as e:
         log.warning("catch-up: cannot reach peer %s at %s (%s)", wid, address, e)
         return None

@@ -81,8 +81,11 @@ class Connection:
     from one that holds it starts without its socket (`_forked`)."""
 
     def __init__(self, address: str, token: str | None = None, timeout_s: float = 5.0,
-                 tls_ca: str | None = None) -> None:
+                 tls_ca: str | None = None, *, spin: bool = True) -> None:
         self.address = address
+        self._spin = spin
+        """A Unix socket's receives spin for the worker's answers first (`kvpool.core.reply_spin`): a
+        client's; a worker's own connections to its peers (catch-up) do not, nor read the setting."""
         self.token = token
         """The pool token; None: found when connecting (`kvpool.core.auth.find_token`)."""
         self.timeout_s = timeout_s
@@ -126,7 +129,7 @@ class Connection:
     def _connect(self) -> socket.socket:
         try:
             if self.unix:
-                sock = unix_socket()
+                sock = unix_socket(self._spin)
                 try:
                     sock.settimeout(self.timeout_s)
                     sock.connect(self.address)

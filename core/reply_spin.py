@@ -62,12 +62,17 @@ class ReplySpin:
 
     def wait(self, sock: socket.socket) -> None:
         """Return once `sock` has something to read (or its peer closed it), or once the spin is over:
-        the caller's receive then sleeps for what is left."""
+        the caller's receive then sleeps for what is left. The spin is no longer than the socket's
+        timeout; a closed socket is left to the receive to report."""
         if self._skips:
             self._skips -= 1
             return
+        fd, timeout = sock.fileno(), sock.gettimeout()
+        spin_us = self.spin_us if timeout is None else min(self.spin_us, timeout * 1e6)
+        if fd < 0 or spin_us <= 0:
+            return
         assert spin_readable is not None  # (no SpinSocket is made without it)
-        if spin_readable(sock.fileno(), self.spin_us):
+        if spin_readable(fd, spin_us):
             self._misses = 0
             return
         self._misses = min(self._misses + 1, BACKOFF)
@@ -81,15 +86,23 @@ class SpinSocket(socket.socket):
     __slots__ = ("spin",)
 
     def __init__(self, family: int = socket.AF_UNIX, type: int = socket.SOCK_STREAM, proto: int = 0,
-                 fileno: int | None = None) -> None:
-        # (socket.socket's own signature: its `dup` makes one of this class with it)
+                 fileno: int | None = None, *, spin_us: float = SPIN_US) -> None:
+        # (socket.socket's own signature first: its `dup` makes one of this class with it)
         super().__init__(family, type, proto, fileno)
-        self.spin = ReplySpin(spin_us_from_env())
+        self.spin = ReplySpin(spin_us)
+
+    def dup(self) -> SpinSocket:
+        """`socket.dup`, the copy spinning as long as this one."""
+        twin = super().dup()
+        twin.spin = ReplySpin(self.spin.spin_us)
+        return twin
 
 
-def unix_socket() -> socket.socket:
-    """A new Unix stream socket for a client: a SpinSocket where the process spins (`KVPOOL_SPIN_US` > 0,
-    the C extension built), else a plain one."""
-    if spin_us_from_env() > 0 and spin_readable is not None:
-        return SpinSocket()
+def unix_socket(spin: bool = True) -> socket.socket:
+    """A new Unix stream socket for a client: a SpinSocket where it spins (`spin`, `KVPOOL_SPIN_US` > 0,
+    the C extension built), else a plain one (`spin` False: the setting is not read)."""
+    if spin and spin_readable is not None:
+        spin_us = spin_us_from_env()
+        if spin_us > 0:
+            return SpinSocket(spin_us=spin_us)
     return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

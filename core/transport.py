@@ -184,8 +184,8 @@ class ShmTransport(TcpTransport):
     """Blocks through the worker's shared-memory arena (same node); control over a Unix socket. A small
     put goes as a TCP transport's does, its bytes through the Unix socket (`SOCKET_PUT_BYTES`)."""
 
-    def __init__(self, address: str, token: str | None = None, timeout_s: float = 5.0) -> None:
-        super().__init__(address, token, timeout_s)
+    def __init__(self, address: str, token: str | None = None, timeout_s: float = 5.0, *, spin: bool = True) -> None:
+        super().__init__(address, token, timeout_s, spin=spin)
         self._arena: memoryview | None = None
         self._arena_rw: memoryview | None = None
         self._pages: ArenaPages | None = None
@@ -497,9 +497,11 @@ def _observed(versions: list[int]) -> list[int]:
 
 
 def connect(address: str, token: str | None = None, timeout_s: float = 5.0,
-            tls_ca: str | None = None) -> TcpTransport | ShmTransport:
+            tls_ca: str | None = None, *, spin: bool = True) -> TcpTransport | ShmTransport:
     """A transport to the worker at `address`: a Unix socket path (shared memory) or host:port (TCP;
-    over TLS verified against the CA file `tls_ca`, else `KVPOOL_TLS_CA`, when either is set)."""
+    over TLS verified against the CA file `tls_ca`, else `KVPOOL_TLS_CA`, when either is set). `spin`:
+    a Unix socket's receives spin for the answers first (`kvpool.core.reply_spin`); a worker's own
+    connections to its peers do not."""
     if address.startswith("/"):
-        return ShmTransport(address, token, timeout_s)
+        return ShmTransport(address, token, timeout_s, spin=spin)
     return TcpTransport(address, token, timeout_s, tls_ca)

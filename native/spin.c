@@ -37,8 +37,13 @@ PyObject *kv_spin_readable(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "id:spin_readable", &fd, &spin_us))
         return NULL;
     if (fd < 0 || !(spin_us >= 0 && spin_us <= 1e6)) {
-        PyErr_Format(PyExc_ValueError, "spin_readable wants a descriptor >= 0 and 0 to 1e6 microseconds (got %d, %g)",
-                     fd, spin_us);
+        /* (PyErr_Format has no %g: the spin is printed by Python) */
+        PyObject *spin = PyFloat_FromDouble(spin_us);
+        if (spin != NULL) {
+            PyErr_Format(PyExc_ValueError, "spin_readable wants a descriptor >= 0 and 0 to 1e6 microseconds "
+                         "(got %d, %R)", fd, spin);
+            Py_DECREF(spin);
+        }
         return NULL;
     }
     int ready = 0;
