@@ -2,11 +2,10 @@
 to `spin_us` before its receive sleeps.
 
 A receive that sleeps is woken by the worker's send, and on a VM that wake-up (an interrupt to an idle
-virtual CPU) costs both sides tens of microseconds: a third of a worker's time on a loop of same-node puts
-went into the `sendmsg` of its answers (py-spy; `perf` inside the guest does not see it). A client whose
-worker is about to answer polls instead (`_native.spin_readable`: a peeking, non-blocking receive, the
-GIL let go), as the worker polls for a burst's next request (`WorkerConfig.poll_us`). Put loops of 64 MiB,
-64 blocks a batch: 16 KiB 32.4 -> 27.2 ms, 64 KiB 13.9 -> 11.3 (docs/BENCHMARKS.md, run AV).
+virtual CPU) comes tens of microseconds after the send, on the path of every same-node call. A client
+whose worker is about to answer polls instead (`_native.spin_readable`: a peeking, non-blocking receive,
+the GIL let go), as the worker polls for a burst's next request (`WorkerConfig.poll_us`). Put loops of
+64 MiB, 64 blocks a batch: 16 KiB 32.4 -> 27.2 ms, 64 KiB 13.9 -> 11.3 (docs/BENCHMARKS.md, run AV).
 
 A connection whose spins keep finding nothing (an answer that takes long: a large batch's commit) spins
 ever less often: after n empty spins in a row it lets the next 2^n - 1 chances go (n up to
