@@ -42,7 +42,7 @@ from .errors import (
 from .pins import process_holder
 from .pool_backend import MembersPredicate
 from .records import PoolStats, WorkerInfo, WorkerStats
-from .reply_spin import unix_socket
+from .reply_spin import spinning, unix_socket
 from .tls import ca_file, client_context, server_name
 from .versions import CLOCK, Change
 
@@ -84,8 +84,8 @@ class Connection:
                  tls_ca: str | None = None, *, spin: bool = True) -> None:
         self.address = address
         self._spin = spin
-        """A Unix socket's receives spin for the worker's answers first (`kvpool.core.reply_spin`): a
-        client's; a worker's own connections to its peers (catch-up) do not, nor read the setting."""
+        """The socket's receives spin for the worker's answers first (`kvpool.core.reply_spin`; not over
+        TLS): a client's; a worker's own connections to its peers (catch-up) do not, nor read the setting."""
         self.token = token
         """The pool token; None: found when connecting (`kvpool.core.auth.find_token`)."""
         self.timeout_s = timeout_s
@@ -142,6 +142,8 @@ class Connection:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if self._tls is not None:
                     sock = self._start_tls(sock, host, self._tls)
+                elif self._spin:
+                    sock = spinning(sock, self.timeout_s)
         except OSError as e:
             raise PoolUnavailable(f"cannot connect to worker {self.address}: {e}") from e
         self._sock = sock

@@ -9,8 +9,10 @@ the GIL let go), as the worker polls for a burst's next request (`WorkerConfig.p
 
 A connection whose spins keep finding nothing (an answer that takes long: a large batch's commit) spins
 ever less often: after n empty spins in a row it lets the next 2^n - 1 chances go (n up to
-`BACKOFF`), until a spin finds its answer again. `KVPOOL_SPIN_US` sets the spin for the process (0: never);
-TCP connections (another node's worker, or TLS) never spin, nor do clients without the C extension.
+`BACKOFF`), until a spin finds its answer again. `KVPOOL_SPIN_US` sets the spin for the process (0: never).
+A TCP connection in clear text spins too (TCP put loops over loopback, 64 blocks a batch: 16 KiB 44.4 ->
+40.3 ms per 64 MiB, 64 KiB 23.2 -> 21.5); one over TLS does not (its bytes are records, not answers), nor
+does a worker's own connection to a peer (`Connection(spin=False)`), nor a client without the C extension.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ try:
 except ImportError:  # no C compiler when it was installed: receives sleep
     spin_readable = None
 
-__all__ = ["SPIN_US", "BACKOFF", "ReplySpin", "SpinSocket", "unix_socket"]
+__all__ = ["SPIN_US", "BACKOFF", "ReplySpin", "SpinSocket", "spinning", "unix_socket"]
 
 SPIN_US = 250.0
 """The default spin (`KVPOOL_SPIN_US`): the worker's commit of 32 blocks of 16 KiB takes ~180 µs on a
@@ -105,3 +107,16 @@ def unix_socket(spin: bool = True) -> socket.socket:
         if spin_us > 0:
             return SpinSocket(spin_us=spin_us)
     return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+
+
+def spinning(sock: socket.socket, timeout_s: float) -> socket.socket:
+    """A connected TCP socket as a SpinSocket on the same descriptor (its timeout `timeout_s`) where the
+    process spins (`KVPOOL_SPIN_US` > 0, the C extension built); else `sock` itself."""
+    if spin_readable is None:
+        return sock
+    spin_us = spin_us_from_env()
+    if spin_us <= 0:
+        return sock
+    spun = SpinSocket(sock.family, sock.type, sock.proto, sock.detach(), spin_us=spin_us)
+    spun.settimeout(timeout_s)  # (the descriptor's blocking mode and the object's timeout agree again)
+    return spun

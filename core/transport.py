@@ -500,8 +500,8 @@ def connect(address: str, token: str | None = None, timeout_s: float = 5.0,
             tls_ca: str | None = None, *, spin: bool = True) -> TcpTransport | ShmTransport:
     """A transport to the worker at `address`: a Unix socket path (shared memory) or host:port (TCP;
     over TLS verified against the CA file `tls_ca`, else `KVPOOL_TLS_CA`, when either is set). `spin`:
-    a Unix socket's receives spin for the answers first (`kvpool.core.reply_spin`); a worker's own
-    connections to its peers do not."""
+    the socket's receives spin for the answers first (`kvpool.core.reply_spin`; not over TLS); a
+    worker's own connections to its peers do not."""
     if address.startswith("/"):
         return ShmTransport(address, token, timeout_s, spin=spin)
-    return TcpTransport(address, token, timeout_s, tls_ca)
+    return TcpTransport(address, token, timeout_s, tls_ca, spin=spin)

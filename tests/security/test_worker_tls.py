@@ -130,6 +130,27 @@ def test_blocks_and_keys_cross_encrypted(tls_worker: Worker, pki: dict[str, Path
     assert b"worker_id" not in wire.seen  # nor the worker's description (HELLO/AUTH replies)
 
 
+def test_a_tls_connection_never_spins(tls_worker: Worker, pki: dict[str, Path],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TLS socket's bytes are records, not answers: its client sleeps in its receives
+    (`kvpool.core.reply_spin`), and its calls go on as ever."""
+    from kvpool.core import reply_spin
+    from kvpool.core.transport import connect
+
+    monkeypatch.delenv("KVPOOL_SPIN_US", raising=False)
+    spins: list[int] = []
+    monkeypatch.setattr(reply_spin, "spin_readable", lambda fd, us: spins.append(fd) or True)
+    t = connect(tls_worker.address, tls_worker.token, 5.0, str(pki["ca"]))
+    try:
+        t.batch_put([b"tls/spin"], [SECRET])
+        out = bytearray(len(SECRET))
+        assert t.batch_get_into([b"tls/spin"], [out]) == [len(SECRET)] and bytes(out) == SECRET
+        assert not isinstance(t._sock, reply_spin.SpinSocket)
+    finally:
+        t.close()
+    assert spins == []
+
+
 def test_an_altered_record_closes_the_connection(tls_worker: Worker, pki: dict[str, Path],
                                                 relay: Callable[..., Relay]) -> None:
     wire = relay(tls_worker.address, tamper_after=16 << 10)  # past the handshake, inside the put's data
