@@ -42,7 +42,7 @@ from .errors import (
 from .pins import process_holder
 from .pool_backend import MembersPredicate
 from .records import PoolStats, WorkerInfo, WorkerStats
-from .reply_spin import spinning, unix_socket
+from .reply_spin import spin_us_from_env, spinning, unix_socket
 from .tls import ca_file, client_context, server_name
 from .versions import CLOCK, Change
 
@@ -133,17 +133,23 @@ class Connection:
                 try:
                     sock.settimeout(self.timeout_s)
                     sock.connect(self.address)
-                except OSError:
+                except BaseException:
                     sock.close()
                     raise
             else:
                 host, _, port = self.address.rpartition(":")
+                # (the setting read before any socket is made: a bad one fails as the Unix path's does)
+                spin_us = spin_us_from_env() if self._spin and self._tls is None else 0.0
                 sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if self._tls is not None:
-                    sock = self._start_tls(sock, host, self._tls)
-                elif self._spin:
-                    sock = spinning(sock, self.timeout_s)
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    if self._tls is not None:
+                        sock = self._start_tls(sock, host, self._tls)
+                    elif spin_us > 0:
+                        sock = spinning(sock, self.timeout_s, spin_us)
+                except BaseException:
+                    sock.close()  # (a no-op for one TLS or the spin took over: they own its descriptor)
+                    raise
         except OSError as e:
             raise PoolUnavailable(f"cannot connect to worker {self.address}: {e}") from e
         self._sock = sock

@@ -1,5 +1,5 @@
-"""How a same-node client waits for its worker's answers: it asks its socket, without sleeping, for up
-to `spin_us` before its receive sleeps.
+"""How a client waits for its worker's answers: it asks its socket, without sleeping, for up to
+`spin_us` before its receive sleeps.
 
 A receive that sleeps is woken by the worker's send, and on a VM that wake-up (an interrupt to an idle
 virtual CPU) comes tens of microseconds after the send, on the path of every same-node call. A client
@@ -81,16 +81,16 @@ class ReplySpin:
 
 
 class SpinSocket(socket.socket):
-    """A client's Unix socket to a worker on its node, whose receives of an answer spin first (`spin`,
-    read by `protocol.recv_frame`)."""
+    """A client's socket to a worker (Unix, or TCP in clear text), whose receives of an answer spin first
+    (`spin`, read by `protocol.recv_frame`)."""
 
     __slots__ = ("spin",)
 
     def __init__(self, family: int = socket.AF_UNIX, type: int = socket.SOCK_STREAM, proto: int = 0,
                  fileno: int | None = None, *, spin_us: float = SPIN_US) -> None:
         # (socket.socket's own signature first: its `dup` makes one of this class with it)
+        self.spin = ReplySpin(spin_us)  # (first: once the socket holds `fileno`, nothing after it can fail)
         super().__init__(family, type, proto, fileno)
-        self.spin = ReplySpin(spin_us)
 
     def dup(self) -> SpinSocket:
         """`socket.dup`, the copy spinning as long as this one."""
@@ -109,14 +109,19 @@ def unix_socket(spin: bool = True) -> socket.socket:
     return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 
 
-def spinning(sock: socket.socket, timeout_s: float) -> socket.socket:
-    """A connected TCP socket as a SpinSocket on the same descriptor (its timeout `timeout_s`) where the
-    process spins (`KVPOOL_SPIN_US` > 0, the C extension built); else `sock` itself."""
+def spinning(sock: socket.socket, timeout_s: float, spin_us: float) -> socket.socket:
+    """A connected TCP socket as a SpinSocket of `spin_us` on the same descriptor (its timeout
+    `timeout_s`), where the C extension is built; else `sock` itself. The descriptor is owned throughout:
+    closed if the SpinSocket cannot be made."""
     if spin_readable is None:
         return sock
-    spin_us = spin_us_from_env()
-    if spin_us <= 0:
-        return sock
-    spun = SpinSocket(sock.family, sock.type, sock.proto, sock.detach(), spin_us=spin_us)
+    fd = -1
+    try:
+        fd = sock.detach()
+        spun = SpinSocket(sock.family, sock.type, sock.proto, fd, spin_us=spin_us)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
     spun.settimeout(timeout_s)  # (the descriptor's blocking mode and the object's timeout agree again)
     return spun
