@@ -185,7 +185,7 @@ def recv_frame(sock: socket.socket, max_meta: int = MAX_META, head: bytearray | 
     the header, already received by the caller."""
     raw = head if head is not None else bytearray(HEADER.size)
     if head is None:
-        spin = getattr(sock, "spin", None)  # a same-node client's socket: kvpool.core.reply_spin
+        spin = getattr(sock, "spin", None)  # a client's socket that spins for answers: kvpool.core.reply_spin
         if spin is not None:
             spin.wait(sock)
         recv_exactly(sock, memoryview(raw))

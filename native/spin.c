@@ -1,9 +1,9 @@
 /* spin_readable(fd, spin_us) -> bool: whether a socket has something to read within `spin_us`
  * microseconds, asked without going to sleep (kvpool.core.reply_spin).
  *
- * A receive that sleeps is woken by the sender's kernel: on a VM, an interrupt to an idle virtual CPU
- * that costs both sides tens of microseconds, as much as a same-node put's whole commit of a 16 KiB
- * block. A client whose worker is about to answer asks the socket instead (a peeking, non-blocking
+ * A receive that sleeps is woken by the sender's kernel: on a VM, an interrupt to an idle virtual CPU,
+ * after which the sleeper runs tens of microseconds after the send (the send itself takes a few). A
+ * client whose worker is about to answer asks the socket instead (a peeking, non-blocking
  * receive), with the CPU's pause instruction between asks (it hands the core's resources to a sibling
  * hardware thread), and the GIL let go. True also when the peer closed the socket or it failed: the
  * caller's own receive then says so. */
