@@ -1,8 +1,9 @@
 """Adversarial checks of clear-text TCP clients spinning for their worker's answers (3055f4b:
 `reply_spin.spinning`, called from `Connection._connect` after `socket.create_connection`): the re-wrapped
 socket's options and timeout, descriptors on the ways the wrap can fail, TCP gets into the caller's
-buffers (scatter receives, large blocks), a stopped worker (time and CPU), a cluster with R=2 over TCP
+buffers (scatter receives, large blocks), a cluster with R=2 over TCP
 and an owner stopped mid-run, a fork after connecting, and a worker's catch-up over TCP (never spins).
+A stopped worker over TCP (time and CPU): tests/core/test_adv_reply_spin.py, with the Unix socket's.
 
 Two failed at 3055f4b, fixed since:
 - test_a_bad_spin_setting_over_tcp_leaves_no_connection_open: `reply_spin.spinning` reads
@@ -20,24 +21,26 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
+from spinhelp import counting_spins, random_blocks
 
 from kvpool.core import reply_spin
 from kvpool.core.cache import TieredCache
 from kvpool.core.catch_up import catch_up
 from kvpool.core.client import PoolClient
-from kvpool.core.errors import ConfigError, PoolTimeout
+from kvpool.core.errors import ConfigError
 from kvpool.core.procs import WorkerProcess
 from kvpool.core.records import WorkerInfo
 from kvpool.core.server import Worker
 from kvpool.core.transport import connect
 from kvpool.core.versions import CLOCK_SKEW_MS
+
+from sigstop import freeze
 
 native = pytest.importorskip("kvpool.core._native")
 
@@ -70,51 +73,8 @@ def _peer_port(fd: int) -> int | None:
         s.close()
 
 
-def _counting(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float]]:
-    """Record each native spin (fd, spin_us) while doing it for real."""
-    seen: list[tuple[int, float]] = []
-    real = native.spin_readable
-
-    def counting(fd: int, spin_us: float) -> bool:
-        seen.append((fd, spin_us))
-        return bool(real(fd, spin_us))
-
-    monkeypatch.setattr(reply_spin, "spin_readable", counting)
-    return seen
 
 
-def _blocks(n: int, size: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
-
-
-def _freeze(pid: int) -> None:
-    """SIGSTOP `pid` and wait until each of its threads has stopped."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except OSError:
-                pass
-        if states and all(s in ("T", "t") for s in states):
-            return
-        time.sleep(0.002)
-    raise AssertionError("the worker did not stop")
-
-
-@pytest.fixture
-def stoppable(spawn: Callable[..., WorkerProcess]) -> Iterator[WorkerProcess]:
-    """A worker process, continued at the end whatever happened (the `spawn` fixture stops it)."""
-    w = spawn()
-    try:
-        yield w
-    finally:
-        if w.proc.poll() is None:
-            os.kill(w.proc.pid, signal.SIGCONT)
 
 
 # ----- the re-wrapped socket -------------------------------------------------------------------------
@@ -143,7 +103,7 @@ def test_the_rewrapped_tcp_socket_keeps_nodelay_its_timeout_and_its_peer(worker:
 
 def test_spin_zero_keeps_the_plain_tcp_socket(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPOOL_SPIN_US", "0")
-    seen = _counting(monkeypatch)
+    seen = counting_spins(monkeypatch)
     t = connect(worker.address, worker.token, 5.0)
     try:
         assert t.batch_exists([b"k"]) == [False]
@@ -222,9 +182,9 @@ def test_tcp_gets_of_large_and_many_small_blocks_land_whole_while_spinning(worke
     socket's buffers), misses among them, and a put pipelined over several frames: bytes exact, the
     connection in step after each, and the spin asked on this connection's descriptor only."""
     monkeypatch.delenv("KVPOOL_SPIN_US", raising=False)
-    seen = _counting(monkeypatch)
-    small = _blocks(64, 4 << 10, 1)
-    large = _blocks(3, 3 << 20, 2)
+    seen = counting_spins(monkeypatch)
+    small = random_blocks(64, 4 << 10, 1)
+    large = random_blocks(3, 3 << 20, 2)
     t = connect(worker.address, worker.token, 5.0)
     try:
         skeys = [f"tcp/s/{i}".encode() for i in range(len(small))]
@@ -250,52 +210,6 @@ def test_tcp_gets_of_large_and_many_small_blocks_land_whole_while_spinning(worke
 
 # ----- a stopped worker ------------------------------------------------------------------------------
 
-def test_a_stopped_tcp_worker_times_out_in_time_and_costs_little_cpu(stoppable: WorkerProcess,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The longest spin (10 ms), over TCP: each call on a SIGSTOPped worker is PoolTimeout within its
-    timeout (plus the spin); calls one after another, and 8 threads on the client, cost little CPU; the
-    client serves again once the worker runs again."""
-    monkeypatch.setenv("KVPOOL_SPIN_US", "10000")
-    timeout_s = 0.3
-    t = connect(stoppable.address, None, timeout_s)
-    try:
-        assert t.batch_exists([b"k"]) == [False]
-        assert isinstance(t._sock, reply_spin.SpinSocket)
-        _freeze(stoppable.proc.pid)
-        cpu0, wall0 = time.process_time(), time.monotonic()
-        for _ in range(4):
-            t0 = time.monotonic()
-            with pytest.raises(PoolTimeout):
-                t.batch_exists([b"k"])
-            assert time.monotonic() - t0 < timeout_s + 0.2
-        cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
-        assert cpu < 0.25 * wall, (cpu, wall)
-
-        errors: list[BaseException] = []
-
-        def calls() -> None:
-            for _ in range(2):
-                try:
-                    t.batch_get_into([b"k"], [bytearray(8)])
-                except BaseException as e:
-                    errors.append(e)
-
-        cpu0, wall0 = time.process_time(), time.monotonic()
-        threads = [threading.Thread(target=calls) for _ in range(8)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(15)
-        cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
-        assert not any(th.is_alive() for th in threads)
-        assert len(errors) == 16 and all(isinstance(e, PoolTimeout) for e in errors), errors
-        assert cpu < 0.25 * wall, (cpu, wall)
-        os.kill(stoppable.proc.pid, signal.SIGCONT)
-        assert t.batch_exists([b"k"]) == [False]
-    finally:
-        t.close()
-
-
 # ----- a cluster over TCP ------------------------------------------------------------------------------
 
 def test_a_cluster_over_tcp_with_r2_serves_around_a_stopped_owner_in_time(nats, spawn,  # type: ignore[no-untyped-def]
@@ -306,7 +220,7 @@ def test_a_cluster_over_tcp_with_r2_serves_around_a_stopped_owner_in_time(nats, 
     workers = [spawn(nats_url=nats.url, node_id=f"node{i}") for i in range(3)]
     monkeypatch.setenv("KVPOOL_SPIN_US", "10000")
     timeout_s = 1.0
-    blocks = _blocks(24, 32 << 10, 3)
+    blocks = random_blocks(24, 32 << 10, 3)
     keys = [f"r2/{i}" for i in range(len(blocks))]
     with PoolClient(mode="cluster", nats_url=nats.url, replication=2, node_id="client", timeout_s=timeout_s) as c:
         assert c.wait_for_members(lambda m: len(m) == 3, 15), c.members()
@@ -316,7 +230,7 @@ def test_a_cluster_over_tcp_with_r2_serves_around_a_stopped_owner_in_time(nats, 
         conns = c.backend.fanout.connected()  # type: ignore[attr-defined]
         assert conns and all(isinstance(t._sock, reply_spin.SpinSocket) for t in conns.values())
 
-        _freeze(workers[1].proc.pid)
+        freeze(workers[1].proc.pid)
         try:
             cpu0, wall0 = time.process_time(), time.monotonic()
             for rnd in range(3):
@@ -336,7 +250,7 @@ def test_a_cluster_over_tcp_with_r2_serves_around_a_stopped_owner_in_time(nats, 
 def test_a_child_forked_after_a_tcp_connect_gets_its_own_answers(worker: Worker,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVPOOL_SPIN_US", raising=False)
-    blocks = _blocks(4, 64 << 10, 4)
+    blocks = random_blocks(4, 64 << 10, 4)
     keys = [f"fork/{i}".encode() for i in range(4)]
     t = connect(worker.address, worker.token, 5.0)
     try:
@@ -378,7 +292,7 @@ def test_a_workers_catch_up_over_tcp_neither_spins_nor_reads_the_setting(worker:
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A peer on another node is asked over TCP (`catch_up._from_peer`): its connection is made with
     spin=False, which the TCP transport now passes on: no spin, and a bad KVPOOL_SPIN_US is not read."""
-    seen = _counting(monkeypatch)
+    seen = counting_spins(monkeypatch)
     info = WorkerInfo.from_dict(worker.info())
     since = int(time.time() * 1000) + CLOCK_SKEW_MS + 60_000
     for setting in (None, "fast"):
