@@ -256,14 +256,15 @@ def test_a_workers_catch_up_ignores_a_bad_spin_setting(worker: Worker, monkeypat
 
 # ----- a stopped worker (SIGSTOP) --------------------------------------------------------------------
 
-@pytest.mark.parametrize("where", ["unix_path", "address"])
+@pytest.mark.parametrize(("where", "timeout_s", "slack_s", "cpu_share"),
+                         [("unix_path", 0.25, 0.15, 0.2), ("address", 0.3, 0.2, 0.25)])
 def test_a_stopped_worker_times_out_in_time_and_costs_little_cpu(stoppable: WorkerProcess, where: str,
+                                                                 timeout_s: float, slack_s: float, cpu_share: float,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """With the longest spin (10 ms), over the Unix socket and over TCP, a call on a stopped worker is
     PoolTimeout within timeout_s (plus the spin, no more), calls again and again on it cost little CPU,
     and so do 8 threads sharing the client; it serves again once the worker runs again."""
     monkeypatch.setenv("KVPOOL_SPIN_US", "10000")
-    timeout_s = 0.3
     t = connect(getattr(stoppable, where), None, timeout_s)
     try:
         assert t.batch_exists([b"k"]) == [False]
@@ -274,9 +275,9 @@ def test_a_stopped_worker_times_out_in_time_and_costs_little_cpu(stoppable: Work
             t0 = time.monotonic()
             with pytest.raises(PoolTimeout):
                 t.batch_exists([b"k"])
-            assert time.monotonic() - t0 < timeout_s + 0.2
+            assert time.monotonic() - t0 < timeout_s + slack_s
         cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
-        assert cpu < 0.25 * wall, (cpu, wall)
+        assert cpu < cpu_share * wall, (cpu, wall)
 
         errors: list[BaseException] = []
 
@@ -296,7 +297,7 @@ def test_a_stopped_worker_times_out_in_time_and_costs_little_cpu(stoppable: Work
         cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
         assert not any(th.is_alive() for th in threads)
         assert len(errors) == 16 and all(isinstance(e, PoolTimeout) for e in errors), errors
-        assert cpu < 0.25 * wall, (cpu, wall)
+        assert cpu < cpu_share * wall, (cpu, wall)
 
         os.kill(stoppable.proc.pid, signal.SIGCONT)
         assert t.batch_exists([b"k"]) == [False]  # and back once it runs again
