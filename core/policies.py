@@ -18,6 +18,12 @@ class LruOrder:
     def __init__(self) -> None:
         self._keys: dict[bytes, Any] = {}  # (values unused: None, or an adopted index's)
 
+    @property
+    def table(self) -> dict[bytes, Any]:
+        """The keys in order, as a dict (first to go first; values unused): the DRAM tier's bulk insert
+        (`_native.index_many`) pops a key from it and sets it at the back, as `discard` then `extend` do."""
+        return self._keys
+
     def add(self, key: bytes) -> None:
         keys = self._keys
         keys.pop(key, None)

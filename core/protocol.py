@@ -204,6 +204,27 @@ def recv_frame(sock: socket.socket, max_meta: int = MAX_META, head: bytearray | 
     return Frame(op, status, req_id, meta, data_len)
 
 
+def _py_split_keys(meta: bytes, n: int, pos: int, max_key: int) -> tuple[list[bytes], int] | tuple[None, int]:
+    """The `n` keys of a batch whose u16 lengths start at `pos` in `meta`, and the position after the last
+    key; (None, length) for the first length outside 1..`max_key`; ValueError where `meta` ends first.
+    (`_native.split_keys`, in one pass, where the extension was built.)"""
+    lens = np.frombuffer(meta, dtype="<u2", count=n, offset=pos)
+    pos += 2 * n
+    sizes = lens.tolist()
+    if sizes and (min(sizes) == 0 or max(sizes) > max_key):
+        return None, next(ln for ln in sizes if not 0 < ln <= max_key)
+    if sizes and min(sizes) == max(sizes):  # keys of one length (the usual batch): numpy cuts them
+        return np.frombuffer(meta, dtype=f"V{sizes[0]}", count=n, offset=pos).tolist(), pos + n * sizes[0]
+    ends = list(accumulate(sizes, initial=pos))  # each key's start, then the end of the last
+    return [meta[a:b] for a, b in zip(ends, ends[1:])], ends[-1]
+
+
+try:
+    from ._native import split_keys as _split_keys
+except ImportError:  # no C compiler when it was installed
+    _split_keys = _py_split_keys
+
+
 def _recv_meta(sock: socket.socket, n: int) -> bytes:
     """`n` bytes, buffered in steps as they arrive: memory follows what a peer sends, not what its
     header claims (16 MiB per connection before authentication, otherwise)."""
@@ -332,21 +353,10 @@ def unpack_batch(meta: bytes, *dtypes: str) -> tuple[list[bytes], list[np.ndarra
         (n,) = struct.unpack_from("<I", meta)
         if n > MAX_BATCH:
             raise ProtocolError(f"batch of {n} items exceeds {MAX_BATCH}", size=n, limit=MAX_BATCH)
-        pos = 4
-        lens = np.frombuffer(meta, dtype="<u2", count=n, offset=pos)
-        pos += 2 * n
-        sizes = lens.tolist()
-        if sizes and (min(sizes) == 0 or max(sizes) > MAX_KEY_BYTES):
-            ln = next(ln for ln in sizes if not 0 < ln <= MAX_KEY_BYTES)
-            raise ProtocolError(f"key of {ln} bytes in batch; keys are 1 to {MAX_KEY_BYTES} bytes", size=ln,
+        keys, pos = _split_keys(meta, n, 4, MAX_KEY_BYTES)
+        if keys is None:  # (pos: the first length out of range)
+            raise ProtocolError(f"key of {pos} bytes in batch; keys are 1 to {MAX_KEY_BYTES} bytes", size=pos,
                                 limit=MAX_KEY_BYTES)
-        if sizes and min(sizes) == max(sizes):  # keys of one length (the usual batch): numpy cuts them
-            keys = np.frombuffer(meta, dtype=f"V{sizes[0]}", count=n, offset=pos).tolist()
-            pos += n * sizes[0]
-        else:
-            ends = list(accumulate(sizes, initial=pos))  # each key's start, then the end of the last
-            keys = [meta[a:b] for a, b in zip(ends, ends[1:])]
-            pos = ends[-1]
         cols = []
         for dt in dtypes:
             col = np.frombuffer(meta, dtype=dt, count=n, offset=pos)

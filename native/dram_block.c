@@ -28,20 +28,7 @@
 #error "block_columns writes the wire's little-endian columns with the host's byte order"
 #endif
 
-typedef struct {
-    PyObject_HEAD
-    PyObject *key;       /* bytes, exactly */
-    PyObject *offset;    /* ints, exactly (as made; what is set later is the caller's: typed int) */
-    PyObject *size;
-    PyObject *checksum;
-    PyObject *expires;   /* a float, exactly */
-    PyObject *leases;
-    PyObject *pinned;    /* bools */
-    PyObject *live;
-    PyObject *on_ssd;
-    PyObject *version;
-    PyObject *checked;
-} DramBlock;
+#include "dram_block.h"
 
 #define N_FIELDS 11
 
@@ -150,7 +137,7 @@ static PyMemberDef block_members[] = {
     {NULL, 0, 0, 0, NULL},
 };
 
-static PyTypeObject DramBlockType = {
+PyTypeObject kv_DramBlockType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvpool.core._native.DramBlock",
     .tp_basicsize = sizeof(DramBlock),
@@ -180,7 +167,7 @@ PyObject *kv_block_columns(PyObject *self, PyObject *blocks) {
     char *col = PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-        if (Py_TYPE(item) != &DramBlockType) {
+        if (Py_TYPE(item) != &kv_DramBlockType) {
             PyErr_Format(PyExc_TypeError, "block_columns wants DramBlocks, not %.100s", Py_TYPE(item)->tp_name);
             goto fail;
         }
@@ -204,11 +191,11 @@ fail:
 
 /* Adds the type to `module`; -1 with an exception set on failure. */
 int kv_add_dram_block(PyObject *module) {
-    if (PyType_Ready(&DramBlockType) < 0)
+    if (PyType_Ready(&kv_DramBlockType) < 0)
         return -1;
-    Py_INCREF(&DramBlockType);
-    if (PyModule_AddObject(module, "DramBlock", (PyObject *)&DramBlockType) < 0) {
-        Py_DECREF(&DramBlockType);
+    Py_INCREF(&kv_DramBlockType);
+    if (PyModule_AddObject(module, "DramBlock", (PyObject *)&kv_DramBlockType) < 0) {
+        Py_DECREF(&kv_DramBlockType);
         return -1;
     }
     return 0;

@@ -17,6 +17,8 @@
  * slot_span, writable_all     a same-node read's checks of a batch (batch_checks.c)
  * DramBlock                    the DRAM tier's index entry, untracked by the cyclic GC (dram_block.c)
  * block_columns(blocks) -> bytes   DramBlocks' offsets, sizes, checksums and versions as a LEASE reply's columns
+ * new_blocks, index_many       the DRAM tier's index work of a batch of blocks, in one pass (dram_index.c)
+ * split_keys(meta, n, pos, max_key)   a batch request's keys cut out of its metadata (batch_keys.c)
  * spin_readable(fd, spin_us) -> bool   whether a socket has something to read within spin_us, without sleeping (spin.c)
  *
  * dst: a writable, src: a readable C-contiguous buffer of the same length. See kernel.h for how a copy
@@ -37,6 +39,9 @@
 
 int kv_add_dram_block(PyObject *module);
 PyObject *kv_block_columns(PyObject *self, PyObject *blocks);
+PyObject *kv_new_blocks(PyObject *self, PyObject *args);
+PyObject *kv_index_many(PyObject *self, PyObject *args);
+PyObject *kv_split_keys(PyObject *self, PyObject *args);
 PyObject *kv_slot_span(PyObject *self, PyObject *args);
 PyObject *kv_writable_all(PyObject *self, PyObject *buffers);
 PyObject *kv_spin_readable(PyObject *self, PyObject *args);
@@ -304,6 +309,9 @@ static PyMethodDef methods[] = {
     {"advise", py_advise, METH_VARARGS, "advise(buf, advice): madvise(2) of buf (page-aligned), without the GIL"},
     {"resident", py_resident, METH_VARARGS, "resident(buf) -> bool: whether every page of buf (page-aligned) has its memory"},
     {"block_columns", kv_block_columns, METH_O, "block_columns(blocks) -> bytes: the DramBlocks' offsets, sizes (int64), checksums, versions (uint64), column after column"},
+    {"new_blocks", kv_new_blocks, METH_VARARGS, "new_blocks(keys, offsets, sizes, checksums, versions, checked) -> list[DramBlock]: a block per key, as committed together"},
+    {"index_many", kv_index_many, METH_VARARGS, "index_many(blocks, by_slab, order, new, phase, slab_size) -> (stored, free, unlinked, timed) | None: DramTier.insert_many's index work in one pass"},
+    {"split_keys", kv_split_keys, METH_VARARGS, "split_keys(meta, n, pos, max_key) -> (keys, end) | (None, bad length): a batch's keys cut out of its metadata"},
     {"slot_span", kv_slot_span, METH_VARARGS, "slot_span(offsets, sizes, limit) -> (low, high) | None: the span of the slots named (offset >= 0), each checked within [0, limit)"},
     {"writable_all", kv_writable_all, METH_O, "writable_all(buffers) -> bool: whether each exports a writable C-contiguous buffer"},
     {"spin_readable", kv_spin_readable, METH_VARARGS, "spin_readable(fd, spin_us) -> bool: whether fd has something to read within spin_us microseconds, asked without sleeping (the GIL let go)"},
