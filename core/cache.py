@@ -208,6 +208,7 @@ class TieredCache:
                     self._stamp(b)
                 else:
                     CLOCK.observe(b.version)
+            versions = [b.version for b in blocks]  # (as stamped)
         bulk = self._stack.commit_many(blocks)  # None: not a plain batch, committed block by block
         stored: list[bool] = bulk if bulk is not None else []
         try:
@@ -217,8 +218,11 @@ class TieredCache:
                     stored.append(enter(b))
         finally:
             if any(stored):
-                kept = [b for b, ok in zip(blocks, stored) if ok]
-                self._stack.changes.record([b.key for b in kept], [b.version for b in kept], False)
+                if len(stored) == len(blocks) and all(stored):  # (the usual batch: its versions listed above)
+                    self._stack.changes.record([b.key for b in blocks], versions, False)
+                else:
+                    kept = [b for b, ok in zip(blocks, stored) if ok]
+                    self._stack.changes.record([b.key for b in kept], [b.version for b in kept], False)
                 try:
                     self._stack.delete_replaced()
                 except StorageError as e:  # committed, not durable: which were stored goes with it

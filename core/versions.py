@@ -12,9 +12,8 @@ import itertools
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from itertools import repeat
 
 import numpy as np
 
@@ -264,25 +263,37 @@ class ChangeLog:
     def __init__(self, covered_since_ms: int = 0, max_entries: int = 1 << 18) -> None:
         self.max_entries = max_entries
         self.covered_since_ms = covered_since_ms
-        self._entries: deque[tuple[bytes, int, int, int]] = deque()  # (key, version, kind, at_ms): cheap to add
-        self._first_seq = 0  # sequence number of _entries[0]
+        self._batches: deque[tuple[list[bytes], list[int], int, int]] = deque()
+        """(keys, versions, kind, at_ms) of each `record`: its changes kept together (a same-node put's
+        commit records 32-64 at once; a tuple each, and its trim one by one, cost a worker 8-20 us a commit)."""
+        self._len = 0  # changes held: those of the batches, less the `_cut` first ones
+        self._cut = 0  # changes of the first batch dropped already (the log keeps exactly max_entries)
+        self._first_seq = 0  # sequence number of the first change held
         self._last_ms = 0  # times only grow, whatever the wall clock does
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return self._len
 
     @property
     def next_seq(self) -> int:
         """The sequence number of the next change recorded."""
-        return self._first_seq + len(self._entries)
+        return self._first_seq + self._len
 
     def puts_since(self, seq: int) -> set[bytes] | None:
         """The keys of the puts recorded from sequence number `seq` on; None where the log no longer
-        reaches back that far. (Walks those entries only, from the newest.)"""
+        reaches back that far. (Walks those changes' batches only, from the newest.)"""
         n = self.next_seq - seq
         if seq < self._first_seq or n < 0:
             return None
-        return {key for key, _, kind, _ in itertools.islice(reversed(self._entries), n) if kind == PUT}
+        out: set[bytes] = set()
+        for keys, _, kind, _ in reversed(self._batches):
+            if n <= 0:
+                break
+            take = min(n, len(keys))  # (of the first batch, at most those held: n <= len(self))
+            if kind == PUT:
+                out.update(keys[len(keys) - take:])
+            n -= take
+        return out
 
     def record(self, keys: Iterable[bytes], versions: Iterable[int], removed: bool) -> None:
         self._add(keys, versions, REMOVE if removed else PUT)
@@ -292,30 +303,56 @@ class ChangeLog:
 
     def _add(self, keys: Iterable[bytes], versions: Iterable[int], kind: int) -> None:
         at = self._last_ms = max(int(time.time() * 1000), self._last_ms)
-        entries = self._entries
-        entries.extend(zip(keys, versions, repeat(kind), repeat(at)))
-        excess = len(entries) - self.max_entries
-        if excess > 0:
-            for _ in range(excess - 1):
-                entries.popleft()
-            gone = entries.popleft()  # the newest of those dropped: times only grow
-            self._first_seq += excess
-            self.covered_since_ms = max(self.covered_since_ms, gone[3] + 1)
+        keys, versions = list(keys), list(versions)
+        if len(keys) != len(versions):  # (a change is a key and its version: the pairs there are)
+            n = min(len(keys), len(versions))
+            keys, versions = keys[:n], versions[:n]
+        if not keys:
+            return
+        batches = self._batches
+        batches.append((keys, versions, kind, at))
+        self._len += len(keys)
+        excess = self._len - self.max_entries
+        if excess <= 0:
+            return
+        self._len -= excess
+        self._first_seq += excess
+        cut = self._cut + excess
+        gone_ms = 0
+        while cut and cut >= len(batches[0][0]):
+            cut -= len(batches[0][0])
+            gone_ms = batches.popleft()[3]
+        if cut:
+            gone_ms = batches[0][3]  # (the newest dropped: times only grow)
+        self._cut = cut
+        self.covered_since_ms = max(self.covered_since_ms, gone_ms + 1)
+
+    def _changes(self, start: int) -> Iterator[tuple[bytes, int, int, int]]:
+        """(key, version, kind, at_ms) of each change held from the `start`-th on (0: the oldest)."""
+        skip = start + self._cut
+        for keys, versions, kind, at in self._batches:
+            if skip >= len(keys):
+                skip -= len(keys)
+                continue
+            for i in range(skip, len(keys)):
+                yield keys[i], versions[i], kind, at
+            skip = 0
+
+    def _first_at(self, since_ms: int) -> int:
+        """How many changes held came before `since_ms` (the index of the first at or after it)."""
+        before = -self._cut
+        for keys, _, _, at in self._batches:
+            if at >= since_ms:
+                break
+            before += len(keys)
+        return max(before, 0)
 
     def since(self, since_ms: int, from_seq: int = 0, limit: int = 1 << 15) -> tuple[list[Change], int]:
         """Up to `limit` changes accepted at or after `since_ms`, from sequence number `from_seq` on;
         and the sequence number to ask from next (-1: none left)."""
-        entries = self._entries
         start = max(from_seq - self._first_seq, 0)
-        if start == 0 and entries and entries[0][3] < since_ms:
-            lo, hi = 0, len(entries)  # entries are in acceptance order: their times only grow
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if entries[mid][3] < since_ms:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            start = lo
-        out = [Change(*entries[i]) for i in range(start, min(start + limit, len(entries)))]
+        if start == 0:  # changes are in acceptance order: their times only grow
+            start = self._first_at(since_ms)
+        out = [Change(*c) for c in itertools.islice(self._changes(start), limit)]
         end = start + len(out)
-        return out, (self._first_seq + end if end < len(entries) else -1)
+        return out, (self._first_seq + end if end < self._len else -1)

@@ -106,6 +106,51 @@ def test_the_change_log_pages_and_says_how_far_back_it_reaches() -> None:
     assert [c.key for c in log.since(0, from_seq=6)[0]] == [b"g", b"h"]  # a0 b1 c2 d3 e4 f5 g6 h7
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_change_log_keeps_what_a_flat_list_of_its_last_changes_would(seed: int,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log keeps each record's changes together and trims change by change: against a plain list of
+    every change (key, version, kind, at_ms) cut to its last `max_entries`, over records of 0-9 changes
+    at times that step on (some the same), every page of `since`, `puts_since` from every sequence
+    number, the log's length and how far back it covers hold."""
+    import random
+
+    rng = random.Random(seed)
+    clock = [1_000_000]
+    monkeypatch.setattr(time, "time", lambda: clock[0] / 1000)
+    log = ChangeLog(covered_since_ms=500, max_entries=rng.choice((1, 5, 17)))
+    flat: list[tuple[bytes, int, int, int]] = []
+    covered, version = 500, 0
+    for step in range(120):
+        clock[0] += rng.choice((0, 0, 1, 3))
+        kind = rng.choice((PUT, PUT, REMOVE, CLEAR))
+        n = 1 if kind == CLEAR else rng.randint(0, 9)
+        keys = [b"k%d" % rng.randint(0, 30) for _ in range(n)]
+        versions = list(range(version, version + n))
+        version += n
+        if kind == CLEAR:
+            log.record_clear(keys[0], versions[0])
+        else:
+            log.record(keys, versions, kind == REMOVE)
+        flat += [(k, v, kind, clock[0]) for k, v in zip(keys, versions)]
+        first = max(len(flat) - log.max_entries, 0)
+        if first and flat[first - 1][3] + 1 > covered:
+            covered = flat[first - 1][3] + 1
+        held = flat[first:]
+        assert len(log) == len(held) and log.next_seq == len(flat) and log.covered_since_ms == covered
+        for seq in range(len(flat) + 1):
+            want = None if seq < first else {k for k, _, kd, _ in flat[seq:] if kd == PUT}
+            assert log.puts_since(seq) == want, (step, seq)
+        for since_ms in {0, clock[0] - 2, clock[0], clock[0] + 1}:
+            at = next((i for i, c in enumerate(held) if c[3] >= since_ms), len(held))
+            got, nxt, pages = [], 0, 0
+            while nxt != -1 and pages < 100:  # pages of 4 from the sequence numbers returned
+                page, nxt = log.since(since_ms, from_seq=nxt, limit=4) if pages else log.since(since_ms, limit=4)
+                got += [(c.key, c.version, c.kind, c.at_ms) for c in page]
+                pages += 1
+            assert got == held[at:], (step, since_ms)
+
+
 def test_the_ssd_header_carries_the_version() -> None:
     meta = BlockMeta(10, 1234, 0.0, 987654321)
     assert decode_header(encode_header(meta)) == meta
@@ -194,6 +239,25 @@ def test_a_supersede_drops_only_older_blocks_held_and_is_logged_for_peers(cache:
     changes, _, _ = cache.replicas.changes_since(0)
     told = [(c.key, c.version, c.kind) for c in changes if c.version == 200]  # (the last: the put of "old")
     assert told == [(k, 200, PUT) for k in (b"old", b"ahead", b"new", b"none", b"old")]
+
+
+def test_a_batch_committed_unstamped_is_logged_with_the_versions_it_was_stamped(cache: TieredCache) -> None:
+    """A same-node batch without versions is stamped as it is committed: the change log carries those
+    stamps (a peer catching up compares them), not the 0s it came with; a batch with some stale blocks
+    logs only those stored."""
+    offsets = cache.reserve_many([3, 3])
+    for off in offsets:
+        cache.arena.view(off, 3)[:] = b"abc"
+    assert cache.commit_many([b"s1", b"s2"], offsets, [3, 3], [checksum(b"abc")] * 2) == [True, True]
+    held = cache.replicas.batch_versions([b"s1", b"s2"])[1]
+    logged = [(c.key, c.version) for c in cache.replicas.changes_since(0)[0]]
+    assert logged == [(b"s1", held[0]), (b"s2", held[1])] and 0 < held[0] < held[1]
+    offsets = cache.reserve_many([3, 3])
+    for off in offsets:
+        cache.arena.view(off, 3)[:] = b"abc"
+    got = cache.commit_many([b"s1", b"s3"], offsets, [3, 3], [checksum(b"abc")] * 2, [held[0] - 1, held[1] + 1])
+    assert got == [False, True]
+    assert [(c.key, c.version) for c in cache.replicas.changes_since(0)[0]][2:] == [(b"s3", held[1] + 1)]
 
 
 def test_a_clear_stops_older_puts_under_it_and_is_told_to_peers(cache: TieredCache) -> None:
