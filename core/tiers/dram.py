@@ -59,6 +59,10 @@ class _Slab:
     used: int = 0
 
 
+_RUN_FREE = 8
+"""Slots freed together (`DramArena.free_many`), at least as many as this and all of one slab, are freed at once."""
+
+
 def arena_names(pid: int | None = None) -> set[str]:
     """Names of the arenas a process created (theirs start kvpool-<pid>-); they outlive a killed one."""
     prefix = f"kvpool-{os.getpid() if pid is None else pid}-"
@@ -270,7 +274,28 @@ class DramArena:
         self.free_many((offset,))
 
     def free_many(self, offsets: Iterable[int]) -> None:
-        """`free` of each slot, in one call (a batch's replaced blocks)."""
+        """`free` of each slot, in one call (a batch's replaced blocks). A batch's slots mostly lie in
+        one slab (allocated together): those are freed at once (a commit of 32 blocks replaced freed
+        their slots one by one in ~20 us)."""
+        offs = offsets if isinstance(offsets, list) else list(offsets)
+        k = len(offs)
+        slab_no = (min(offs, default=PHASE) - PHASE) // self.slab_size
+        slab = self._slabs.get(slab_no)
+        if k < _RUN_FREE or slab is None or slab.used < k or (max(offs) - PHASE) // self.slab_size != slab_no:
+            self._free_each(offs)  # (also slots freed twice: raised as one at a time does)
+            return
+        slab.free += offs
+        slab.used -= k
+        self.used_bytes -= k * self.classes[slab.cls]
+        if slab.used == 0:
+            self._partial[slab.cls].pop(slab_no, None)
+            del self._slabs[slab_no]
+            self._free_slabs.append(slab_no)
+        elif len(slab.free) == k:  # (its free list was empty: it was full)
+            self._partial[slab.cls][slab_no] = None
+
+    def _free_each(self, offsets: Iterable[int]) -> None:
+        """`free_many`, slot by slot."""
         slabs, partial, classes, size = self._slabs, self._partial, self.classes, self.slab_size
         for offset in offsets:
             slab_no = (offset - PHASE) // size

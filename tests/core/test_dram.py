@@ -332,3 +332,51 @@ def test_a_configured_name_its_killed_owner_left_is_taken_over() -> None:
     finally:
         if os.path.exists(f"/dev/shm/{name}"):
             os.unlink(f"/dev/shm/{name}")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_freeing_a_batch_at_once_leaves_what_freeing_it_slot_by_slot_does(seed: int) -> None:
+    """`free_many` frees a batch of one slab's slots at once (a replaced batch's, the usual one) and any
+    other batch slot by slot: over random batches of mixed sizes, some within one slab, some across
+    slabs, some emptying a slab or filling a full one's free list again, the allocator ends as the slot
+    by slot frees leave it, free lists in the same order (the next allocations hand out the same slots)."""
+    import random
+
+    rng = random.Random(seed)
+    at_once, each = (DramArena(8 * MiB, slab_size=1 * MiB, shared=False, prefault=False) for _ in range(2))
+    slot_by_slot = at_once._free_each
+    fell_back = [0]
+
+    def counted(offsets: list[int]) -> None:
+        fell_back[0] += 1
+        slot_by_slot(offsets)
+
+    at_once._free_each = counted  # type: ignore[method-assign]
+    try:
+        held: list[int] = []
+        for _ in range(200):
+            sizes = [rng.choice((1, 4 * KiB, 64 * KiB))] * rng.randint(1, 40)
+            got = at_once.alloc_many(sizes)
+            assert each.alloc_many(sizes) == got
+            held += [off for off in got if off is not None]
+            rng.shuffle(held) if rng.random() < 0.3 else None
+            cut = rng.randint(0, len(held))
+            batch, held = held[:cut], held[cut:]
+            if rng.random() < 0.5:
+                batch.sort()  # (a slab's run, as a batch allocated together comes back)
+            at_once.free_many(batch)
+            each._free_each(batch)
+            assert at_once.check() == [] and each.check() == []
+            assert (at_once._slabs, at_once._partial, at_once._free_slabs, at_once.used_bytes) == \
+                (each._slabs, each._partial, each._free_slabs, each.used_bytes)
+        assert 20 < fell_back[0] < 195  # both ways ran, each several times
+    finally:
+        at_once.close()
+        each.close()
+
+
+def test_a_batch_freeing_a_slot_twice_raises_as_slot_by_slot_frees_do(arena: DramArena) -> None:
+    offsets = arena.alloc_many([4 * KiB] * 10)
+    arena.free_many(offsets[:9])
+    with pytest.raises(KeyError):
+        arena.free_many([offsets[9], *offsets[:9]])  # (the slab emptied at its 10th: gone by the 11th)
