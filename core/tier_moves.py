@@ -97,6 +97,8 @@ class TierMoves:
         """`alloc` of each size (a batch's slots in one pass while there is room); None for each that
         found no room. Lock held."""
         offsets = self._stack.dram.alloc_many(sizes)
+        if None not in offsets:  # (the usual batch: a slot for each)
+            return offsets
         for i, off in enumerate(offsets):
             if off is None:
                 try:
