@@ -196,8 +196,9 @@ class TieredCache:
         self._stack.changes.record((block.key,), (block.version,), False)
         return True
 
-    def _admit_many(self, blocks: list[DramBlock]) -> list[bool]:
-        """`_admit` of each block in turn, the clock and the change log told once for the batch. Lock held."""
+    def _admit_many(self, blocks: list[DramBlock], keys: list[bytes]) -> list[bool]:
+        """`_admit` of each block in turn (`keys`: theirs), the clock and the change log told once for the
+        batch. Lock held."""
         versions = [b.version for b in blocks]
         if min(versions, default=1) > 0:  # the clock only moves: observing the newest is observing each
             if versions:
@@ -209,7 +210,7 @@ class TieredCache:
                 else:
                     CLOCK.observe(b.version)
             versions = [b.version for b in blocks]  # (as stamped)
-        bulk = self._stack.commit_many(blocks)  # None: not a plain batch, committed block by block
+        bulk = self._stack.commit_many(blocks, keys)  # None: not a plain batch, committed block by block
         stored: list[bool] = bulk if bulk is not None else []
         try:
             if bulk is None:
@@ -219,7 +220,7 @@ class TieredCache:
         finally:
             if any(stored):
                 if len(stored) == len(blocks) and all(stored):  # (the usual batch: its versions listed above)
-                    self._stack.changes.record([b.key for b in blocks], versions, False)
+                    self._stack.changes.record(keys, versions, False)
                 else:
                     kept = [b for b, ok in zip(blocks, stored) if ok]
                     self._stack.changes.record([b.key for b in kept], [b.version for b in kept], False)
@@ -495,9 +496,10 @@ class TieredCache:
         (default: stamped now); False for each block not stored (its key holds a newer version).
         `checked=False`: the caller has not hashed the blocks' bytes against `csums`; the cache does
         at each block's first read (a lease, a get, a write to SSD), and a block that fails is a miss."""
+        keys = keys if isinstance(keys, list) else list(keys)
         blocks = new_blocks(keys, offsets, sizes, csums, versions, checked)
         with self._lock:
-            stored = self._admit_many(blocks)
+            stored = self._admit_many(blocks, keys)
             self._stack.counters.puts += len(blocks)
         return stored
 

@@ -153,12 +153,11 @@ class TierStack:
         while any(k in self.writing for k in keys):
             self.written.wait()
 
-    def commit_many(self, blocks: list[DramBlock]) -> list[bool] | None:
-        """`commit` of each block in bulk where nothing but DRAM can know their keys (no device tier
-        holding one, no SSD copy, no tombstone, no pin, no listener; keys distinct): True for each
-        block stored, False for one whose key holds a version as new (its slot freed). None, having
+    def commit_many(self, blocks: list[DramBlock], keys: list[bytes]) -> list[bool] | None:
+        """`commit` of each block (`keys`: theirs) in bulk where nothing but DRAM can know their keys (no
+        device tier holding one, no SSD copy, no tombstone, no pin, no listener; keys distinct): True for
+        each block stored, False for one whose key holds a version as new (its slot freed). None, having
         done nothing, where that does not hold: the caller commits them one by one."""
-        keys = [b.key for b in blocks]
         if (self.listeners or self.dram.pins or len(set(keys)) != len(keys) or not self.tombstones.none_of(keys)
                 or (self.clears and self.clears.newest >= min((b.version for b in blocks), default=0))
                 or (self.ssd is not None and (not self.ssd.none_of(keys) or self.ssd.stale_among(keys)))
