@@ -206,7 +206,8 @@ def recv_frame(sock: socket.socket, max_meta: int = MAX_META, head: bytearray | 
 
 def _py_split_keys(meta: bytes, n: int, pos: int, max_key: int) -> tuple[list[bytes], int] | tuple[None, int]:
     """The `n` keys of a batch whose u16 lengths start at `pos` in `meta`, and the position after the last
-    key; (None, length) for the first length outside 1..`max_key`; ValueError where `meta` ends first.
+    key; (None, length) for the first length outside 1..`max_key`; ValueError (numpy's) or ProtocolError
+    where `meta` ends first.
     (`_native.split_keys`, in one pass, where the extension was built.)"""
     lens = np.frombuffer(meta, dtype="<u2", count=n, offset=pos)
     pos += 2 * n
@@ -216,7 +217,9 @@ def _py_split_keys(meta: bytes, n: int, pos: int, max_key: int) -> tuple[list[by
     if sizes and min(sizes) == max(sizes):  # keys of one length (the usual batch): numpy cuts them
         return np.frombuffer(meta, dtype=f"V{sizes[0]}", count=n, offset=pos).tolist(), pos + n * sizes[0]
     ends = list(accumulate(sizes, initial=pos))  # each key's start, then the end of the last
-    return [meta[a:b] for a, b in zip(ends, ends[1:])], ends[-1]
+    if ends[-1] > len(meta):
+        raise ProtocolError(f"truncated batch metadata ({len(meta)} bytes): the keys run past its end")
+    return [bytes(meta[a:b]) for a, b in zip(ends, ends[1:])], ends[-1]
 
 
 try:

@@ -12,8 +12,9 @@ import itertools
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -251,6 +252,16 @@ class Change:
     at_ms: int
 
 
+class _Batch(NamedTuple):
+    """The changes of one `ChangeLog.record`: keys and their versions, of one kind, at one time."""
+
+    keys: tuple[bytes, ...]
+    versions: tuple[int, ...]
+    kind: int
+    at_ms: int
+    seq: int  # the sequence number of its first change
+
+
 class ChangeLog:
     """The last `max_entries` changes a worker accepted, in the order it accepted them, numbered.
 
@@ -263,12 +274,11 @@ class ChangeLog:
     def __init__(self, covered_since_ms: int = 0, max_entries: int = 1 << 18) -> None:
         self.max_entries = max_entries
         self.covered_since_ms = covered_since_ms
-        self._batches: deque[tuple[list[bytes], list[int], int, int]] = deque()
-        """(keys, versions, kind, at_ms) of each `record`: its changes kept together (a same-node put's
-        commit records 32-64 at once; a tuple each, and its trim one by one, cost a worker 8-20 us a commit)."""
-        self._len = 0  # changes held: those of the batches, less the `_cut` first ones
-        self._cut = 0  # changes of the first batch dropped already (the log keeps exactly max_entries)
-        self._first_seq = 0  # sequence number of the first change held
+        self._batches: deque[_Batch] = deque()
+        """Each `record`'s changes kept together (a same-node put's commit records 32-64 at once; a tuple
+        each, and its trim one by one, cost a worker 8-20 us a commit), oldest first."""
+        self._len = 0  # changes held: those of the batches, less those of the first before `_first_seq`
+        self._first_seq = 0  # sequence number of the first change held (the log keeps exactly max_entries)
         self._last_ms = 0  # times only grow, whatever the wall clock does
 
     def __len__(self) -> int:
@@ -282,17 +292,14 @@ class ChangeLog:
     def puts_since(self, seq: int) -> set[bytes] | None:
         """The keys of the puts recorded from sequence number `seq` on; None where the log no longer
         reaches back that far. (Walks those changes' batches only, from the newest.)"""
-        n = self.next_seq - seq
-        if seq < self._first_seq or n < 0:
+        if seq < self._first_seq or seq > self.next_seq:
             return None
         out: set[bytes] = set()
-        for keys, _, kind, _ in reversed(self._batches):
-            if n <= 0:
+        for b in reversed(self._batches):
+            if b.seq + len(b.keys) <= seq:
                 break
-            take = min(n, len(keys))  # (of the first batch, at most those held: n <= len(self))
-            if kind == PUT:
-                out.update(keys[len(keys) - take:])
-            n -= take
+            if b.kind == PUT:
+                out.update(b.keys[max(seq - b.seq, 0):])
         return out
 
     def record(self, keys: Iterable[bytes], versions: Iterable[int], removed: bool) -> None:
@@ -303,56 +310,66 @@ class ChangeLog:
 
     def _add(self, keys: Iterable[bytes], versions: Iterable[int], kind: int) -> None:
         at = self._last_ms = max(int(time.time() * 1000), self._last_ms)
-        keys, versions = list(keys), list(versions)
-        if len(keys) != len(versions):  # (a change is a key and its version: the pairs there are)
-            n = min(len(keys), len(versions))
-            keys, versions = keys[:n], versions[:n]
-        if not keys:
+        ks, vs = tuple(keys), tuple(versions)  # (copies: a caller's list is its own)
+        if len(ks) != len(vs):  # (a change is a key and its version: the pairs there are)
+            n = min(len(ks), len(vs))
+            ks, vs = ks[:n], vs[:n]
+        if not ks:
             return
         batches = self._batches
-        batches.append((keys, versions, kind, at))
-        self._len += len(keys)
+        batches.append(_Batch(ks, vs, kind, at, self.next_seq))
+        self._len += len(ks)
         excess = self._len - self.max_entries
         if excess <= 0:
             return
         self._len -= excess
         self._first_seq += excess
-        cut = self._cut + excess
         gone_ms = 0
-        while cut and cut >= len(batches[0][0]):
-            cut -= len(batches[0][0])
-            gone_ms = batches.popleft()[3]
-        if cut:
-            gone_ms = batches[0][3]  # (the newest dropped: times only grow)
-        self._cut = cut
+        while batches and batches[0].seq + len(batches[0].keys) <= self._first_seq:
+            gone_ms = batches.popleft().at_ms
+        if batches and batches[0].seq < self._first_seq:
+            gone_ms = batches[0].at_ms  # (changes of it dropped: the newest dropped; times only grow)
         self.covered_since_ms = max(self.covered_since_ms, gone_ms + 1)
 
-    def _changes(self, start: int) -> Iterator[tuple[bytes, int, int, int]]:
-        """(key, version, kind, at_ms) of each change held from the `start`-th on (0: the oldest)."""
-        skip = start + self._cut
-        for keys, versions, kind, at in self._batches:
-            if skip >= len(keys):
-                skip -= len(keys)
-                continue
-            for i in range(skip, len(keys)):
-                yield keys[i], versions[i], kind, at
-            skip = 0
+    def _batch_of(self, seq: int) -> int:
+        """The index of the batch holding sequence number `seq` (one held)."""
+        batches = self._batches
+        lo, hi = 0, len(batches) - 1
+        while lo < hi:  # (the batches' first sequence numbers grow)
+            mid = (lo + hi + 1) // 2
+            if batches[mid].seq <= seq:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _first_at(self, since_ms: int) -> int:
-        """How many changes held came before `since_ms` (the index of the first at or after it)."""
-        before = -self._cut
-        for keys, _, _, at in self._batches:
-            if at >= since_ms:
-                break
-            before += len(keys)
-        return max(before, 0)
+        """The sequence number of the first change held at or after `since_ms` (`next_seq` if none)."""
+        batches = self._batches
+        lo, hi = 0, len(batches)
+        while lo < hi:  # (the batches' times grow)
+            mid = (lo + hi) // 2
+            if batches[mid].at_ms < since_ms:
+                lo = mid + 1
+            else:
+                hi = mid
+        return max(batches[lo].seq, self._first_seq) if lo < len(batches) else self.next_seq
 
     def since(self, since_ms: int, from_seq: int = 0, limit: int = 1 << 15) -> tuple[list[Change], int]:
         """Up to `limit` changes accepted at or after `since_ms`, from sequence number `from_seq` on;
         and the sequence number to ask from next (-1: none left)."""
-        start = max(from_seq - self._first_seq, 0)
-        if start == 0:  # changes are in acceptance order: their times only grow
-            start = self._first_at(since_ms)
-        out = [Change(*c) for c in itertools.islice(self._changes(start), limit)]
-        end = start + len(out)
-        return out, (self._first_seq + end if end < self._len else -1)
+        seq = max(from_seq, self._first_seq)
+        if seq == self._first_seq:  # (a first page: changes are in acceptance order, their times only grow)
+            seq = self._first_at(since_ms)
+        out: list[Change] = []
+        if seq < self.next_seq and limit > 0:
+            for b in itertools.islice(self._batches, self._batch_of(seq), None):
+                for i in range(max(seq - b.seq, 0), len(b.keys)):
+                    out.append(Change(b.keys[i], b.versions[i], b.kind, b.at_ms))
+                    if len(out) == limit:
+                        break
+                else:
+                    continue
+                break
+        end = seq + len(out)
+        return out, (end if end < self.next_seq else -1)

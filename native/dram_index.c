@@ -9,11 +9,12 @@
  *     DramTier.insert_many's index work for `new` (DramBlocks of distinct, unpinned keys): a block as old
  *     as or older than the one its key holds is not entered (stored[i] False, its slot in `free`); a newer
  *     one replaces it: the old block leaves `blocks`, its slab's table in `by_slab` and `order` and is no
- *     longer live, its slot in `free` if it has no lease, else it is in `unlinked` (freed at its last
- *     release). Entered blocks go into `blocks`, `by_slab` ((offset - phase) // slab_size) and the back
- *     of `order` (a dict: key -> None). `timed`: the change in the count of indexed blocks with a TTL.
+ *     longer live, its slot in `free` (after the stale blocks') if it has no lease, else it is in
+ *     `unlinked` (freed at its last release). Entered blocks go into `blocks`, `by_slab`
+ *     ((offset - phase) // slab_size) and the back of `order` (a dict: key -> None). `timed`: the change in the count of indexed blocks with a TTL.
  *     The caller frees `free` and counts the slots no longer reserved. None, having changed nothing,
- *     where a block (new or indexed) is not this module's DramBlock: the caller takes its Python path.
+ *     where a block (new or indexed) is not this module's DramBlock as made (exact ints; an offset a long
+ *     long holds): the caller takes its Python path.
  * Both hold the GIL throughout (they only touch Python objects). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -33,8 +34,8 @@ PyObject *kv_new_blocks(PyObject *self, PyObject *args) {
                           &args_seq[4], &checked))
         return NULL;
     int columns = args_seq[4] == Py_None ? 4 : 5;
-    for (int c = 0; c < columns; c++)
-        if (!(seq[c] = PySequence_Fast(args_seq[c], "new_blocks wants sequences")))
+    for (int c = 0; c < columns; c++)  /* (copies: an int's __index__ could change a list as it is read) */
+        if (!(seq[c] = PySequence_Tuple(args_seq[c])))
             goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq[0]);
     for (int c = 1; c < columns; c++)
@@ -132,10 +133,21 @@ static int discard(PyObject *order, PyObject *key) {
     return 0;
 }
 
+/* Whether a block's fields are those a DramBlock is made with (exact ints; its offset such that
+ * offset - phase is a long long): then nothing the index work reads of it runs Python code. A field
+ * stored through its member descriptor (DramBlock.version.__set__) bypasses block_setattro's check. */
+static int plain(DramBlock *b, long long phase, int old) {
+    if (!PyLong_CheckExact(b->offset) || !PyLong_CheckExact(b->version) || (old && !PyLong_CheckExact(b->leases)))
+        return 0;
+    int overflow = 0;
+    long long off = PyLong_AsLongLongAndOverflow(b->offset, &overflow), diff;
+    return !overflow && !__builtin_sub_overflow(off, phase, &diff);
+}
+
 /* The old block `o` leaves the index for `b` (of its key): out of its slab's table and `order`, no
  * longer live, its slot to free or itself to unlink; `timed` counts a TTL gone. */
 static int replace(DramBlock *o, PyObject *by_slab, PyObject *order, long long phase, long long slab_size,
-                   PyObject *free, PyObject *unlinked, long *timed) {
+                   PyObject *freed, PyObject *unlinked, long *timed) {
     if (discard(order, o->key) < 0 || unplace(by_slab, o, phase, slab_size) < 0)
         return -1;
     Py_SETREF(o->live, Py_NewRef(Py_False));
@@ -144,7 +156,7 @@ static int replace(DramBlock *o, PyObject *by_slab, PyObject *order, long long p
     int leased = PyObject_IsTrue(o->leases);
     if (leased < 0)
         return -1;
-    return PyList_Append(leased ? unlinked : free, leased ? (PyObject *)o : o->offset);
+    return PyList_Append(leased ? unlinked : freed, leased ? (PyObject *)o : o->offset);
 }
 
 PyObject *kv_index_many(PyObject *self, PyObject *args) {
@@ -157,8 +169,10 @@ PyObject *kv_index_many(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "index_many: slab_size must be positive");
         return NULL;
     }
-    Py_ssize_t n = PyList_GET_SIZE(new);
-    PyObject *result = NULL, *stored = NULL, *free = NULL, *unlinked = NULL;
+    PyObject *result = NULL, *stored = NULL, *free = NULL, *freed = NULL, *unlinked = NULL;
+    if ((new = PyList_AsTuple(new)) == NULL)  /* (a copy: the caller's list is the caller's) */
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(new);
     long timed = 0;
     PyObject **old = PyMem_Calloc(n ? n : 1, sizeof(PyObject *));  /* strong: the index lets go of them */
     char *enter = PyMem_Malloc(n ? n : 1);
@@ -166,10 +180,11 @@ PyObject *kv_index_many(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    /* First every decision, changing nothing: a block of another type leaves all to the caller. */
+    /* First every decision, changing nothing: a block of another type, or not plain, leaves all to the
+     * caller. No Python code runs from here on (exact bytes keys and ints: their hashes and compares). */
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(new, i);
-        if (!DramBlock_CheckExact(item))
+        PyObject *item = PyTuple_GET_ITEM(new, i);
+        if (!DramBlock_CheckExact(item) || !plain((DramBlock *)item, phase, 0))
             goto other;
         DramBlock *b = (DramBlock *)item;
         PyObject *o = PyDict_GetItemWithError(blocks, b->key);  /* borrowed */
@@ -179,7 +194,7 @@ PyObject *kv_index_many(PyObject *self, PyObject *args) {
                 goto done;
             continue;
         }
-        if (!DramBlock_CheckExact(o))
+        if (!DramBlock_CheckExact(o) || !plain((DramBlock *)o, phase, 1))
             goto other;
         old[i] = Py_NewRef(o);
         int older = PyObject_RichCompareBool(b->version, ((DramBlock *)o)->version, Py_LE);
@@ -187,10 +202,11 @@ PyObject *kv_index_many(PyObject *self, PyObject *args) {
             goto done;
         enter[i] = !older;
     }
-    if (!(stored = PyList_New(n)) || !(free = PyList_New(0)) || !(unlinked = PyList_New(0)))
+    if (!(stored = PyList_New(n)) || !(free = PyList_New(0)) || !(freed = PyList_New(0))
+        || !(unlinked = PyList_New(0)))
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
-        DramBlock *b = (DramBlock *)PyList_GET_ITEM(new, i);
+        DramBlock *b = (DramBlock *)PyTuple_GET_ITEM(new, i);
         PyList_SET_ITEM(stored, i, Py_NewRef(enter[i] ? Py_True : Py_False));
         if (!enter[i]) {
             if (PyList_Append(free, b->offset) < 0)
@@ -198,7 +214,7 @@ PyObject *kv_index_many(PyObject *self, PyObject *args) {
             continue;
         }
         if (old[i] != NULL
-            && replace((DramBlock *)old[i], by_slab, order, phase, slab_size, free, unlinked, &timed) < 0)
+            && replace((DramBlock *)old[i], by_slab, order, phase, slab_size, freed, unlinked, &timed) < 0)
             goto done;
         if (PyDict_SetItem(blocks, b->key, (PyObject *)b) < 0 || place(by_slab, b, phase, slab_size) < 0
             || PyDict_SetItem(order, b->key, Py_None) < 0)
@@ -206,6 +222,10 @@ PyObject *kv_index_many(PyObject *self, PyObject *args) {
         if (PyFloat_AS_DOUBLE(b->expires) != 0.0)
             timed++;
     }
+    /* the stale blocks' slots, then the replaced ones', as the Python passes free them (the same free
+     * lists: the next allocations hand out the same slots) */
+    if (PyList_SetSlice(free, PyList_GET_SIZE(free), PyList_GET_SIZE(free), freed) < 0)
+        goto done;
     result = Py_BuildValue("(OOOl)", stored, free, unlinked, timed);
     goto done;
 other:
@@ -218,6 +238,8 @@ done:
     PyMem_Free(enter);
     Py_XDECREF(stored);
     Py_XDECREF(free);
+    Py_XDECREF(freed);
     Py_XDECREF(unlinked);
+    Py_DECREF(new);
     return result;
 }
