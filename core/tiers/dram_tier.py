@@ -183,7 +183,7 @@ class DramTier:
         if _native_index_many is not None:
             done = _native_index_many(self.blocks, self.by_slab, self.order.table, blocks, PHASE,
                                       self.arena.slab_size)
-            if done is not None:  # (None: a block of the dataclass, in tests: the Python passes)
+            if done is not None:  # (None: a block of the dataclass, or not as made: the Python passes)
                 stored, free, unlinked, timed = done
                 self.arena.free_many(free)
                 self._unlinked.update(unlinked)
