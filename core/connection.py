@@ -403,6 +403,8 @@ class Connection:
         same millisecond) is stamped again above it and put once more: a put made after another one
         was acknowledged replaces it."""
         status = self.put_statuses(keys, buffers, pin_s, versions)
+        if not any(status):  # every block stored (ITEM_OK is 0): the usual batch
+            return
         superseded = [i for i, st in enumerate(status) if st == P.ITEM_SUPERSEDED]
         again_failed: KVPoolError | None = None
         if superseded and versions is None:  # (before a failure is raised: the blocks held newer go again)

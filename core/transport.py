@@ -297,7 +297,8 @@ class ShmTransport(TcpTransport):
             keys, offsets, sizes, versions = [k for k, ok in zip(keys, kept.tolist()) if ok], offsets[kept], \
                 sizes[kept], versions[kept]
         committed(self.info, keys, offsets, sizes, versions)  # where they lie, for whoever records it
-        return [int(st) for st in status.tolist()]
+        out: list[int] = status.tolist()  # (ints: an int8 array's items)
+        return out
 
     @contextmanager
     def batch_lease(self, keys: Sequence[bytes]) -> Iterator[list[memoryview | None]]:
