@@ -8,12 +8,14 @@ tombstone) changes nothing, so replicas converge whatever order writes reach the
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -333,27 +335,13 @@ class ChangeLog:
 
     def _batch_of(self, seq: int) -> int:
         """The index of the batch holding sequence number `seq` (one held)."""
-        batches = self._batches
-        lo, hi = 0, len(batches) - 1
-        while lo < hi:  # (the batches' first sequence numbers grow)
-            mid = (lo + hi + 1) // 2
-            if batches[mid].seq <= seq:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return bisect.bisect_right(self._batches, seq, key=attrgetter("seq")) - 1  # (their first numbers grow)
 
     def _first_at(self, since_ms: int) -> int:
         """The sequence number of the first change held at or after `since_ms` (`next_seq` if none)."""
         batches = self._batches
-        lo, hi = 0, len(batches)
-        while lo < hi:  # (the batches' times grow)
-            mid = (lo + hi) // 2
-            if batches[mid].at_ms < since_ms:
-                lo = mid + 1
-            else:
-                hi = mid
-        return max(batches[lo].seq, self._first_seq) if lo < len(batches) else self.next_seq
+        i = bisect.bisect_left(batches, since_ms, key=attrgetter("at_ms"))  # (their times grow)
+        return max(batches[i].seq, self._first_seq) if i < len(batches) else self.next_seq
 
     def since(self, since_ms: int, from_seq: int = 0, limit: int = 1 << 15) -> tuple[list[Change], int]:
         """Up to `limit` changes accepted at or after `since_ms`, from sequence number `from_seq` on;
