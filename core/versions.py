@@ -350,14 +350,10 @@ class ChangeLog:
         if seq == self._first_seq:  # (a first page: changes are in acceptance order, their times only grow)
             seq = self._first_at(since_ms)
         out: list[Change] = []
-        if seq < self.next_seq and limit > 0:
-            for b in itertools.islice(self._batches, self._batch_of(seq), None):
-                for i in range(max(seq - b.seq, 0), len(b.keys)):
-                    out.append(Change(b.keys[i], b.versions[i], b.kind, b.at_ms))
-                    if len(out) == limit:
-                        break
-                else:
-                    continue
-                break
+        if seq < self.next_seq:
+            changes = (Change(b.keys[i], b.versions[i], b.kind, b.at_ms)
+                       for b in itertools.islice(self._batches, self._batch_of(seq), None)
+                       for i in range(max(seq - b.seq, 0), len(b.keys)))
+            out = list(itertools.islice(changes, max(limit, 0)))
         end = seq + len(out)
         return out, (end if end < self.next_seq else -1)

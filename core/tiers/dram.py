@@ -279,9 +279,11 @@ class DramArena:
         their slots one by one in ~20 us)."""
         offs = offsets if isinstance(offsets, list) else list(offsets)
         k = len(offs)
-        slab_no = (min(offs, default=PHASE) - PHASE) // self.slab_size
-        slab = self._slabs.get(slab_no)
-        if k < _RUN_FREE or slab is None or slab.used < k or (max(offs) - PHASE) // self.slab_size != slab_no:
+        slab = None
+        if k >= _RUN_FREE:  # (a single free, a release's, goes slot by slot at once)
+            slab_no = (min(offs) - PHASE) // self.slab_size
+            slab = self._slabs.get(slab_no)
+        if slab is None or slab.used < k or (max(offs) - PHASE) // self.slab_size != slab_no:
             self._free_each(offs)  # (also slots freed twice: raised as one at a time does)
             return
         slab.free += offs
