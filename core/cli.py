@@ -180,10 +180,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         os.environ["KVPOOL_NATS_CREDS"] = args.nats_creds  # read by every NATS connection this command makes
 
     with PoolClient(mode="cluster", nats_url=args.nats_url, token=args.token, tls_ca=args.tls_ca) as client:
+        # membership arrives over NATS just after connecting, and a first look may find none yet (the
+        # multi-host test's `kvpool status` printed {} in one CI run of three): a snapshot waits for it
+        client.wait_for_members(bool, 3.0)
         if args.watch:
             from .status_watch import watch
 
-            client.wait_for_members(bool, 3.0)  # membership arrives over NATS just after connecting
             # (sys.stdout as it is now: watch's default is the one of when it was imported)
             return watch(client, redacted_url(args.nats_url), args.interval, args.count, sys.stdout)
         workers = client.stats().workers
