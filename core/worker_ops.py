@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import Any, cast
 
@@ -25,10 +25,17 @@ from . import protocol as P
 from .auth import NONCE_BYTES, proof
 from .errors import AuthError, ProtocolError, StorageError
 from .fastcopy import hash_at
+from .keys import MAX_KEY_BYTES
 from .tenants import Tenant, TenantUsage, outside
 from .tiers.dram_tier import block_columns
-from .versions import capped
+from .versions import capped, ceiling
 from .worker_serving import Conn, ConnectionServing
+
+_commit_columns: Callable[..., tuple[list[bytes], list[int], list[int], list[int], list[int], list[int]] | None] | None
+try:
+    from ._native import commit_columns as _commit_columns
+except ImportError:  # no C compiler when it was installed: the Python path of `_commit_columns`
+    _commit_columns = None
 
 __all__ = ["RESERVE_SHARE", "RequestHandlers"]
 
@@ -274,19 +281,21 @@ class RequestHandlers(ConnectionServing):
         self._commit_marked(status, idx, [keys[i] for i in idx.tolist()], offs.tolist(), np.take(lens, idx).tolist(),
                             csums[idx].tolist(), versions[idx].tolist())
 
-    def _commit_marked(self, status: np.ndarray, at: np.ndarray, keys: list[bytes], offsets: list[int],
+    def _commit_marked(self, status: np.ndarray, at: np.ndarray | None, keys: list[bytes], offsets: list[int],
                        sizes: list[int], csums: list[int], versions: list[int], checked: bool = True) -> None:
         """`_commit_blocks`, each block not stored (a version as new or newer held) marked ITEM_SUPERSEDED
-        at its index in `status` (`at`), also where the disk refuses to make the batch durable (the
-        StorageError is raised after: the caller marks the rest ITEM_STORAGE)."""
+        at its index in `status` (`at`; None: the blocks are `status`'s, in order), also where the disk
+        refuses to make the batch durable (the StorageError is raised after: the caller marks the rest
+        ITEM_STORAGE)."""
         try:
             stored = self._commit_blocks(keys, offsets, sizes, csums, versions, checked)
         except StorageError as e:
             if e.stored is not None:
-                status[at[~np.array(e.stored, dtype=bool)]] = P.ITEM_SUPERSEDED
+                lost = ~np.array(e.stored, dtype=bool)
+                status[lost if at is None else at[lost]] = P.ITEM_SUPERSEDED
             raise
         if not stored.all():
-            status[at[~stored]] = P.ITEM_SUPERSEDED
+            status[~stored if at is None else at[~stored]] = P.ITEM_SUPERSEDED
 
     def _commit_blocks(self, keys: list[bytes], offsets: list[int], sizes: list[int], csums: list[int],
                        versions: list[int], checked: bool = True) -> np.ndarray:
@@ -469,6 +478,38 @@ class RequestHandlers(ConnectionServing):
         # COMMIT_UNCHECKED (`check` False) commits at once; the cache hashes each block at its first
         # read instead (a miss if it fails), so a block nobody reads through the worker (a handoff's
         # layer, which its reader copies in place and checks itself) is never hashed here.
+        keys, offs, lens, csums, versions, corrupt = self._commit_columns(conn, frame, check)
+        status = np.zeros(len(keys), dtype="<i1")
+        at = None  # (the blocks committed are the batch's, in order)
+        if corrupt:
+            for i in corrupt:
+                self.cache.abort(offs[i])
+            self.metrics.corrupt_blocks.inc(len(corrupt))
+            status[corrupt] = P.ITEM_CORRUPT
+            bad = set(corrupt)
+            good = [i for i in range(len(keys)) if i not in bad]
+            keys = [keys[i] for i in good]
+            offs, lens, csums, versions = ([col[i] for i in good] for col in (offs, lens, csums, versions))
+            at = np.array(good, dtype=np.intp)
+        try:
+            self._commit_marked(status, at, keys, offs, lens, csums, versions, check)
+        except StorageError as e:  # committed, but a full disk kept older SSD copies: not durable
+            self._storage_refused(e)
+            status[status == 0] = P.ITEM_STORAGE
+        self._bytes_in.inc(sum(lens))
+        self._reply(conn, frame, status.tobytes())
+
+    def _commit_columns(self, conn: Conn, frame: P.Frame, check: bool) -> tuple[list[bytes], list[int], list[int],
+                                                                                list[int], list[int], list[int]]:
+        """A COMMIT's keys, offsets, sizes, checksums and versions (capped: `versions.capped`), its slots
+        taken from those the connection reserved, and (`check`) the indices of the blocks whose bytes
+        disagree with their checksums: in one C call (`_native.commit_columns`) where the extension was
+        built and the request is well formed; ProtocolError for a request that is not."""
+        arena = self.cache.arena
+        if _commit_columns is not None:
+            got = _commit_columns(frame.meta, P.MAX_BATCH, MAX_KEY_BYTES, ceiling(), conn.reserved, arena.buf, check)
+            if got is not None:
+                return got
         keys, (offsets, sizes, csums, versions) = P.unpack_batch(frame.meta, "<i8", "<i8", "<u8", "<u8")
         versions = capped(versions)
         offs, lens = offsets.tolist(), sizes.tolist()
@@ -480,29 +521,8 @@ class RequestHandlers(ConnectionServing):
                     reserved[off] = size  # given back when the connection closes
             off, size = next((o, n) for o, n, c in zip(offs, lens, claimed) if c != n)
             raise ProtocolError(f"COMMIT of offset {off} ({size} bytes) that this connection did not reserve")
-        status = np.zeros(len(keys), dtype="<i1")
-        arena = self.cache.arena
-        if check:
-            corrupt = hash_at(arena.buf, offsets, sizes) != csums
-        else:
-            corrupt = np.zeros(len(keys), dtype=bool)
-        if corrupt.any():
-            for off in offsets[corrupt].tolist():
-                self.cache.abort(off)
-            self.metrics.corrupt_blocks.inc(int(corrupt.sum()))
-            status[corrupt] = P.ITEM_CORRUPT
-            good = ~corrupt
-            keys = [k for k, bad in zip(keys, corrupt.tolist()) if not bad]
-            offsets, sizes, csums, versions = offsets[good], sizes[good], csums[good], versions[good]
-            offs, lens = offsets.tolist(), sizes.tolist()
-        try:
-            self._commit_marked(status, np.flatnonzero(~corrupt), keys, offs, lens, csums.tolist(), versions.tolist(),
-                                check)
-        except StorageError as e:  # committed, but a full disk kept older SSD copies: not durable
-            self._storage_refused(e)
-            status[status == 0] = P.ITEM_STORAGE
-        self._bytes_in.inc(sum(lens))
-        self._reply(conn, frame, status.tobytes())
+        corrupt = np.flatnonzero(hash_at(arena.buf, offsets, sizes) != csums).tolist() if check else []
+        return keys, offs, lens, csums.tolist(), versions.tolist(), corrupt
 
     def _commit_unchecked(self, conn: Conn, frame: P.Frame) -> None:
         self._commit(conn, frame, check=False)

@@ -19,6 +19,7 @@
  * block_columns(blocks) -> bytes   DramBlocks' offsets, sizes, checksums and versions as a LEASE reply's columns
  * new_blocks, index_many       the DRAM tier's index work of a batch of blocks, in one pass (dram_index.c)
  * split_keys(meta, n, pos, max_key)   a batch request's keys cut out of its metadata (batch_keys.c)
+ * commit_columns(...)          a same-node COMMIT's columns read, slots claimed, blocks hashed (batch_commit.c)
  * spin_readable(fd, spin_us) -> bool   whether a socket has something to read within spin_us, without sleeping (spin.c)
  *
  * dst: a writable, src: a readable C-contiguous buffer of the same length. See kernel.h for how a copy
@@ -42,6 +43,7 @@ PyObject *kv_block_columns(PyObject *self, PyObject *blocks);
 PyObject *kv_new_blocks(PyObject *self, PyObject *args);
 PyObject *kv_index_many(PyObject *self, PyObject *args);
 PyObject *kv_split_keys(PyObject *self, PyObject *args);
+PyObject *kv_commit_columns(PyObject *self, PyObject *args);
 PyObject *kv_slot_span(PyObject *self, PyObject *args);
 PyObject *kv_writable_all(PyObject *self, PyObject *buffers);
 PyObject *kv_spin_readable(PyObject *self, PyObject *args);
@@ -60,6 +62,11 @@ static uint64_t (*copy_hash_fn)(char *, const char *, size_t) = kv_copy_hash_bas
 static void (*copy_fn)(char *, const char *, size_t) = kv_copy_base;
 static uint64_t (*hash_fn)(const char *, size_t) = kv_hash_base;
 static const char *simd_name = "base";
+
+/* The XXH3-64 of n bytes at src, by the kernels in use (batch_commit.c's). */
+uint64_t kv_hash(const char *src, size_t n) {
+    return hash_fn(src, n);
+}
 
 /* Whether n bytes at d and at s overlap (the kernels read a chunk before writing it, but in ascending
  * order only: an overlapping copy is memmove's job). */
@@ -311,6 +318,7 @@ static PyMethodDef methods[] = {
     {"block_columns", kv_block_columns, METH_O, "block_columns(blocks) -> bytes: the DramBlocks' offsets, sizes (int64), checksums, versions (uint64), column after column"},
     {"new_blocks", kv_new_blocks, METH_VARARGS, "new_blocks(keys, offsets, sizes, checksums, versions, checked) -> list[DramBlock]: a block per key, as committed together"},
     {"index_many", kv_index_many, METH_VARARGS, "index_many(blocks, by_slab, order, new, phase, slab_size) -> (stored, free, unlinked, timed) | None: DramTier.insert_many's index work in one pass"},
+    {"commit_columns", kv_commit_columns, METH_VARARGS, "commit_columns(meta, max_batch, max_key, ceiling, reserved, arena, check) -> (keys, offsets, sizes, checksums, versions, corrupt) | None: a same-node COMMIT's columns read, its slots claimed, its blocks hashed"},
     {"split_keys", kv_split_keys, METH_VARARGS, "split_keys(meta, n, pos, max_key) -> (keys, end) | (None, bad length): a batch's keys cut out of its metadata"},
     {"slot_span", kv_slot_span, METH_VARARGS, "slot_span(offsets, sizes, limit) -> (low, high) | None: the span of the slots named (offset >= 0), each checked within [0, limit)"},
     {"writable_all", kv_writable_all, METH_O, "writable_all(buffers) -> bool: whether each exports a writable C-contiguous buffer"},
