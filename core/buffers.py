@@ -6,7 +6,7 @@ together, in pinned memory (`cuda_staging`).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,12 @@ from .errors import BufferSizeError, InvalidArgument, KVPoolError
 __all__ = ["readable", "readable_all", "byte_size", "Destination", "destinations", "destination_views",
            "finish_all"]
 
+
+_readable_views: Callable[[Sequence[Any]], list[memoryview] | None] | None
+try:
+    from ._native import readable_views as _readable_views
+except ImportError:  # no C compiler when it was installed: one view at a time
+    _readable_views = None
 
 _FLAT_TYPES = frozenset({np.ndarray, bytearray, memoryview, bytes})
 """Types whose flat uint8 buffers are used as they are (`memoryview(buf)` says whether one is)."""
@@ -96,7 +102,12 @@ def readable(buf: Any) -> memoryview:
 
 def readable_all(buffers: Sequence[Any]) -> list[memoryview]:
     """`[readable(b) for b in buffers]`, but the batch's CUDA tensors are copied to the host together:
-    into one pinned buffer, waited for once (`cuda_staging.to_host`)."""
+    into one pinned buffer, waited for once (`cuda_staging.to_host`). A batch of flat byte buffers (the
+    usual one) is viewed in one C call where the extension was built."""
+    if _readable_views is not None and type(buffers) in (list, tuple):
+        views = _readable_views(buffers)
+        if views is not None:
+            return views
     cuda = _cuda_tensors(buffers)
     if not cuda:
         return [readable(b) for b in buffers]

@@ -292,8 +292,8 @@ class ShmTransport(TcpTransport):
             raise
         status = put.status
         sizes = put.sizes
-        kept = (status == P.ITEM_OK) | (status == P.ITEM_STORAGE)
-        if not kept.all():  # not stored: they lie nowhere
+        if status.any():  # (ITEM_OK is 0: every block stored is the usual batch) not stored: they lie nowhere
+            kept = (status == P.ITEM_OK) | (status == P.ITEM_STORAGE)
             keys, offsets, sizes, versions = [k for k, ok in zip(keys, kept.tolist()) if ok], offsets[kept], \
                 sizes[kept], versions[kept]
         committed(self.info, keys, offsets, sizes, versions)  # where they lie, for whoever records it

@@ -9,7 +9,12 @@
  * writable_all(buffers) -> bool
  *     Whether every item of the sequence exports a writable, C-contiguous buffer (what copy_from writes
  *     into: numpy arrays of any dtype, bytearrays, writable memoryviews, mmaps); False, with no error
- *     set, at the first that does not (bytes, a torch tensor, a strided view). */
+ *     set, at the first that does not (bytes, a torch tensor, a strided view).
+ * readable_views(buffers) -> list[memoryview] | None
+ *     A memoryview of each item where every one exports a flat buffer of bytes (format "B", one
+ *     dimension, contiguous: bytes, bytearrays, uint8 numpy rows): what buffers.readable makes of such
+ *     a one, for a batch in one call (a put of 64 numpy rows spent ~25 us on them one by one). None, with
+ *     no error set, at the first that does not: the Python path takes the batch. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -70,4 +75,32 @@ PyObject *kv_writable_all(PyObject *self, PyObject *buffers) {
     }
     Py_DECREF(seq);
     return PyBool_FromLong(all);
+}
+
+PyObject *kv_readable_views(PyObject *self, PyObject *buffers) {
+    PyObject *seq = PySequence_Fast(buffers, "readable_views wants a sequence of buffers");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *mv = PyMemoryView_FromObject(PySequence_Fast_GET_ITEM(seq, i));
+        if (mv == NULL) {
+            PyErr_Clear(); /* not a buffer: the Python path says what it is */
+            Py_CLEAR(out);
+            break;
+        }
+        const Py_buffer *b = PyMemoryView_GET_BUFFER(mv);
+        if (b->ndim != 1 || (b->format != NULL && strcmp(b->format, "B") != 0) ||
+            (b->strides != NULL && b->strides[0] != 1)) {
+            Py_DECREF(mv);
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, mv);
+    }
+    Py_DECREF(seq);
+    if (out == NULL && !PyErr_Occurred())
+        Py_RETURN_NONE;
+    return out;
 }

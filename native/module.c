@@ -15,6 +15,7 @@
  *                              slot outside dst, which stops the copies there)
  *
  * slot_span, writable_all     a same-node read's checks of a batch (batch_checks.c)
+ * readable_views(buffers)      a batch's flat byte buffers as memoryviews, or None (batch_checks.c)
  * DramBlock                    the DRAM tier's index entry, untracked by the cyclic GC (dram_block.c)
  * block_columns(blocks) -> bytes   DramBlocks' offsets, sizes, checksums and versions as a LEASE reply's columns
  * new_blocks, index_many       the DRAM tier's index work of a batch of blocks, in one pass (dram_index.c)
@@ -46,6 +47,7 @@ PyObject *kv_split_keys(PyObject *self, PyObject *args);
 PyObject *kv_commit_columns(PyObject *self, PyObject *args);
 PyObject *kv_slot_span(PyObject *self, PyObject *args);
 PyObject *kv_writable_all(PyObject *self, PyObject *buffers);
+PyObject *kv_readable_views(PyObject *self, PyObject *buffers);
 PyObject *kv_spin_readable(PyObject *self, PyObject *args);
 uint64_t kv_copy_hash_base(char *dst, const char *src, size_t n);
 void kv_copy_base(char *dst, const char *src, size_t n);
@@ -321,6 +323,7 @@ static PyMethodDef methods[] = {
     {"commit_columns", kv_commit_columns, METH_VARARGS, "commit_columns(meta, max_batch, max_key, ceiling, reserved, arena, check) -> (keys, offsets, sizes, checksums, versions, corrupt) | None: a same-node COMMIT's columns read, its slots claimed, its blocks hashed"},
     {"split_keys", kv_split_keys, METH_VARARGS, "split_keys(meta, n, pos, max_key) -> (keys, end) | (None, bad length): a batch's keys cut out of its metadata"},
     {"slot_span", kv_slot_span, METH_VARARGS, "slot_span(offsets, sizes, limit) -> (low, high) | None: the span of the slots named (offset >= 0), each checked within [0, limit)"},
+    {"readable_views", kv_readable_views, METH_O, "readable_views(buffers) -> list[memoryview] | None: a view of each where every one is a flat buffer of bytes"},
     {"writable_all", kv_writable_all, METH_O, "writable_all(buffers) -> bool: whether each exports a writable C-contiguous buffer"},
     {"spin_readable", kv_spin_readable, METH_VARARGS, "spin_readable(fd, spin_us) -> bool: whether fd has something to read within spin_us microseconds, asked without sleeping (the GIL let go)"},
     {"simd", py_simd, METH_NOARGS, "simd() -> str: the kernels in use (avx2 or base)"},

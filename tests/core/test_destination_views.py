@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvpool.core.buffers import byte_size, destination_views, finish_all, readable
-from kvpool.core.errors import BufferSizeError
+from kvpool.core import buffers
+from kvpool.core.buffers import byte_size, destination_views, finish_all, readable, readable_all
+from kvpool.core.errors import BufferSizeError, InvalidArgument
 
 
 def test_flat_byte_buffers_are_written_in_place() -> None:
@@ -49,3 +50,37 @@ def test_conjugate_and_negative_views_are_read_as_their_values() -> None:
     x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
     assert bytes(readable(x.conj())) == x.conj().resolve_conj().numpy().tobytes()
     assert bytes(readable(x.conj().imag)) == (-x.imag).numpy().tobytes()
+
+
+_BATCHES = [
+    [b"abc", bytearray(b"de"), memoryview(b"fgh"), b""],  # flat byte buffers: viewed in one C call
+    list(np.arange(256, dtype=np.uint8).reshape(4, 64)),  # numpy rows, as engines and the bench put them
+    [np.zeros(3, np.uint8), np.arange(4, dtype=np.float32)],  # not all bytes: the Python path takes it
+    [b"x", memoryview(b"abcdef")[::2]],  # a strided view: copied, by the Python path
+    [b"x", np.arange(12, dtype=np.uint8).reshape(3, 4)],  # two dimensions
+    [torch.arange(6, dtype=torch.uint8), b"y"],  # a tensor exports no buffer
+    [b"x", 3],  # not a buffer at all: the Python path names it
+]
+
+
+@pytest.mark.parametrize("batch", _BATCHES, ids=range(len(_BATCHES)))
+def test_a_batch_is_read_as_each_of_its_buffers_would_be(batch: list[object]) -> None:
+    """`readable_all` of a batch gives what `readable` gives of each buffer, by whichever path it takes."""
+    try:
+        want: object = [bytes(readable(b)) for b in batch]
+    except InvalidArgument as e:
+        want = type(e)
+    try:
+        views = readable_all(batch)
+        got: object = [bytes(v) for v in views]
+        assert all(v.format == "B" and v.ndim == 1 and v.c_contiguous for v in views)
+    except InvalidArgument as e:
+        got = type(e)
+    assert got == want
+
+
+def test_the_batch_path_takes_flat_byte_buffers_only() -> None:
+    """The C path is built here (CI builds it), and leaves every other batch to the Python path."""
+    assert buffers._readable_views is not None
+    took = [buffers._readable_views(b) is not None for b in _BATCHES]
+    assert took == [True, True, False, False, False, False, False]
