@@ -62,16 +62,19 @@ PyObject *kv_writable_all(PyObject *self, PyObject *buffers) {
     PyObject *seq = PySequence_Fast(buffers, "writable_all wants a sequence of buffers");
     if (seq == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     int all = 1;
-    for (Py_ssize_t i = 0; all && i < n; i++) {
+    /* (the size read again at each item, and the item held: code run meanwhile may change a list) */
+    for (Py_ssize_t i = 0; all && i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        Py_INCREF(item);
         Py_buffer b;
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &b, PyBUF_WRITABLE) < 0) {
+        if (PyObject_GetBuffer(item, &b, PyBUF_WRITABLE) < 0) {
             PyErr_Clear();
             all = 0;
         } else {
             PyBuffer_Release(&b);
         }
+        Py_DECREF(item);
     }
     Py_DECREF(seq);
     return PyBool_FromLong(all);
@@ -84,7 +87,15 @@ PyObject *kv_readable_views(PyObject *self, PyObject *buffers) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
-        PyObject *mv = PyMemoryView_FromObject(PySequence_Fast_GET_ITEM(seq, i));
+        /* (a list changed by code run meanwhile, a finalizer of an allocation here: the Python path) */
+        if (PySequence_Fast_GET_SIZE(seq) != n) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        Py_INCREF(item);
+        PyObject *mv = PyMemoryView_FromObject(item);
+        Py_DECREF(item);
         if (mv == NULL) {
             PyErr_Clear(); /* not a buffer: the Python path says what it is */
             Py_CLEAR(out);
@@ -99,6 +110,8 @@ PyObject *kv_readable_views(PyObject *self, PyObject *buffers) {
         }
         PyList_SET_ITEM(out, i, mv);
     }
+    if (out != NULL && PySequence_Fast_GET_SIZE(seq) != n)
+        Py_CLEAR(out);
     Py_DECREF(seq);
     if (out == NULL && !PyErr_Occurred())
         Py_RETURN_NONE;

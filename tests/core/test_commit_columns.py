@@ -220,3 +220,13 @@ def test_a_commit_of_a_slot_not_reserved_closes_the_connection_and_stores_nothin
         assert worker.cache.stats().dram_bytes == 0
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("top", [-1, 1 << 64])
+def test_a_ceiling_outside_the_versions_range_is_refused_not_wrapped(top: int) -> None:
+    arena = np.zeros(ARENA, np.uint8)
+    meta, reserved, _ = _batch(random.Random(2), arena)
+    mine = dict(reserved)
+    with pytest.raises(OverflowError):
+        _native()(meta, P.MAX_BATCH, MAX_KEY_BYTES, top, mine, memoryview(arena), True)
+    assert mine == reserved
