@@ -31,11 +31,13 @@ from .tiers.dram_tier import block_columns
 from .versions import capped, ceiling
 from .worker_serving import Conn, ConnectionServing
 
-_commit_columns: Callable[..., tuple[list[bytes], list[int], list[int], list[int], list[int], list[int]] | None] | None
+_Columns = tuple[list[bytes], list[int], list[int], list[int], list[int], list[int]]
+"""A COMMIT's keys, offsets, sizes, checksums, versions, and the indices of its corrupt blocks."""
+_native_commit_columns: Callable[..., _Columns | None] | None
 try:
-    from ._native import commit_columns as _commit_columns
-except ImportError:  # no C compiler when it was installed: the Python path of `_commit_columns`
-    _commit_columns = None
+    from ._native import commit_columns as _native_commit_columns
+except ImportError:  # no C compiler when it was installed: the Python path of `RequestHandlers._commit_columns`
+    _native_commit_columns = None
 
 __all__ = ["RESERVE_SHARE", "RequestHandlers"]
 
@@ -499,15 +501,15 @@ class RequestHandlers(ConnectionServing):
         self._bytes_in.inc(sum(lens))
         self._reply(conn, frame, status.tobytes())
 
-    def _commit_columns(self, conn: Conn, frame: P.Frame, check: bool) -> tuple[list[bytes], list[int], list[int],
-                                                                                list[int], list[int], list[int]]:
+    def _commit_columns(self, conn: Conn, frame: P.Frame, check: bool) -> _Columns:
         """A COMMIT's keys, offsets, sizes, checksums and versions (capped: `versions.capped`), its slots
         taken from those the connection reserved, and (`check`) the indices of the blocks whose bytes
         disagree with their checksums: in one C call (`_native.commit_columns`) where the extension was
         built and the request is well formed; ProtocolError for a request that is not."""
         arena = self.cache.arena
-        if _commit_columns is not None:
-            got = _commit_columns(frame.meta, P.MAX_BATCH, MAX_KEY_BYTES, ceiling(), conn.reserved, arena.buf, check)
+        if _native_commit_columns is not None:
+            got = _native_commit_columns(frame.meta, P.MAX_BATCH, MAX_KEY_BYTES, ceiling(), conn.reserved, arena.buf,
+                                         check)
             if got is not None:
                 return got
         keys, (offsets, sizes, csums, versions) = P.unpack_batch(frame.meta, "<i8", "<i8", "<u8", "<u8")

@@ -12,10 +12,10 @@
  *     Each offset is popped from `reserved` (a dict offset -> size, the connection's reserved slots),
  *     which must hold it with that size. With `check`, each slot of `arena` is hashed (XXH3-64, the GIL
  *     let go) and `corrupt` lists the indices whose hash is not the checksum sent (else it is empty).
- *     None, `reserved` left as it was (the very values taken put back), for anything else: more than max_batch items, a key length
- *     outside 1..max_key, metadata of another length, a slot not reserved as named (not this
- *     connection's, of another size, named twice), a slot outside the arena; the caller's Python path
- *     then says what is wrong. */
+ *     None, `reserved` left as it was (the very values taken put back), for anything else: more than
+ *     max_batch items, a key length outside 1..max_key, metadata of another length, a slot not reserved
+ *     as named (not this connection's, of another size, named twice), a slot outside the arena; the
+ *     caller's Python path then says what is wrong. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>

@@ -34,8 +34,8 @@ ARENA = 1 << 20
 
 
 def _native() -> Any:
-    assert worker_ops._commit_columns is not None  # CI builds the extension: two paths are compared
-    return worker_ops._commit_columns
+    assert worker_ops._native_commit_columns is not None  # CI builds the extension: two paths are compared
+    return worker_ops._native_commit_columns
 
 
 def _python(meta: bytes, reserved: dict[int, int], arena: memoryview, check: bool, top: int) -> Any:
@@ -151,7 +151,7 @@ def test_a_commit_the_native_read_cannot_take_changes_nothing_and_the_python_pat
 @pytest.fixture(params=["native", "python"])
 def worker(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Worker]:
     if request.param == "python":
-        monkeypatch.setattr(worker_ops, "_commit_columns", None)
+        monkeypatch.setattr(worker_ops, "_native_commit_columns", None)
     else:
         _native()
     w = Worker(WorkerConfig(port=0, unix_path=str(tmp_path / "w.sock"), no_auth=True),
