@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "batch_keys.h"
 #include "slots.h"
 
 uint64_t kv_hash(const char *src, size_t n);
@@ -71,30 +72,18 @@ PyObject *kv_commit_columns(PyObject *self, PyObject *args) {
     n = (Py_ssize_t)(m[0] | (m[1] << 8) | (m[2] << 16) | ((uint32_t)m[3] << 24));
     if (n > max_batch || n > (meta.len - 4) / 2)
         goto fallback;
-    Py_ssize_t at = 4 + 2 * n;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t len = m[4 + 2 * i] | (m[4 + 2 * i + 1] << 8);
-        if (len == 0 || len > max_key)
-            goto fallback;
-        at += len;
-    }
-    if (at > meta.len || (meta.len - at) / 32 != n || (meta.len - at) % 32)
+    Py_ssize_t bad_len = 0, at = kv_keys_end(m, n, 4, max_key, &bad_len);
+    if (at < 0 || at > meta.len || (meta.len - at) / 32 != n || (meta.len - at) % 32)
         goto fallback;
     const unsigned char *cols = m + at; /* offsets, sizes, checksums, versions: n of each */
     for (Py_ssize_t i = 0; i < n; i++)
         if (!slot_inside((int64_t)u64_at(cols + 8 * i), (int64_t)u64_at(cols + 8 * (n + i)), arena.len))
             goto fallback;
-    if ((keys = PyList_New(n)) == NULL || (offs = PyList_New(n)) == NULL || (lens = PyList_New(n)) == NULL ||
-        (sums = PyList_New(n)) == NULL || (vers = PyList_New(n)) == NULL || (corrupt = PyList_New(0)) == NULL)
+    if ((keys = kv_key_list(m, meta.len, n, 4)) == NULL || (offs = PyList_New(n)) == NULL ||
+        (lens = PyList_New(n)) == NULL || (sums = PyList_New(n)) == NULL || (vers = PyList_New(n)) == NULL ||
+        (corrupt = PyList_New(0)) == NULL)
         goto done;
-    at = 4 + 2 * n;
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t len = m[4 + 2 * i] | (m[4 + 2 * i + 1] << 8);
-        PyObject *key = PyBytes_FromStringAndSize((const char *)m + at, len);
-        if (key == NULL)
-            goto done;
-        PyList_SET_ITEM(keys, i, key);
-        at += len;
         uint64_t version = u64_at(cols + 8 * (3 * n + i));
         PyObject *o = PyLong_FromLongLong((long long)u64_at(cols + 8 * i));
         PyObject *z = o == NULL ? NULL : PyLong_FromLongLong((long long)u64_at(cols + 8 * (n + i)));

@@ -10,6 +10,8 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "batch_keys.h"
+
 PyObject *kv_split_keys(PyObject *self, PyObject *args) {
     Py_buffer meta;
     Py_ssize_t n, pos, max_key;
@@ -21,30 +23,17 @@ PyObject *kv_split_keys(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "split_keys: the key lengths run past the end of the metadata");
         goto done;
     }
-    Py_ssize_t at = pos + 2 * n;  /* the first key's bytes */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t len = m[pos + 2 * i] | (m[pos + 2 * i + 1] << 8);
-        if (len == 0 || len > max_key) {
-            result = Py_BuildValue("(On)", Py_None, len);
-            goto done;
-        }
-        at += len;
+    Py_ssize_t bad = 0, at = kv_keys_end(m, n, pos, max_key, &bad);
+    if (at < 0) {
+        result = Py_BuildValue("(On)", Py_None, bad);
+        goto done;
     }
     if (at > meta.len) {
         PyErr_SetString(PyExc_ValueError, "split_keys: the keys run past the end of the metadata");
         goto done;
     }
-    if ((keys = PyList_New(n)) == NULL)
+    if ((keys = kv_key_list(m, meta.len, n, pos)) == NULL)
         goto done;
-    at = pos + 2 * n;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t len = m[pos + 2 * i] | (m[pos + 2 * i + 1] << 8);
-        PyObject *key = PyBytes_FromStringAndSize((const char *)m + at, len);
-        if (key == NULL)
-            goto done;
-        PyList_SET_ITEM(keys, i, key);
-        at += len;
-    }
     result = Py_BuildValue("(On)", keys, at);
 done:
     Py_XDECREF(keys);
