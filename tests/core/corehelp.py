@@ -4,7 +4,9 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import numpy as np
 
@@ -49,3 +51,21 @@ def close_while_held(cache: Any, call: Callable[[], Any], name: str, entered: th
     t.join(10)
     assert got, f"the {name} hung"
     return got[0]
+
+
+def worker_commit_columns(meta: bytes, reserved: dict[Any, Any], arena: Any, check: bool, top: int) -> Any:
+    """The worker's own Python path of a COMMIT's read (`RequestHandlers._commit_columns`, the extension's
+    call set aside, versions capped at `top` as of a clock whose ceiling it is): what the C call must
+    agree with; None where it refuses the request."""
+    from kvpool.core import protocol as P
+    from kvpool.core import versions, worker_ops
+    from kvpool.core.errors import KVPoolError
+
+    handlers = SimpleNamespace(cache=SimpleNamespace(arena=SimpleNamespace(buf=arena)))
+    with mock.patch.object(worker_ops, "_native_commit_columns", None), \
+            mock.patch.object(versions, "ceiling", lambda: top):
+        try:
+            return worker_ops.RequestHandlers._commit_columns(
+                handlers, SimpleNamespace(reserved=reserved), P.Frame(P.Op.COMMIT, 0, 0, meta, 0), check)  # type: ignore[arg-type]
+        except KVPoolError:
+            return None

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 import tracemalloc
-from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +23,9 @@ from kvpool.core import _native as native  # (CI builds it: no skip)
 from kvpool.core import buffers
 from kvpool.core import protocol as P
 from kvpool.core.blocks import checksum
-from kvpool.core.errors import ProtocolError
-from kvpool.core.fastcopy import hash_at
 from kvpool.core.keys import MAX_KEY_BYTES
+
+from corehelp import worker_commit_columns
 
 ROOM, TOP, U64 = 1 << 16, 1 << 62, (1 << 64) - 1  # the arena's bytes, the version ceiling
 
@@ -59,24 +58,6 @@ def _model(meta: bytes, max_batch: int, max_key: int, top: int, reserved: dict[A
     ends = [4 + 2 * n + sum(lens[:i]) for i in range(n + 1)]
     corrupt = [i for i in range(n) if checksum(view[offs[i]:offs[i] + sizes[i]]) != sums[i]] if check else []
     return [meta[a:b] for a, b in zip(ends, ends[1:])], offs, sizes, sums, [min(v, top) for v in vers], corrupt
-
-
-def _worker(meta: bytes, reserved: dict[Any, Any], arena: Any, check: bool, top: int) -> Any:
-    """The worker's Python path (`RequestHandlers._commit_columns`); None where it refuses the request."""
-    try:
-        keys, (offsets, sizes, csums, versions) = P.unpack_batch(meta, "<i8", "<i8", "<u8", "<u8")
-    except ProtocolError:
-        return None
-    offs, lens = offsets.tolist(), sizes.tolist()
-    claimed = list(map(reserved.pop, offs, repeat(None)))
-    if claimed != lens:
-        reserved.update((off, size) for off, size in zip(offs, claimed) if size is not None)
-        return None
-    try:
-        corrupt = np.flatnonzero(hash_at(arena, offsets, sizes) != csums).tolist() if check else []
-    except Exception:
-        return None
-    return keys, offs, lens, csums.tolist(), np.minimum(versions, np.uint64(top)).tolist(), corrupt
 
 
 def _valid(rng: random.Random, arena: np.ndarray) -> tuple[bytes, dict[int, int]]:
@@ -134,7 +115,7 @@ def test_adv_commit_columns_matches_its_model_and_the_python_path_on_hostile_met
         got = native.commit_columns(meta, P.MAX_BATCH, MAX_KEY_BYTES, TOP, mine, memoryview(arena), check)
         assert got == _model(meta, P.MAX_BATCH, MAX_KEY_BYTES, TOP, model, arena, check), (i, meta.hex())
         assert mine == model, (i, meta.hex())
-        theirs = _worker(meta, worker, memoryview(arena), check, TOP)
+        theirs = worker_commit_columns(meta, worker, memoryview(arena), check, TOP)
         if got is not None:
             assert got == theirs and mine == worker and [type(c) for c in got] == [list] * 6
         else:  # only slots outside the arena, never hashed, pass the Python path
@@ -185,12 +166,12 @@ def test_adv_commit_columns_claims_sizes_held_equal_in_value_as_python_does() ->
     for held in [{0: 16.0, 16: True, 40: 2.5}, {0: np.int64(16), 16: 1.0}]:
         mine, theirs = dict(held), dict(held)
         got = native.commit_columns(meta, 9, 9, 5, mine, arena, False)
-        assert got is not None and got == _worker(meta, theirs, arena, False, 5)
+        assert got is not None and got == worker_commit_columns(meta, theirs, arena, False, 5)
         assert mine == theirs and set(mine) == set(held) - {0, 16}
     for held in [{0: 16.5, 16: 1}, {0: float("nan"), 16: 1}, {0: "16", 16: 1}, {0: None, 16: 1}, {0: 16, 16: False}]:
         mine = dict(held)
         assert native.commit_columns(meta, 9, 9, 5, mine, arena, False) is None
-        assert _worker(meta, dict(held), arena, False, 5) is None
+        assert worker_commit_columns(meta, dict(held), arena, False, 5) is None
         assert mine == held and all(mine[k] is held[k] for k in held)  # (the order may change)
 
 
@@ -201,7 +182,7 @@ def test_adv_commit_columns_gives_back_the_very_values_it_claimed_on_none() -> N
         meta = _meta([b"a", b"b", b"c"], [0, 16, 32], [int(held[0]), 1, 1], [0] * 3, [0] * 3)
         mine, theirs = dict(held), dict(held)
         assert native.commit_columns(meta, 9, 9, 5, mine, bytes(64), False) is None
-        assert _worker(meta, theirs, bytes(64), False, 5) is None
+        assert worker_commit_columns(meta, theirs, bytes(64), False, 5) is None
         assert [(type(v), v) for v in theirs.values()] == [(type(v), v) for v in held.values()]
         assert {k: (type(v), v) for k, v in mine.items()} == {k: (type(v), v) for k, v in held.items()}, mine
 

@@ -10,7 +10,6 @@ import random
 import struct
 import time
 from collections.abc import Iterator
-from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +20,13 @@ from kvpool.core import PoolClient, worker_ops
 from kvpool.core import protocol as P
 from kvpool.core.blocks import checksum
 from kvpool.core.config import CacheConfig, WorkerConfig
-from kvpool.core.errors import PoolUnavailable, ProtocolError
-from kvpool.core.fastcopy import hash_at
+from kvpool.core.errors import PoolUnavailable
 from kvpool.core.keys import MAX_KEY_BYTES
 from kvpool.core.server import Worker
 from kvpool.core.transport import ShmTransport
 from kvpool.core.versions import ceiling, stamp
 
-from corehelp import SMALL
+from corehelp import SMALL, worker_commit_columns
 
 ARENA = 1 << 20
 
@@ -36,28 +34,6 @@ ARENA = 1 << 20
 def _native() -> Any:
     assert worker_ops._native_commit_columns is not None  # CI builds the extension: two paths are compared
     return worker_ops._native_commit_columns
-
-
-def _python(meta: bytes, reserved: dict[int, int], arena: memoryview, check: bool, top: int) -> Any:
-    """The worker's Python path (`RequestHandlers._commit_columns` without the extension), None where it
-    raises (the request is refused)."""
-    try:
-        keys, (offsets, sizes, csums, versions) = P.unpack_batch(meta, "<i8", "<i8", "<u8", "<u8")
-    except ProtocolError:
-        return None
-    versions = np.minimum(versions, np.uint64(top))
-    offs, lens = offsets.tolist(), sizes.tolist()
-    claimed = list(map(reserved.pop, offs, repeat(None)))
-    if claimed != lens:
-        for off, size in zip(offs, claimed):
-            if size is not None:
-                reserved[off] = size
-        return None
-    try:
-        corrupt = np.flatnonzero(hash_at(arena, offsets, sizes) != csums).tolist() if check else []
-    except Exception:
-        return None
-    return keys, offs, lens, csums.tolist(), versions.tolist(), corrupt
 
 
 def _batch(rng: random.Random, arena: np.ndarray) -> tuple[bytes, dict[int, int], list[int]]:
@@ -97,7 +73,7 @@ def test_the_native_read_gives_what_the_python_path_gives(check: bool) -> None:
         top = ceiling()
         mine, theirs = dict(reserved), dict(reserved)
         got = commit(meta, P.MAX_BATCH, MAX_KEY_BYTES, top, mine, memoryview(arena), check)
-        want = _python(meta, theirs, memoryview(arena), check, top)
+        want = worker_commit_columns(meta, theirs, memoryview(arena), check, top)
         assert got is not None and want is not None
         assert got == want and mine == theirs
         assert got[5] == (corrupt if check else [])
@@ -144,7 +120,7 @@ def test_a_commit_the_native_read_cannot_take_changes_nothing_and_the_python_pat
             mine = dict(reserved)
             assert commit(meta, P.MAX_BATCH, MAX_KEY_BYTES, ceiling(), mine, arena, True) is None, what
             assert mine == reserved, what
-            assert _python(meta, dict(reserved), arena, True, ceiling()) is None, what
+            assert worker_commit_columns(meta, dict(reserved), arena, True, ceiling()) is None, what
     assert len(seen) == 11
 
 
