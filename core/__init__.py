@@ -6,6 +6,7 @@ NATS helpers, and the command-line hook type (`registry`). Their bench suites us
 """
 from .aio import LoopThread, nats_connect, nats_denied, nats_failure
 from .async_client import AsyncPoolClient
+from .background import Alarm
 from .blocks import checksum
 from .buffers import readable, readable_all
 from .cache import TieredCache
@@ -51,5 +52,5 @@ __all__ = [
     # what the faces build on
     "ClientConfig", "load_config", "Key", "key_bytes", "checksum", "readable", "readable_all", "LoopThread",
     "nats_connect", "nats_failure", "nats_denied", "NatsCreds", "Role", "find_creds", "redacted_url", "AddParser",
-    "Subparsers", "Place", "put_placed", "read_placed", "get_placed", "Stagers", "keys_bytes", "CLOCK_SKEW_MS",
+    "Subparsers", "Place", "put_placed", "read_placed", "get_placed", "Stagers", "Alarm", "keys_bytes", "CLOCK_SKEW_MS",
 ]

@@ -54,6 +54,7 @@ import numpy as np
 
 from . import protocol as P
 from .auth import unix_socket_usable
+from .background import Alarm
 from .client import PoolClient
 from .cluster_backend import ClusterBackend
 from .connection import item_error, raise_item
@@ -106,7 +107,7 @@ class Stager:
         self._fitted: tuple[int, ...] | None = None  # that shape
         self._last_put = 0.0  # (time.monotonic)
         self._lock = threading.Lock()  # the producer's calls against the flusher's
-        self._flusher: _Flusher | None = None  # made at the first commit held past its put
+        self._flusher: Alarm | None = None  # made at the first commit held past its put
         self._lost: PoolUnavailable | None = None
         """The flusher's failure to send (the connection gone): raised by the next put or settle, unless
         the producer's own call met the loss first (`_forget`)."""
@@ -207,7 +208,7 @@ class Stager:
     def _flush_by(self, when: float) -> None:
         """Have the flusher send the held commits at `when` (time.monotonic), unless sent before."""
         if self._flusher is None:
-            self._flusher = _Flusher(weakref.WeakMethod(self._flush_late))
+            self._flusher = Alarm(weakref.WeakMethod(self._flush_late), "kvpool-stage-flush", "sending held commits")
             weakref.finalize(self, self._flusher.stop, False)  # a stager dropped unclosed takes it along
         self._flusher.arm(when)
 
@@ -390,61 +391,6 @@ class _Held:
             requests.append((P.Op.ALLOC, P.pack_batch(keys * puts, tiled)))
             owed.append((P.Op.ALLOC, keys, tiled))
         return requests, owed
-
-
-class _Flusher:
-    """A stager's thread that sends its held commits when they are due, should its producer not come
-    back before (see the module's doc). Lives until `stop`, or until the stager is gone (it holds it
-    weakly: a stager dropped unclosed is collected, and its connection and slots with it)."""
-
-    def __init__(self, flush: weakref.WeakMethod[Callable[[], None]]) -> None:
-        self._flush = flush
-        self._cond = threading.Condition()
-        self._when: float | None = None
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="kvpool-stage-flush", daemon=True)
-        self._thread.start()
-
-    def arm(self, when: float) -> None:
-        """Call `flush` at `when` (time.monotonic), in place of the time set before. A later time does not
-        wake the thread: it sees it when the earlier one comes, and waits on."""
-        with self._cond:
-            earlier = self._when is None or when < self._when
-            self._when = when
-            if earlier:
-                self._cond.notify()
-
-    def _run(self) -> None:
-        with self._cond:
-            while not self._stopped:
-                left = None if self._when is None else self._when - time.monotonic()
-                if left is None or left > 0:
-                    self._cond.wait(left)
-                    continue
-                self._when = None
-                self._cond.release()
-                try:
-                    if not self._call():
-                        return  # (the stager is gone; `finally` takes the condition back for the `with`)
-                except Exception:  # a bug: the thread stays for the next held commits
-                    log.exception("sending held commits failed")
-                finally:
-                    self._cond.acquire()
-
-    def _call(self) -> bool:
-        """The stager's `_flush_late` (False: the stager is gone), its reference held for the call only."""
-        flush = self._flush()
-        if flush is None:
-            return False
-        flush()
-        return True
-
-    def stop(self, wait: bool = True) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify()
-        if wait and self._thread is not threading.current_thread():
-            self._thread.join()
 
 
 class Stagers:

@@ -152,7 +152,7 @@ class AsyncConsumer:
                 return None
         msg = AsyncMessage(0, "", "", b"", {}, 0, 0.0)
         msg._raw = raw
-        if (raw.headers or {}).get(env.KIND) in (env.REF, env.KV) and self.fetch:
+        if (raw.headers or {}).get(env.KIND) in (env.REF, env.KV, env.KV_LAYERS) and self.fetch:
             return await asyncio.to_thread(decode, raw, self._checks, into, self.fetch, msg)
         return decode(raw, self._checks, into, self.fetch, msg)
 

@@ -1,8 +1,9 @@
 """The wire form of stream messages: a few NATS headers and, for payloads by reference, a small JSON body.
 
 Kinds (header `Kvpool-Kind`): `inline` (the body is the payload), `ref` (the body names pool blocks:
-keys, sizes in bytes, XXH3-64 checksums), `kv` (one layer of a prefill/decode handoff, by reference)
-and `end` (a handoff request is complete). Decoding ignores unknown JSON fields (forward compatible)
+keys, sizes in bytes, XXH3-64 checksums), `kv` (one layer of a prefill/decode handoff, by reference),
+`kv-layers` (several consecutive layers of one request in one message: `Layers`) and `end` (a handoff
+request is complete). Decoding ignores unknown JSON fields (forward compatible)
 but checks every field it uses against `Limits` before anything is allocated: whatever arrives on a
 stream's subjects may come from anyone who can publish there. Failures are `MalformedMessage`.
 """
@@ -25,8 +26,8 @@ SENT = "Kvpool-Sent"
 of the `Kvpool-*` headers where a stream secret is set; without one, anyone may stamp any time). A receiver
 drops a message older than the stream keeps messages, a replay (`handoff`); it never orders the chains of a
 request id by it (clocks disagree, and producers of the version before carry none)."""
-INLINE, REF, KV, END = "inline", "ref", "kv", "end"
-KINDS = (INLINE, REF, KV, END)
+INLINE, REF, KV, KV_LAYERS, END = "inline", "ref", "kv", "kv-layers", "end"
+KINDS = (INLINE, REF, KV, KV_LAYERS, END)
 INVALID = "invalid"
 """The kind of a delivered message that could not be decoded (its `.error` says why)."""
 
@@ -158,6 +159,10 @@ class Ref:
         return sum(self.sizes)
 
     def encode(self) -> bytes:
+        return json.dumps(self.body(), separators=(",", ":")).encode()
+
+    def body(self) -> dict[str, Any]:
+        """The JSON object `encode` writes (a `Layers` message lists its layers' as they are)."""
         body: dict[str, Any] = {"keys": [_key_out(k) for k in self.keys], "sizes": self.sizes,
                                 "checksums": self.checksums}
         if self.request:
@@ -169,17 +174,20 @@ class Ref:
             body["at"] = [None if p is None else [arenas.setdefault((p.worker, p.arena), len(arenas)), p.offset,
                                                   p.version] for p in self.places]
             body["arenas"] = [list(a) for a in arenas]
-        return json.dumps(body, separators=(",", ":")).encode()
+        return body
 
     @classmethod
     def decode(cls, raw: bytes, limits: Limits | None = None) -> Ref:
         """The reference in a `ref` or `kv` body, every field checked against `limits` (key count,
         block size, total bytes, layer) before the caller allocates anything for it."""
-        lim = limits or Limits()
-        d = _object(raw, "reference")
+        return cls.of(_object(raw, "reference"), limits or Limits())
+
+    @classmethod
+    def of(cls, d: dict[str, Any], lim: Limits) -> Ref:
+        """`decode` of a body already parsed (a JSON object)."""
         keys, sizes, sums = d.get("keys"), d.get("sizes"), d.get("checksums")
         if not (isinstance(keys, list) and isinstance(sizes, list) and isinstance(sums, list)):
-            raise _fail(f"reference body of {len(raw)} bytes lacks the lists keys, sizes and checksums")
+            raise _fail("reference body lacks the lists keys, sizes and checksums")
         if not len(keys) == len(sizes) == len(sums):
             raise _fail(f"reference names {len(keys)} keys, {len(sizes)} sizes and {len(sums)} checksums; "
                         "they must match")
@@ -242,6 +250,63 @@ class End:
         return cls(_request(d.get("request")),
                    None if layers is None else _int(layers, "layer count", 0, lim.max_layer + 1),
                    Seal.of(d["seal"]) if "seal" in d else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layers:
+    """Layers of one handoff request in one message (`kv-layers`), with one seal for them all: a producer
+    whose layers come faster than it is worth announcing each sends those that come together in one
+    (`producer.HOLD_LAYERS`), so JetStream stores, and the decode side reads and checks, one message, not
+    several. Each layer is a `Ref` of the request with no seal of its own, in the order published."""
+
+    request: str
+    refs: list[Ref]
+    seal: Seal | None = None
+
+    def encode(self) -> bytes:
+        body: dict[str, Any] = {"request": self.request,
+                                "layers": [{k: v for k, v in r.body().items() if k != "request"} for r in self.refs]}
+        if self.seal is not None:
+            body["seal"] = self.seal.out()
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes, limits: Limits | None = None) -> Layers:
+        """The layers in a `kv-layers` body, each checked as `Ref.decode` checks one, and together within
+        one message's `limits` (blocks, bytes), before the caller allocates anything for them. A layer
+        named twice is not refused here: the receiver fails the request for it (as for two messages)."""
+        lim = limits or Limits()
+        d = _object(raw, "layers")
+        request, entries = _request(d.get("request")), d.get("layers")
+        if not isinstance(entries, list) or not 0 < len(entries) <= lim.max_keys:
+            raise _fail(f"layers body names {str(entries)[:40]!r}, not a list of 1 to {lim.max_keys} layers")
+        refs, keys, total = [], 0, 0
+        for e in entries:
+            if not isinstance(e, dict) or "request" in e or "seal" in e or "layer" not in e:
+                raise _fail("a layer of a layers body is not an object with a layer and no request or seal "
+                            "of its own")
+            ref = Ref.of({**e, "request": request}, lim)
+            keys, total = keys + len(ref.keys), total + ref.total
+            if keys > lim.max_keys or total > lim.max_bytes:
+                raise _fail(f"layers body names more than {lim.max_keys} blocks or {lim.max_bytes} bytes",
+                            size=total, limit=lim.max_bytes)
+            refs.append(ref)
+        return cls(request, refs, Seal.of(d["seal"]) if "seal" in d else None)
+
+    @property
+    def keys(self) -> list[Key]:
+        return [k for r in self.refs for k in r.keys]
+
+    @property
+    def total(self) -> int:
+        return sum(r.total for r in self.refs)
+
+    def merged(self) -> Ref:
+        """All the layers' blocks as one reference (of the first layer's number), in order: what a plain
+        `Consumer` reads of such a message."""
+        return Ref(self.keys, [s for r in self.refs for s in r.sizes], [c for r in self.refs for c in r.checksums],
+                   self.request, self.refs[0].layer, self.seal,
+                   [p for r in self.refs for p in (r.places or [None] * len(r.keys))])
 
 
 def sent_ms(headers: dict[str, str]) -> int | None:

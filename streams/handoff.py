@@ -188,10 +188,11 @@ class HandoffReceiver:
                         if isinstance(it, env.End):
                             end = it, came
                             break
-                        if it.layer in seen:
-                            raise HandoffError(f"request {request_id!r}: its producer sent layer {it.layer} twice")
-                        seen.add(it.layer)
-                        refs.append(it)
+                        for ref in it.refs if isinstance(it, env.Layers) else (it,):
+                            if ref.layer in seen:
+                                raise HandoffError(f"request {request_id!r}: its producer sent layer {ref.layer} twice")
+                            seen.add(ref.layer)
+                            refs.append(ref)
                     if end is not None:
                         break
                 burst = []
@@ -332,6 +333,8 @@ class HandoffReceiver:
         item: Item
         if kind == env.KV:
             item = env.Ref.decode(raw.data, self._checks.current_limits())
+        elif kind == env.KV_LAYERS:
+            item = env.Layers.decode(raw.data, self._checks.current_limits())
         elif kind == env.END:
             item = env.End.decode(raw.data, self._checks.limits)
         else:

@@ -19,15 +19,16 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
-from kvpool.core import ConfigError, InvalidArgument, Key, KVPoolError, PoolClient, Stagers, readable
+from kvpool.core import Alarm, ConfigError, InvalidArgument, Key, KVPoolError, PoolClient, Stagers, readable
 
 from . import envelope as env
 from ._link import Link
 from .admin import check_token, subject
 from .announcer import Announcer
 from .errors import StreamUnavailable
+from .layer_hold import HOLD_S, LayerHold
 from .payload import put_blocks, put_payload
 from .pins import PinKeeper
 from .sealing import Sealer, secret_from, sign
@@ -67,16 +68,20 @@ class Producer:
     A publish to a full stream with discard=new raises `StreamFull`; one to a missing stream raises
     `StreamNotFound`. `secret`: the stream secret (default $KVPOOL_STREAM_SECRET; "" for none): every
     message is signed with it (HMAC-SHA256), for consumers and handoff receivers that require it.
+    `hold_s`: a handoff request's layers that come within this many seconds of each other are announced
+    together (`layer_hold`; 0: each at once).
     """
 
     def __init__(self, stream: str, nats_url: str, pool: PoolClient | None = None, *,
                  inline_max: int = INLINE_MAX, pin_ttl_s: float = PIN_TTL_S, timeout_s: float = 5.0,
-                 max_pinned_bytes: int | None = None, secret: str | bytes | None = None) -> None:
+                 max_pinned_bytes: int | None = None, secret: str | bytes | None = None,
+                 hold_s: float = HOLD_S) -> None:
         self.stream = check_token(stream, "stream name")
         self._key = secret_from(secret)
         self._chains: collections.OrderedDict[str, Sealer] = collections.OrderedDict()
-        if inline_max < 0 or pin_ttl_s < 0:
-            raise ConfigError(f"inline_max={inline_max} bytes and pin_ttl_s={pin_ttl_s} must be >= 0")
+        if inline_max < 0 or pin_ttl_s < 0 or not 0 <= hold_s <= 1:
+            raise ConfigError(f"inline_max={inline_max} bytes and pin_ttl_s={pin_ttl_s} must be >= 0, "
+                              f"hold_s={hold_s} 0 to 1 s")
         self.pool, self.inline_max, self.pin_ttl_s = pool, inline_max, pin_ttl_s
         self.max_pinned_bytes = max_pinned_bytes
         self._link = Link(nats_url, timeout_s)
@@ -88,6 +93,9 @@ class Producer:
         self._pins: PinKeeper | None = None
         self._announcer: Announcer | None = None  # on a Wire of its own, made at the first handoff message
         self._stagers: Stagers | None = None  # publish_kv's puts to workers on this node
+        self._waiting = LayerHold(hold_s)  # layers published, not announced yet
+        self._alarm_thread: Alarm | None = None  # announces them should no call come (made at the first)
+        self._lock = threading.Lock()  # the caller's calls against the alarm's
 
     def publish(self, data: Any, *, topic: str = "msg", headers: dict[str, str] | None = None) -> int:
         """Publish a dict/list (as JSON) or a bytes-like/numpy/torch payload; returns its stream sequence.
@@ -109,9 +117,12 @@ class Producer:
         memory and the announcement is sent, without waiting for JetStream to acknowledge it (nor, on this
         node, for the worker to commit them: their commit goes after the announcement, with those of the next
         layers while they come fast: `kvpool.core.shm_stage`), so that the
-        next layer's put overlaps this one's publish; `end_request` waits for both. An
-        announcement the stream refused (e.g. StreamFull) raises from the next call. A call that raises
-        announced nothing: the layer may be published again (e.g. once NATS is back)."""
+        next layer's put overlaps this one's publish; `end_request` waits for both. While a request's
+        layers come within `HOLD_S` of each other, those after its first wait to be announced together
+        (`layer_hold`: up to `HOLD_LAYERS` in one message, none past `HOLD_S` after the last layer, nor
+        past `end_request`). An announcement the stream refused (e.g. StreamFull) raises from the next
+        call. A call that raises announced nothing of its layer: it may be published again (e.g. once NATS
+        is back); layers held from calls before go with the next call's."""
         if len(block_keys) != len(tensors):
             raise InvalidArgument(f"{len(block_keys)} block keys but {len(tensors)} tensors")
         most = env.Limits().max_keys
@@ -124,25 +135,74 @@ class Producer:
         layer = int(layer)
         subj = subject(self.stream, "req", check_token(request_id, "request id"))
         pool = self._need_pool("publish_kv")
-        announcer = self._announcing()
-        announcer.ready()
+        with self._lock:
+            self._announcing().ready()
+            if self._waiting.other(request_id):
+                self._announce_waiting()
         if self._stagers is None:
             self._stagers = Stagers(pool)
             self._held.append(self._stagers.close)
         ref = put_blocks(pool, block_keys, tensors, request=request_id, layer=layer, pin_s=self.pin_ttl_s,
                          stagers=self._stagers, hold=True)
         try:
-            chain = self._chain(request_id)
-            body = dataclasses.replace(ref, seal=chain.next()).encode()
-            try:
-                announcer.send(subj, body, self._signed(subj, {env.KIND: env.KV, **_sent()}, body), ref.keys,
-                               ref.total)
-            except BaseException:  # not announced: a retry of this layer takes its place in the chain
-                chain.take_back()
-                raise
-            chain.layers += 1
+            with self._lock:
+                waiting = self._waiting
+                chain = self._chain(request_id)
+                if waiting.add(request_id, subj, ref, time.monotonic()):
+                    self._alarm().arm(time.monotonic() + self._waiting.hold_s)
+                else:
+                    try:
+                        self._announce_waiting()
+                    except BaseException:  # not announced: a retry of this layer takes its place
+                        waiting.drop_last()
+                        raise
+                chain.layers += 1
         finally:  # the worker commits the layer while the announcement is on its way, not before
             self._stagers.send_held()
+
+    def _announce_waiting(self) -> None:
+        """Announce the layers waiting (`LayerHold`), one as `kv`, several as `kv-layers`, in one message
+        sealed as the next of their request's chain (lock held). One that raises announced none of them:
+        they wait on, for the next call (or the alarm) to send."""
+        waiting = self._waiting
+        if not waiting.refs:
+            return
+        request, subj, refs = cast(str, waiting.request), waiting.subject, waiting.refs
+        chain = self._chain(request)
+        seal = chain.next()
+        if len(refs) == 1:
+            kind, body = env.KV, dataclasses.replace(refs[0], seal=seal).encode()
+        else:
+            kind, body = env.KV_LAYERS, env.Layers(request, refs, seal).encode()
+        try:
+            self._announcing().send(subj, body, self._signed(subj, {env.KIND: kind, **_sent()}, body),
+                                    [k for r in refs for k in r.keys], sum(r.total for r in refs))
+        except BaseException:  # not announced: the next message takes its place in the chain
+            chain.take_back()
+            raise
+        waiting.clear()
+
+    def _announce_held_now(self) -> None:
+        with self._lock:
+            self._announce_waiting()
+
+    def _alarm(self) -> Alarm:
+        if self._alarm_thread is None:
+            self._alarm_thread = Alarm(weakref.WeakMethod(self._announce_late), "kvpool-announce",
+                                       "announcing held layers")
+            self._held.append(self._alarm_thread.stop)
+        return self._alarm_thread
+
+    def _announce_late(self) -> None:
+        """The alarm's turn: announce the layers still waiting `HOLD_S` after the producer's last one. A
+        failure leaves them waiting for the producer's next call, which sends them or raises."""
+        with self._lock:
+            if self._waiting.refs:
+                try:
+                    self._announce_waiting()
+                except Exception as e:
+                    log.debug("stream %r: announcing held layers failed (the next call tries again): %r",
+                              self.stream, e)
 
     def _announcing(self) -> Announcer:
         if self._announcer is None:
@@ -171,11 +231,14 @@ class Producer:
 
     def flush(self) -> None:
         """Wait until the pool committed every layer put so far and JetStream stored every kv announcement
-        sent (publish_kv waits for neither); raises the error of any refused."""
-        if self._stagers is not None:
-            self._stagers.settle()
-        if self._announcer is not None:
-            self._announcer.flush()
+        sent (publish_kv waits for neither), the layers held to go together sent first; raises the error
+        of any refused."""
+        with self._lock:
+            self._announce_waiting()
+            if self._stagers is not None:
+                self._stagers.settle()
+            if self._announcer is not None:
+                self._announcer.flush()
 
     def end_request(self, request_id: str, layers: int | None = None) -> int:
         """Tell the decode side that request `request_id` has no more layers, once JetStream has stored
@@ -185,6 +248,11 @@ class Producer:
         checks it against what arrived); `layers`, if given, must agree with it. A call that raises may be
         made again: the receiver takes the end once."""
         subj = subject(self.stream, "req", check_token(request_id, "request id"))
+        with self._lock:
+            self._announce_waiting()  # (the request's last layers, held to go together)
+            return self._end(request_id, subj, layers)
+
+    def _end(self, request_id: str, subj: str, layers: int | None) -> int:
         published = self._chains[request_id].layers if request_id in self._chains else 0
         if self._stagers is not None:
             self._stagers.settle()  # a layer's put the worker refused fails the request here, not its end
@@ -266,6 +334,9 @@ class Producer:
             if self._announcer is not None:
                 stack.callback(self._announcer.close)
                 stack.callback(self._announcer.flush)
+                stack.callback(self._announce_held_now)
+            if self._alarm_thread is not None:
+                stack.callback(self._alarm_thread.stop)
             if self._stagers is not None:
                 stack.callback(self._stagers.close)
                 self._stagers.settle()

@@ -14,7 +14,7 @@ __all__ = ["Item", "RequestChain"]
 _AHEAD = 1024
 """Messages ahead of their place in the chain a receiver holds while it waits for the ones before."""
 
-Item = env.Ref | env.End
+Item = env.Ref | env.Layers | env.End
 
 
 class RequestChain:

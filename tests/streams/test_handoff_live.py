@@ -1,5 +1,7 @@
 """The handoff's notification path: each message taken live from core NATS the moment it is published,
-the stream's stored copy read back where the live path lost one. Real nats-server and `kvpool worker`."""
+the stream's stored copy read back where the live path lost one. Real nats-server and `kvpool worker`.
+The producers here announce each layer in a message of its own (`hold_s=0`), so that a test can lose,
+reorder or fail the message of one layer; tests/streams/test_layer_hold.py has layers that go together."""
 from __future__ import annotations
 
 import asyncio
@@ -57,11 +59,12 @@ def _live_filter(monkeypatch: pytest.MonkeyPatch, keep: Callable[[Any], bool]) -
 
 
 def _handoff(nats_url: str, stream: str, pool: PoolClient, request: str, *, secret: str | None = None,
-             gate: threading.Event | None = None, stored: threading.Event | None = None) -> threading.Thread:
+             gate: threading.Event | None = None, stored: threading.Event | None = None,
+             hold_s: float = 0.0) -> threading.Thread:
     """A producer thread publishing LAYERS layers of `request` and its end; with `gate`, it publishes
     layer 0, sets `stored` once the stream has it, and waits (at most 20 s) for the gate before the rest."""
     def run() -> None:
-        with Producer(stream, nats_url, pool=pool, secret=secret) as p:
+        with Producer(stream, nats_url, pool=pool, secret=secret, hold_s=hold_s) as p:
             for layer in range(LAYERS):
                 p.publish_kv(request, layer, [f"{request}/L{layer}"], [_block(request, layer)])
                 if layer == 0 and gate is not None:
@@ -212,7 +215,7 @@ def test_what_was_published_while_the_receiver_reconnected_is_read_back(nats, ma
     s, restarted, servers = make_stream(), threading.Event(), []
 
     def produce() -> None:
-        with Producer(s, nats.url, pool=pool, timeout_s=2) as p:
+        with Producer(s, nats.url, pool=pool, timeout_s=2, hold_s=0) as p:
             p.publish_kv("restart", 0, ["restart/L0"], [_block("restart", 0)])
             p.flush()
             assert restarted.wait(30)
@@ -418,7 +421,7 @@ def test_a_layer_or_end_whose_send_failed_is_published_again_and_taken_once(nats
             call(*args)
 
     def produce() -> None:
-        with Producer(s, nats.url, pool=pool, timeout_s=5) as p:
+        with Producer(s, nats.url, pool=pool, timeout_s=5, hold_s=0) as p:
             for layer in range(LAYERS):
                 again(p.publish_kv, "again", layer, [f"again/L{layer}"], [_block("again", layer)])
             again(p.end_request, "again", LAYERS)
