@@ -13,15 +13,19 @@ from __future__ import annotations
 
 from .envelope import Ref
 
-__all__ = ["HOLD_LAYERS", "HOLD_KEYS", "HOLD_S", "LayerHold"]
+__all__ = ["HOLD_BYTES", "HOLD_KEYS", "HOLD_LAYERS", "HOLD_S", "LayerHold"]
 
 HOLD_S = 0.002
 """Layers that come within this many seconds of each other wait to go together (the pool's stager holds
 the same layers' commits as long: `kvpool.core.shm_stage.HOLD_S`)."""
-HOLD_LAYERS = 4
+HOLD_LAYERS = 8
 """Most layers one message names."""
 HOLD_KEYS = 1024
 """Most blocks the layers waiting together may name (a message stays far below NATS's max payload)."""
+HOLD_BYTES = 16 << 20
+"""Most bytes the layers waiting together may name: layers this large gain nothing from going together,
+and a receiver that bounds what one message may name (`envelope.Limits.max_bytes`) to a layer's size or
+more takes a message of several (a layer larger than this goes alone, as it did)."""
 
 
 class LayerHold:
@@ -33,33 +37,37 @@ class LayerHold:
         self.subject = ""
         self.refs: list[Ref] = []
         self.since = 0.0  # when the first of `refs` was published (time.monotonic)
-        self._keys = 0
+        self._keys = self._bytes = 0
         self._last: tuple[str, float] | None = None  # (request, time.monotonic) of the last layer published
 
+    def fits(self, request: str, ref: Ref) -> bool:
+        """Whether `ref`, a layer of `request`, may join the layers waiting (else they go first): none
+        wait, or they are of `request` and with it stay within `HOLD_KEYS` blocks and `HOLD_BYTES`."""
+        return not self.refs or (self.request == request and self._keys + len(ref.keys) <= HOLD_KEYS
+                                 and self._bytes + ref.total <= HOLD_BYTES)
+
     def add(self, request: str, subject: str, ref: Ref, now: float) -> bool:
-        """Take `ref`, a layer of `request` published `now` (the caller sent any other request's layers
-        first: `other`); whether it may wait (else everything held, it included, goes now)."""
+        """Take `ref`, a layer of `request` published `now` that `fits`; whether it may wait (else
+        everything waiting, it included, goes now)."""
         gap = now - self._last[1] if self._last is not None and self._last[0] == request else float("inf")
         self._last = (request, now)
         if not self.refs:
             self.request, self.subject, self.since = request, subject, now
         self.refs.append(ref)
         self._keys += len(ref.keys)
+        self._bytes += ref.total
         # wait unless the layers come slower than HOLD_S, the message is full, or the next layer, as far
         # behind as this one, would find the first one waiting for HOLD_S
         return not (gap > self.hold_s or len(self.refs) >= HOLD_LAYERS or self._keys >= HOLD_KEYS
-                    or now + gap > self.since + self.hold_s)
-
-    def other(self, request: str) -> bool:
-        """Whether layers of a request other than `request` wait."""
-        return bool(self.refs) and self.request != request
+                    or self._bytes >= HOLD_BYTES or now + gap > self.since + self.hold_s)
 
     def drop_last(self) -> None:
         """Give back the last layer taken: its call raised, and it may be published again."""
         ref = self.refs.pop()
         self._keys -= len(ref.keys)
+        self._bytes -= ref.total
 
     def clear(self) -> None:
         """The layers held went out."""
         self.refs = []
-        self._keys = 0
+        self._keys = self._bytes = 0

@@ -137,8 +137,6 @@ class Producer:
         pool = self._need_pool("publish_kv")
         with self._lock:
             self._announcing().ready()
-            if self._waiting.other(request_id):
-                self._announce_waiting()
         if self._stagers is None:
             self._stagers = Stagers(pool)
             self._held.append(self._stagers.close)
@@ -148,6 +146,8 @@ class Producer:
             with self._lock:
                 waiting = self._waiting
                 chain = self._chain(request_id)
+                if not waiting.fits(request_id, ref):  # (another request's, or too many blocks or bytes)
+                    self._announce_waiting()
                 if waiting.add(request_id, subj, ref, time.monotonic()):
                     self._alarm().arm(time.monotonic() + self._waiting.hold_s)
                 else:

@@ -19,12 +19,13 @@ from kvpool.core import ConfigError, PoolClient, nats_connect
 from kvpool.streams import Consumer, HandoffError, HandoffReceiver, Producer, StreamUnavailable, live, stream_info
 from kvpool.streams.envelope import Layers, Limits, Ref
 from kvpool.streams.errors import MalformedMessage
-from kvpool.streams.layer_hold import HOLD_KEYS, HOLD_LAYERS, LayerHold
+from kvpool.streams.layer_hold import HOLD_BYTES, HOLD_KEYS, HOLD_LAYERS, LayerHold
 from kvpool.streams.payload import put_blocks
 from kvpool.streams.sealing import Sealer
 from kvpool.streams.wire import Wire
 
-LAYERS, BLOCK = 6, 64 << 10
+BLOCK = 64 << 10
+LAYERS = HOLD_LAYERS + 2  # the first alone, a full message, one sent by the end
 LONG_S = 0.5
 """A hold far longer than a test's layers take to come, so that which go together does not depend on
 the machine's speed."""
@@ -94,11 +95,15 @@ def test_a_layer_of_another_request_or_past_the_key_bound_does_not_wait_with_the
     hold.add("a", "sa", _ref(0), 0.0)
     hold.clear()
     assert hold.add("a", "sa", _ref(1), 0.001)
-    assert hold.other("b") and not hold.other("a")
-    assert not hold.add("a", "sa", _ref(2, HOLD_KEYS), 0.002)  # the blocks named reach the bound: go
+    assert not hold.fits("b", _ref(0)) and hold.fits("a", _ref(2, HOLD_KEYS - 1))
+    assert not hold.fits("a", _ref(2, HOLD_KEYS))  # past the bound on blocks: those waiting go first
+    big = Ref(["a/L2"], [HOLD_BYTES], [0], "a", 2)
+    assert not hold.fits("a", big)  # past the bound on bytes
+    assert not hold.add("a", "sa", _ref(2, HOLD_KEYS - 1), 0.002)  # the blocks named reach the bound: go
     hold.drop_last()  # (its call raised: it is published again later)
-    assert [r.layer for r in hold.refs] == [1]
-    assert not LayerHold(hold_s=LONG_S).add("b", "sb", _ref(5), 0.0)  # another request's first layer
+    assert [r.layer for r in hold.refs] == [1] and hold.fits("a", _ref(2, HOLD_KEYS - 1))
+    alone = LayerHold(hold_s=LONG_S)
+    assert alone.fits("a", big) and not alone.add("a", "sa", big, 0.0)  # a large layer goes alone, at once
 
 
 def test_hold_s_outside_0_to_1_s_is_a_config_error(nats, make_stream, pool) -> None:
@@ -146,7 +151,7 @@ def test_fast_layers_go_in_fewer_messages_and_arrive_whole_and_in_order(nats, ma
     with Producer(s, nats.url, pool=pool, hold_s=LONG_S) as p:
         _publish(p, "r", range(LAYERS))
         p.end_request("r", LAYERS)
-    # layer 0 alone, 1-4 in one message, 5 sent by the end (which goes after it)
+    # layer 0 alone, 1 to HOLD_LAYERS in one message, the last sent by the end (which goes after it)
     assert _kinds(nats.url, s, pool) == ["kv", "kv-layers", "kv", "end"]
     with HandoffReceiver(s, nats.url, pool) as rx:
         assert _receive(rx, "r") == list(range(LAYERS))
@@ -199,8 +204,9 @@ def test_a_lost_layers_message_is_read_back_from_the_stream(nats, make_stream, p
 
 def test_a_layers_message_whose_send_failed_goes_with_the_call_made_again(nats, make_stream, pool,
                                                                           monkeypatch) -> None:
-    """The send of layers 1-4 fails at layer 4's call: that call raises, layers 1-3 (whose calls returned)
-    wait on, and the call made again sends all four, each taken once."""
+    """The send of the full message (layers 1 to HOLD_LAYERS) fails at its last layer's call: that call
+    raises, the layers before (whose calls returned) wait on, and the call made again sends them all, each
+    taken once."""
     s, failed = make_stream(), []
     real = Wire.publish
 
@@ -211,12 +217,12 @@ def test_a_layers_message_whose_send_failed_goes_with_the_call_made_again(nats, 
         real(self, subj, body, headers, reply)
     monkeypatch.setattr(Wire, "publish", flaky)
     with Producer(s, nats.url, pool=pool, hold_s=LONG_S) as p:
-        _publish(p, "again", range(4))
+        _publish(p, "again", range(HOLD_LAYERS))
         with pytest.raises(StreamUnavailable):
-            _publish(p, "again", range(4, 5))
-        _publish(p, "again", range(4, LAYERS))
+            _publish(p, "again", range(HOLD_LAYERS, HOLD_LAYERS + 1))
+        _publish(p, "again", range(HOLD_LAYERS, LAYERS))
         p.end_request("again", LAYERS)
-    assert failed == [[1, 2, 3, 4]]
+    assert failed == [list(range(1, HOLD_LAYERS + 1))]
     assert _kinds(nats.url, s, pool) == ["kv", "kv-layers", "kv", "end"]
     with HandoffReceiver(s, nats.url, pool) as rx:
         assert _receive(rx, "again") == list(range(LAYERS))
@@ -260,3 +266,18 @@ def test_a_layer_named_twice_in_a_layers_message_fails_the_request(nats, make_st
     _forge(nats.url, [(subj, body, {"Kvpool-Kind": "kv-layers"})])
     with HandoffReceiver(s, nats.url, pool) as rx, pytest.raises(HandoffError, match="layer 1 twice"):
         list(rx.iter_layers("dup", timeout=5))
+
+
+def test_interleaved_requests_each_arrive_whole(nats, make_stream, pool) -> None:
+    """Layers of two requests in turns (an engine saving a layer for each request of a batch): a layer
+    of one sends the other's waiting layers first, and each receiver takes its own request whole."""
+    s = make_stream()
+    with Producer(s, nats.url, pool=pool, hold_s=LONG_S) as p:
+        for layer in range(3):
+            for request in ("a", "b"):
+                _publish(p, request, range(layer, layer + 1))
+        p.end_request("a", 3)
+        p.end_request("b", 3)
+    with HandoffReceiver(s, nats.url, pool) as rx:
+        assert _receive(rx, "a") == [0, 1, 2] and _receive(rx, "b") == [0, 1, 2]
+    assert rx.counts["rejected"] == 0
