@@ -2,8 +2,8 @@
 `HOLD_S` apart, those after its first wait to go together, `HOLD_LAYERS` at most, in one `kv-layers`
 message (`envelope.Layers`). What a layer's announcement costs besides its bytes (JetStream storing the
 message and acknowledging it, the producer sealing, sending and reading that acknowledgement, the decode
-side reading and checking it) then falls on several layers: a same-node handoff of 32 x 1 MiB layers here
-went 2.06 -> 2.62 GB/s (best of 37 requests) with four layers' blocks named by one message.
+side reading and checking it) then falls on several layers: a same-node handoff of 32 x 1 MiB layers on
+2 CPUs went 2.23-2.29 -> 2.79-2.99 GB/s (medians of 50 requests; docs/BENCHMARKS.md, run AY).
 
 A request's first layer, and any after a pause of `HOLD_S`, goes at once (the decode side waiting for
 layer 0 waits no longer); none waits more than `HOLD_S` after the producer's last layer (its `Alarm`
