@@ -51,6 +51,11 @@ class Announcer:
         self._refused: collections.deque[tuple[BaseException, Sequence[Key]]] = collections.deque()
         self._reconnects = wire.reconnects
 
+    @property
+    def max_payload(self) -> int:
+        """The most bytes (headers and body) the server takes in one message."""
+        return self._wire.max_payload
+
     def ready(self) -> None:
         """Call before putting the blocks of the next announcement: takes the acknowledgements that
         arrived, raises an earlier refusal, and waits for all to be stored once WINDOW are in flight."""

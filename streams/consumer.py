@@ -169,7 +169,8 @@ def decode(raw: Any, checks: Checks, into: Any, fetch_payload: bool, msg: M) -> 
         if msg.kind in (env.REF, env.KV):
             msg.ref = env.Ref.decode(raw.data, checks.current_limits())
         elif msg.kind == env.KV_LAYERS:  # (its layers' blocks, one after the other)
-            msg.ref = env.Layers.decode(raw.data, checks.current_limits()).merged()
+            limits = checks.current_limits()
+            msg.ref = env.Layers.decode(raw.data, limits).merged(limits)
         elif msg.kind == env.END:
             env.End.decode(raw.data, checks.limits)
     except (MalformedMessage, ForgedMessage) as e:

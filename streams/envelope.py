@@ -252,12 +252,16 @@ class End:
                    Seal.of(d["seal"]) if "seal" in d else None)
 
 
+MAX_LAYERS = 64
+"""Most layers one `kv-layers` message may name (a producer sends at most `layer_hold.HOLD_LAYERS`)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Layers:
     """Layers of one handoff request in one message (`kv-layers`), with one seal for them all: a producer
     whose layers come faster than it is worth announcing each sends those that come together in one
-    (`producer.HOLD_LAYERS`), so JetStream stores, and the decode side reads and checks, one message, not
-    several. Each layer is a `Ref` of the request with no seal of its own, in the order published."""
+    (`layer_hold`), so JetStream stores, and the decode side reads and checks, one message, not several.
+    Each layer is a `Ref` of the request with no seal of its own, in the order published."""
 
     request: str
     refs: list[Ref]
@@ -272,39 +276,33 @@ class Layers:
 
     @classmethod
     def decode(cls, raw: bytes, limits: Limits | None = None) -> Layers:
-        """The layers in a `kv-layers` body, each checked as `Ref.decode` checks one, and together within
-        one message's `limits` (blocks, bytes), before the caller allocates anything for them. A layer
-        named twice is not refused here: the receiver fails the request for it (as for two messages)."""
+        """The layers in a `kv-layers` body, at most `MAX_LAYERS`, each checked as `Ref.decode` checks one
+        (`limits` bound each layer, as they bound a `kv` message's one), before the caller allocates
+        anything for them. A layer named twice is not refused here: the receiver fails the request for it
+        (as for two messages)."""
         lim = limits or Limits()
         d = _object(raw, "layers")
         request, entries = _request(d.get("request")), d.get("layers")
-        if not isinstance(entries, list) or not 0 < len(entries) <= lim.max_keys:
-            raise _fail(f"layers body names {str(entries)[:40]!r}, not a list of 1 to {lim.max_keys} layers")
-        refs, keys, total = [], 0, 0
+        if not isinstance(entries, list) or not 0 < len(entries) <= MAX_LAYERS:
+            raise _fail(f"layers body names {str(entries)[:40]!r}, not a list of 1 to {MAX_LAYERS} layers")
+        refs = []
         for e in entries:
             if not isinstance(e, dict) or "request" in e or "seal" in e or "layer" not in e:
                 raise _fail("a layer of a layers body is not an object with a layer and no request or seal "
                             "of its own")
-            ref = Ref.of({**e, "request": request}, lim)
-            keys, total = keys + len(ref.keys), total + ref.total
-            if keys > lim.max_keys or total > lim.max_bytes:
-                raise _fail(f"layers body names more than {lim.max_keys} blocks or {lim.max_bytes} bytes",
-                            size=total, limit=lim.max_bytes)
-            refs.append(ref)
+            refs.append(Ref.of({**e, "request": request}, lim))
         return cls(request, refs, Seal.of(d["seal"]) if "seal" in d else None)
 
-    @property
-    def keys(self) -> list[Key]:
-        return [k for r in self.refs for k in r.keys]
-
-    @property
-    def total(self) -> int:
-        return sum(r.total for r in self.refs)
-
-    def merged(self) -> Ref:
+    def merged(self, limits: Limits | None = None) -> Ref:
         """All the layers' blocks as one reference (of the first layer's number), in order: what a plain
-        `Consumer` reads of such a message."""
-        return Ref(self.keys, [s for r in self.refs for s in r.sizes], [c for r in self.refs for c in r.checksums],
+        `Consumer` reads of such a message, as one payload within `limits` (MalformedMessage past them)."""
+        lim = limits or Limits()
+        keys = [k for r in self.refs for k in r.keys]
+        total = sum(r.total for r in self.refs)
+        if len(keys) > lim.max_keys or total > lim.max_bytes:
+            raise _fail(f"layers body names {len(keys)} blocks, {total} bytes; a message may name at most "
+                        f"{lim.max_keys} blocks, {lim.max_bytes} bytes", size=total, limit=lim.max_bytes)
+        return Ref(keys, [s for r in self.refs for s in r.sizes], [c for r in self.refs for c in r.checksums],
                    self.request, self.refs[0].layer, self.seal,
                    [p for r in self.refs for p in (r.places or [None] * len(r.keys))])
 

@@ -42,6 +42,8 @@ PIN_TTL_S = 60.0
 """Default bound, in seconds, on how long a by-reference payload's pins outlive its producer."""
 _HEADER_NAME = re.compile(r"^[!-9;-~]+$")
 """A header name: printable ASCII but ':' (no spaces)."""
+_HEADER_ROOM = 4096
+"""What a handoff message's headers may take besides its body, against the server's max_payload."""
 _OPEN_REQUESTS = 4096
 """Handoff requests a producer keeps the chain of until their end; past it the oldest is forgotten
 (its further messages start a new chain, which its receiver refuses as a second producer)."""
@@ -145,10 +147,10 @@ class Producer:
         try:
             with self._lock:
                 waiting = self._waiting
-                chain = self._chain(request_id)
                 if not waiting.fits(request_id, ref):  # (another request's, or too many blocks or bytes)
                     self._announce_waiting()
-                if waiting.add(request_id, subj, ref, time.monotonic()):
+                chain = self._chain(request_id)  # (after: making it may let the oldest request's chain go)
+                if waiting.add(request_id, subj, chain, ref, time.monotonic()):
                     self._alarm().arm(time.monotonic() + self._waiting.hold_s)
                 else:
                     try:
@@ -162,25 +164,37 @@ class Producer:
 
     def _announce_waiting(self) -> None:
         """Announce the layers waiting (`LayerHold`), one as `kv`, several as `kv-layers`, in one message
-        sealed as the next of their request's chain (lock held). One that raises announced none of them:
-        they wait on, for the next call (or the alarm) to send."""
+        sealed as the next of their request's chain (lock held); layers whose one message would pass the
+        server's max_payload go one to a message. One that raises announced none of them: they wait on,
+        for the next call (or the alarm) to send."""
         waiting = self._waiting
-        if not waiting.refs:
-            return
-        request, subj, refs = cast(str, waiting.request), waiting.subject, waiting.refs
-        chain = self._chain(request)
+        if waiting.refs and self._send_layers(waiting.refs):
+            waiting.clear()
+        while waiting.refs:
+            self._send_layers(waiting.refs[:1])
+            waiting.take_first()
+
+    def _send_layers(self, refs: list[env.Ref]) -> bool:
+        """Announce `refs` (the first layers waiting) in one message sealed as the next of their chain;
+        False, with nothing sent, for several whose message would pass the server's max_payload. Nothing
+        is announced if it raises."""
+        waiting, announcer = self._waiting, self._announcing()
+        request, subj, chain = cast(str, waiting.request), waiting.subject, cast(Sealer, waiting.chain)
         seal = chain.next()
         if len(refs) == 1:
             kind, body = env.KV, dataclasses.replace(refs[0], seal=seal).encode()
         else:
             kind, body = env.KV_LAYERS, env.Layers(request, refs, seal).encode()
+            if len(body) + _HEADER_ROOM > announcer.max_payload:
+                chain.take_back()
+                return False
         try:
-            self._announcing().send(subj, body, self._signed(subj, {env.KIND: kind, **_sent()}, body),
-                                    [k for r in refs for k in r.keys], sum(r.total for r in refs))
+            announcer.send(subj, body, self._signed(subj, {env.KIND: kind, **_sent()}, body),
+                           [k for r in refs for k in r.keys], sum(r.total for r in refs))
         except BaseException:  # not announced: the next message takes its place in the chain
             chain.take_back()
             raise
-        waiting.clear()
+        return True
 
     def _announce_held_now(self) -> None:
         with self._lock:

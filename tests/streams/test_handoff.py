@@ -28,7 +28,8 @@ def _prefill(nats_url: str, stream: str, request: str, layers: int, end: bool) -
         from kvpool.streams import Producer
         pool = PoolClient(mode="cluster", nats_url={nats_url!r})
         assert pool.wait_for_members(lambda m: len(m) == 1, 15)
-        with Producer({stream!r}, {nats_url!r}, pool=pool, inline_max=64 << 10) as p:
+        # (a message a layer, as the test counts them: layers that come fast may otherwise go together)
+        with Producer({stream!r}, {nats_url!r}, pool=pool, inline_max=64 << 10, hold_s=0) as p:
             p.publish(bytes(range(256)) * 8192)  # 2 MiB by reference
             for layer in range({layers}):
                 rng = np.random.default_rng([{sum(request.encode())}, layer])

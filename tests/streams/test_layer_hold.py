@@ -17,7 +17,7 @@ import pytest
 
 from kvpool.core import ConfigError, PoolClient, nats_connect
 from kvpool.streams import Consumer, HandoffError, HandoffReceiver, Producer, StreamUnavailable, live, stream_info
-from kvpool.streams.envelope import Layers, Limits, Ref
+from kvpool.streams.envelope import MAX_LAYERS, Layers, Limits, Ref
 from kvpool.streams.errors import MalformedMessage
 from kvpool.streams.layer_hold import HOLD_BYTES, HOLD_KEYS, HOLD_LAYERS, LayerHold
 from kvpool.streams.payload import put_blocks
@@ -26,6 +26,8 @@ from kvpool.streams.wire import Wire
 
 BLOCK = 64 << 10
 LAYERS = HOLD_LAYERS + 2  # the first alone, a full message, one sent by the end
+CHAIN = Sealer()
+"""The chain LayerHold's unit tests hand it (its layers are not sent there)."""
 LONG_S = 0.5
 """A hold far longer than a test's layers take to come, so that which go together does not depend on
 the machine's speed."""
@@ -72,38 +74,38 @@ def _entry(layer: int, n: int = 1) -> dict[str, Any]:
 
 def test_a_requests_first_layer_goes_at_once_and_fast_ones_wait_for_a_full_message() -> None:
     hold = LayerHold(hold_s=LONG_S)
-    assert not hold.add("r", "s", _ref(0), 0.0)  # the first: the decode side waits for it
+    assert not hold.add("r", "s", CHAIN, _ref(0), 0.0)  # the first: the decode side waits for it
     hold.clear()
-    waits = [hold.add("r", "s", _ref(layer), 0.001 * layer) for layer in range(1, HOLD_LAYERS + 1)]
+    waits = [hold.add("r", "s", CHAIN, _ref(layer), 0.001 * layer) for layer in range(1, HOLD_LAYERS + 1)]
     assert waits == [True] * (HOLD_LAYERS - 1) + [False]  # the message is full: all of them go
     assert [r.layer for r in hold.refs] == list(range(1, HOLD_LAYERS + 1))
 
 
 def test_layers_slower_than_the_hold_go_each_at_once() -> None:
     hold = LayerHold(hold_s=0.002)
-    assert not hold.add("r", "s", _ref(0), 0.0)
+    assert not hold.add("r", "s", CHAIN, _ref(0), 0.0)
     hold.clear()
-    assert not hold.add("r", "s", _ref(1), 0.003)
+    assert not hold.add("r", "s", CHAIN, _ref(1), 0.003)
     hold.clear()
-    assert hold.add("r", "s", _ref(2), 0.0035)  # 0.5 ms after the one before: the next may come soon
-    assert not hold.add("r", "s", _ref(3), 0.0050)  # the next, 1.5 ms on, would find layer 2 waiting 3 ms
-    assert LayerHold(hold_s=0).add("r", "s", _ref(0), 0.0) is False
+    assert hold.add("r", "s", CHAIN, _ref(2), 0.0035)  # 0.5 ms after the one before: the next may come soon
+    assert not hold.add("r", "s", CHAIN, _ref(3), 0.0050)  # the next, 1.5 ms on, would find layer 2 waiting 3 ms
+    assert LayerHold(hold_s=0).add("r", "s", CHAIN, _ref(0), 0.0) is False
 
 
 def test_a_layer_of_another_request_or_past_the_key_bound_does_not_wait_with_them() -> None:
     hold = LayerHold(hold_s=LONG_S)
-    hold.add("a", "sa", _ref(0), 0.0)
+    hold.add("a", "sa", CHAIN, _ref(0), 0.0)
     hold.clear()
-    assert hold.add("a", "sa", _ref(1), 0.001)
+    assert hold.add("a", "sa", CHAIN, _ref(1), 0.001)
     assert not hold.fits("b", _ref(0)) and hold.fits("a", _ref(2, HOLD_KEYS - 1))
     assert not hold.fits("a", _ref(2, HOLD_KEYS))  # past the bound on blocks: those waiting go first
     big = Ref(["a/L2"], [HOLD_BYTES], [0], "a", 2)
     assert not hold.fits("a", big)  # past the bound on bytes
-    assert not hold.add("a", "sa", _ref(2, HOLD_KEYS - 1), 0.002)  # the blocks named reach the bound: go
+    assert not hold.add("a", "sa", CHAIN, _ref(2, HOLD_KEYS - 1), 0.002)  # the blocks named reach the bound: go
     hold.drop_last()  # (its call raised: it is published again later)
     assert [r.layer for r in hold.refs] == [1] and hold.fits("a", _ref(2, HOLD_KEYS - 1))
     alone = LayerHold(hold_s=LONG_S)
-    assert alone.fits("a", big) and not alone.add("a", "sa", big, 0.0)  # a large layer goes alone, at once
+    assert alone.fits("a", big) and not alone.add("a", "sa", CHAIN, big, 0.0)  # a large layer goes alone, at once
 
 
 def test_hold_s_outside_0_to_1_s_is_a_config_error(nats, make_stream, pool) -> None:
@@ -125,6 +127,17 @@ def test_a_layers_message_reads_back_as_the_layers_it_names() -> None:
         ["r/L3/0", "r/L3/1", "r/L4/0"], [8, 8, 8], [3, 3, 4], 3)
 
 
+def test_a_plain_consumer_bounds_a_layers_message_as_one_payload() -> None:
+    """A receiver bounds each layer; a plain consumer, which reads the message as one payload, bounds the
+    whole of it (before it allocates a buffer for it)."""
+    two = Layers("r", [_ref(0, 3), _ref(1, 3)], Sealer().next())
+    assert len(two.merged(Limits(max_keys=6)).keys) == 6
+    with pytest.raises(MalformedMessage, match="6 blocks, 48 bytes"):
+        two.merged(Limits(max_keys=5))
+    with pytest.raises(MalformedMessage, match="6 blocks, 48 bytes"):
+        two.merged(Limits(max_bytes=47))
+
+
 @pytest.mark.parametrize("body, why", [
     ({"request": "r", "layers": []}, "not a list of 1 to"),
     ({"request": "r", "layers": {"a": 1}}, "not a list of 1 to"),
@@ -133,12 +146,14 @@ def test_a_layers_message_reads_back_as_the_layers_it_names() -> None:
     ({"request": "r", "layers": [{**_entry(0), "seal": {}}]}, "no request or seal"),
     ({"request": "r", "layers": [{**_entry(0), "layer": -1}]}, "layer is -1"),
     ({"request": "no spaces", "layers": [_entry(0)]}, "request id"),
-    ({"request": "r", "layers": [_entry(0, 3), _entry(1, 3)]}, "more than 4 blocks"),
-    ({"request": "r", "layers": [{**_entry(0), "sizes": [1 << 20]}, {**_entry(1), "sizes": [1 << 20]}]},
-     "more than 4 blocks or 1572864 bytes"),
+    ({"request": "r", "layers": [_entry(0), _entry(1, 5)]}, "reference names 5 blocks"),
+    ({"request": "r", "layers": [_entry(0), {**_entry(1, 2), "sizes": [1 << 20, 1 << 20]}]},
+     "reference names 2097152 bytes"),
+    ({"request": "r", "layers": [_entry(i) for i in range(MAX_LAYERS + 1)]}, f"not a list of 1 to {MAX_LAYERS}"),
 ], ids=["empty", "not-a-list", "no-layer", "own-request", "own-seal", "negative-layer", "bad-request",
-        "too-many-blocks", "too-many-bytes"])
+        "a-layer-past-max-keys", "a-layer-past-max-bytes", "too-many-layers"])
 def test_a_malformed_layers_message_is_refused_before_anything_is_allocated(body: dict[str, Any], why: str) -> None:
+    """`limits` bound each layer (as they bound a `kv` message's one); the list, `MAX_LAYERS`."""
     limits = Limits(max_block=1 << 20, max_keys=4, max_bytes=3 << 19)
     with pytest.raises(MalformedMessage, match=why):
         Layers.decode(json.dumps(body).encode(), limits)

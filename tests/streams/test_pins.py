@@ -98,7 +98,7 @@ def test_handoff_layers_stay_pinned_until_the_decode_side_has_read_the_request(n
 def test_a_refused_kv_announcement_is_stream_full_and_its_blocks_are_unpinned(nats, make_stream, pool):
     s = make_stream(max_msgs=2, discard="new")
     keys = [f"r/L{i}" for i in range(3)]
-    with Producer(s, nats.url, pool=pool, pin_ttl_s=30) as p:
+    with Producer(s, nats.url, pool=pool, pin_ttl_s=30, hold_s=0) as p:  # (a message a layer)
         for i, key in enumerate(keys):
             p.publish_kv("r", i, [key], [bytes([i]) * (4 * MiB)])  # the third does not fit in the stream
         with pytest.raises(StreamFull):

@@ -180,7 +180,7 @@ def test_a_request_id_used_again_is_the_new_request_when_many_earlier_ones_arewa
     typed refusal."""
     s = make_stream()
     tiny = np.zeros(16, np.uint8)
-    with Producer(s, nats.url, pool=pool) as p:
+    with Producer(s, nats.url, pool=pool, hold_s=0) as p:  # (a message a layer: 4096 of them, as it says)
         for i in range(64):
             for layer in range(63):
                 p.publish_kv("r", layer, [f"old{i}/x"], [tiny])
