@@ -7,7 +7,7 @@ side reading and checking it) then falls on several layers: a same-node handoff 
 
 A request's first layer, and any after a pause of `HOLD_S`, goes at once (the decode side waiting for
 layer 0 waits no longer); none waits more than `HOLD_S` after the producer's last layer (its `Alarm`
-sends it then; a send that fails there leaves them for the producer's next call), nor past the request's
+sends it then, and again while that fails, as does the producer's next call), nor past the request's
 end, which sends what is held first. Only one request's layers wait at a time: a layer of another request
 sends them first. Layers whose one message would pass the server's max_payload go one to a message."""
 from __future__ import annotations

@@ -42,6 +42,8 @@ PIN_TTL_S = 60.0
 """Default bound, in seconds, on how long a by-reference payload's pins outlive its producer."""
 _HEADER_NAME = re.compile(r"^[!-9;-~]+$")
 """A header name: printable ASCII but ':' (no spaces)."""
+_RETRY_S = 0.1
+"""How long after its send failed the alarm tries again to announce layers that wait (NATS away)."""
 _HEADER_ROOM = 4096
 """What a handoff message's headers may take besides its body, against the server's max_payload."""
 _OPEN_REQUESTS = 4096
@@ -97,6 +99,7 @@ class Producer:
         self._stagers: Stagers | None = None  # publish_kv's puts to workers on this node
         self._waiting = LayerHold(hold_s)  # layers published, not announced yet
         self._alarm_thread: Alarm | None = None  # announces them should no call come (made at the first)
+        self._late_failed = False  # (an alarm's send failed before: logged once)
         self._lock = threading.Lock()  # the caller's calls against the alarm's
 
     def publish(self, data: Any, *, topic: str = "msg", headers: dict[str, str] | None = None) -> int:
@@ -209,14 +212,18 @@ class Producer:
 
     def _announce_late(self) -> None:
         """The alarm's turn: announce the layers still waiting `HOLD_S` after the producer's last one. A
-        failure leaves them waiting for the producer's next call, which sends them or raises."""
+        failure leaves them waiting: the alarm tries again `_RETRY_S` later, and the producer's next call
+        sends them or raises (the first failure is logged as a warning, later ones at debug level)."""
         with self._lock:
             if self._waiting.refs:
                 try:
                     self._announce_waiting()
                 except Exception as e:
-                    log.debug("stream %r: announcing held layers failed (the next call tries again): %r",
-                              self.stream, e)
+                    (log.debug if self._late_failed else log.warning)(
+                        "stream %r: announcing held layers failed (tried again in %s s, and by the next call): %r",
+                        self.stream, _RETRY_S, e)
+                    self._late_failed = True
+                    self._alarm().arm(time.monotonic() + _RETRY_S)
 
     def _announcing(self) -> Announcer:
         if self._announcer is None:

@@ -296,3 +296,28 @@ def test_interleaved_requests_each_arrive_whole(nats, make_stream, pool) -> None
     with HandoffReceiver(s, nats.url, pool) as rx:
         assert _receive(rx, "a") == [0, 1, 2] and _receive(rx, "b") == [0, 1, 2]
     assert rx.counts["rejected"] == 0
+
+
+def test_layers_whose_send_failed_on_the_alarm_go_when_it_tries_again(nats, make_stream, pool, monkeypatch,
+                                                                      caplog) -> None:
+    """The alarm's send of the waiting layers fails (NATS away for a moment) and no call comes after: the
+    alarm tries again, and the decode side gets them before the request's end is even asked for."""
+    s, failed = make_stream(), []
+    real = Wire.publish
+
+    def flaky(self: Wire, subj: str, body: bytes, headers: dict[str, str] | None = None, reply: str = "") -> None:
+        if (headers or {}).get("Kvpool-Kind") == "kv-layers" and not failed:
+            failed.append(threading.current_thread().name)
+            raise StreamUnavailable("NATS at nats://test: sending failed (injected)")
+        real(self, subj, body, headers, reply)
+    monkeypatch.setattr(Wire, "publish", flaky)
+    with Producer(s, nats.url, pool=pool, hold_s=0.2) as p:
+        _publish(p, "r", range(3))  # layer 0 goes; 1 and 2 wait, and no call comes
+        deadline = time.monotonic() + 10
+        while stream_info(nats.url, s)["messages"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert failed == ["kvpool-announce"]  # (the alarm's send failed, not a call's)
+        assert stream_info(nats.url, s)["messages"] == 2, "the alarm did not try again"
+        p.end_request("r", 3)
+    assert _kinds(nats.url, s, pool) == ["kv", "kv-layers", "end"]
+    assert "announcing held layers failed" in caplog.text
