@@ -1,11 +1,14 @@
-"""What the handoff checks share: a layer's bytes (the same for a tag and layer in every run) and a wait
-for a stream to hold so many messages."""
+"""What the handoff checks share: a layer's bytes (the same for a tag and layer in every run), a wait
+for a stream to hold so many messages, and a forger publishing straight to NATS."""
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 import numpy as np
 
+from kvpool.core import nats_connect
 from kvpool.streams import stream_info
 
 
@@ -19,3 +22,16 @@ def wait_stored(url: str, stream: str, messages: int) -> None:
     while stream_info(url, stream)["messages"] != messages and time.monotonic() < deadline:
         time.sleep(0.02)
     assert stream_info(url, stream)["messages"] == messages
+
+
+def forge(url: str, messages: list[tuple[str, bytes, dict[str, str]]]) -> None:
+    """Publish (subject, body, headers) straight to NATS, as anyone allowed on the subjects could."""
+    async def run() -> None:
+        nc = await nats_connect(url, 5, logging.getLogger("test.forger"))
+        try:
+            for subj, body, headers in messages:
+                await nc.publish(subj, body, headers=headers)
+            await nc.flush()
+        finally:
+            await nc.close()
+    asyncio.run(run())

@@ -8,15 +8,15 @@ import asyncio
 import dataclasses
 import gc
 import json
-import logging
 import threading
 import time
 from typing import Any
 
 import numpy as np
 import pytest
+from handoffhelp import forge
 
-from kvpool.core import PoolClient, nats_connect
+from kvpool.core import PoolClient
 from kvpool.streams import (
     AsyncConsumer,
     Consumer,
@@ -65,18 +65,6 @@ def _kinds(url: str, stream: str, pool: PoolClient) -> list[str]:
             got.append(msg.kind)
             msg.ack()
     return got
-
-
-def _forge(url: str, messages: list[tuple[str, bytes, dict[str, str]]]) -> None:
-    async def run() -> None:
-        nc = await nats_connect(url, 5, logging.getLogger("test.forger"))
-        try:
-            for subj, body, headers in messages:
-                await nc.publish(subj, body, headers=headers)
-            await nc.flush()
-        finally:
-            await nc.close()
-    asyncio.run(run())
 
 
 def _subj(stream: str, request: str) -> str:
@@ -283,7 +271,7 @@ def test_adv_hold_a_layer_in_a_layers_message_and_again_in_a_kv_message_fails_th
     s, chain = make_stream(), Sealer()
     refs = _refs(pool, "twice", range(3))
     subj = _subj(s, "twice")
-    _forge(nats.url, [
+    forge(nats.url, [
         (subj, Layers("twice", refs[:2], chain.next()).encode(), {"Kvpool-Kind": "kv-layers"}),
         (subj, dataclasses.replace(refs[1], seal=chain.next()).encode(), {"Kvpool-Kind": "kv"}),
     ])
@@ -296,7 +284,7 @@ def test_adv_hold_a_layers_message_of_another_request_is_dropped(nats, make_stre
     dropped; a's own layers all arrive."""
     s = make_stream()
     forged = _refs(pool, "bb", range(1, 3))
-    _forge(nats.url, [(_subj(s, "aa"), Layers("bb", forged, Sealer().next()).encode(), {"Kvpool-Kind": "kv-layers"})])
+    forge(nats.url, [(_subj(s, "aa"), Layers("bb", forged, Sealer().next()).encode(), {"Kvpool-Kind": "kv-layers"})])
     with Producer(s, nats.url, pool=pool, hold_s=LONG_S) as p:
         _publish(p, "aa", range(3))
         p.end_request("aa", 3)
@@ -313,7 +301,7 @@ def test_adv_hold_with_a_secret_unsigned_or_missigned_layers_messages_are_droppe
     body = Layers("sig", refs[1:], chain.next()).encode()
     headers = {"Kvpool-Kind": "kv-layers"}
     bad = {**headers, "Kvpool-Sig": sign(b"another secret", subj, headers, body)}
-    _forge(nats.url, [(subj, body, headers), (subj, body, bad)])
+    forge(nats.url, [(subj, body, headers), (subj, body, bad)])
     with Producer(s, nats.url, pool=pool, hold_s=LONG_S, secret=secret) as p:
         _publish(p, "sig", range(3))
         p.end_request("sig", 3)

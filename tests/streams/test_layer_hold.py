@@ -4,18 +4,17 @@ that losing, failing or forging one costs a read-back or a typed error, never a 
 and `kvpool worker`."""
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
-import logging
 import threading
 import time
 from typing import Any
 
 import numpy as np
 import pytest
+from handoffhelp import forge
 
-from kvpool.core import ConfigError, PoolClient, nats_connect
+from kvpool.core import ConfigError, PoolClient
 from kvpool.streams import Consumer, HandoffError, HandoffReceiver, Producer, StreamUnavailable, live, stream_info
 from kvpool.streams.envelope import MAX_LAYERS, Layers, Limits, Ref
 from kvpool.streams.errors import MalformedMessage
@@ -259,18 +258,6 @@ def test_a_plain_consumer_reads_a_layers_message_as_its_blocks_in_order(nats, ma
     assert msgs[1].ref is not None and msgs[1].ref.keys == ["r/L1", "r/L2"]
 
 
-def _forge(url: str, messages: list[tuple[str, bytes, dict[str, str]]]) -> None:
-    async def run() -> None:
-        nc = await nats_connect(url, 5, logging.getLogger("test.forger"))
-        try:
-            for subj, body, headers in messages:
-                await nc.publish(subj, body, headers=headers)
-            await nc.flush()
-        finally:
-            await nc.close()
-    asyncio.run(run())
-
-
 def test_a_layer_named_twice_in_a_layers_message_fails_the_request(nats, make_stream, pool: PoolClient) -> None:
     """A chain of its own (a buggy or compromised producer) whose layers message names layer 1 twice: a
     typed error, never a short or doubled read."""
@@ -278,7 +265,7 @@ def test_a_layer_named_twice_in_a_layers_message_fails_the_request(nats, make_st
     refs = [put_blocks(pool, [f"dup/L{layer}"], [_block("dup", layer)], request="dup", layer=layer) for layer in (0, 1)]
     subj = f"kvpool.stream.{s}.req.dup"
     body = Layers("dup", [refs[0], refs[1], dataclasses.replace(refs[1])], chain.next()).encode()
-    _forge(nats.url, [(subj, body, {"Kvpool-Kind": "kv-layers"})])
+    forge(nats.url, [(subj, body, {"Kvpool-Kind": "kv-layers"})])
     with HandoffReceiver(s, nats.url, pool) as rx, pytest.raises(HandoffError, match="layer 1 twice"):
         list(rx.iter_layers("dup", timeout=5))
 
