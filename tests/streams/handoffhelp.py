@@ -1,5 +1,6 @@
-"""What the handoff checks share: a layer's bytes (the same for a tag and layer in every run), a wait
-for a stream to hold so many messages, and a forger publishing straight to NATS."""
+"""What the handoff checks share: a layer's bytes (the same for a tag and layer in every run), a
+receiver's layers read and checked, a wait for a stream to hold so many messages, and a forger
+publishing straight to NATS."""
 from __future__ import annotations
 
 import asyncio
@@ -9,11 +10,22 @@ import time
 import numpy as np
 
 from kvpool.core import nats_connect
-from kvpool.streams import stream_info
+from kvpool.streams import HandoffReceiver, stream_info
 
 
 def layer_block(tag: str, layer: int, size: int) -> np.ndarray:
     return np.random.default_rng([sum(tag.encode()), layer]).integers(0, 256, size, dtype=np.uint8)
+
+
+def receive_layers(rx: HandoffReceiver, request: str, size: int, timeout: float = 20) -> list[int]:
+    """The layers of `request` as `rx` yields them, each checked: one block `request/L<layer>` holding
+    `layer_block(request, layer, size)`."""
+    got = []
+    for layer, keys, bufs in rx.iter_layers(request, timeout=timeout):
+        assert keys == [f"{request}/L{layer}"]
+        assert bytes(bufs[0]) == layer_block(request, layer, size).tobytes()
+        got.append(layer)
+    return got
 
 
 def wait_stored(url: str, stream: str, messages: int) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from handoffhelp import forge
+from handoffhelp import forge, layer_block, receive_layers
 
 from kvpool.core import PoolClient
 from kvpool.streams import (
@@ -41,7 +41,7 @@ machine's speed."""
 
 
 def _block(request: str, layer: int) -> np.ndarray:
-    return np.random.default_rng([sum(request.encode()), layer, 7]).integers(0, 256, BLOCK, dtype=np.uint8)
+    return layer_block(request, layer, BLOCK)
 
 
 def _publish(p: Producer, request: str, layers: range) -> None:
@@ -50,12 +50,7 @@ def _publish(p: Producer, request: str, layers: range) -> None:
 
 
 def _receive(rx: HandoffReceiver, request: str, timeout: float = 10) -> list[int]:
-    got = []
-    for layer, keys, bufs in rx.iter_layers(request, timeout=timeout):
-        assert keys == [f"{request}/L{layer}"]
-        assert bytes(bufs[0]) == _block(request, layer).tobytes()
-        got.append(layer)
-    return got
+    return receive_layers(rx, request, BLOCK, timeout)
 
 
 def _kinds(url: str, stream: str, pool: PoolClient) -> list[str]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from handoffhelp import forge
+from handoffhelp import forge, layer_block, receive_layers
 
 from kvpool.core import ConfigError, PoolClient
 from kvpool.streams import Consumer, HandoffError, HandoffReceiver, Producer, StreamUnavailable, live, stream_info
@@ -33,7 +33,7 @@ the machine's speed."""
 
 
 def _block(request: str, layer: int) -> np.ndarray:
-    return np.random.default_rng([sum(request.encode()), layer]).integers(0, 256, BLOCK, dtype=np.uint8)
+    return layer_block(request, layer, BLOCK)
 
 
 def _publish(p: Producer, request: str, layers: range) -> None:
@@ -52,12 +52,7 @@ def _kinds(url: str, stream: str, pool: PoolClient) -> list[str]:
 
 
 def _receive(rx: HandoffReceiver, request: str, timeout: float = 20) -> list[int]:
-    got = []
-    for layer, keys, bufs in rx.iter_layers(request, timeout=timeout):
-        assert keys == [f"{request}/L{layer}"]
-        assert bytes(bufs[0]) == _block(request, layer).tobytes()
-        got.append(layer)
-    return got
+    return receive_layers(rx, request, BLOCK, timeout)
 
 
 def _ref(layer: int, n: int = 1) -> Ref:
