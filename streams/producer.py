@@ -153,8 +153,9 @@ class Producer:
                 if not waiting.fits(request_id, ref):  # (another request's, or too many blocks or bytes)
                     self._announce_waiting()
                 chain = self._chain(request_id)  # (after: making it may let the oldest request's chain go)
-                if waiting.add(request_id, subj, chain, ref, time.monotonic()):
-                    self._alarm().arm(time.monotonic() + self._waiting.hold_s)
+                now = time.monotonic()
+                if waiting.add(request_id, subj, chain, ref, now):
+                    self._alarm().arm(now + waiting.hold_s)
                 else:
                     try:
                         self._announce_waiting()
