@@ -48,8 +48,11 @@ class ArenaPages:
         self._mapping = mapping if isinstance(mapping, mmap.mmap) else None
         self._size = view.nbytes
         self._advice = _POPULATE_WRITE if writable else _POPULATE_READ
-        self._ready = np.zeros(-(-self._size // REGION_BYTES), dtype=bool)
-        """Whether each region has been readied (by the kernel's leave, or it refused: see `_refused`)."""
+        self._flags = bytearray(-(-self._size // REGION_BYTES))
+        """Whether each region has been readied (by the kernel's leave, or it refused: see `_refused`); as bytes
+        for a put's usual test (`0 not in` a slice: ~0.1 us, against ~1.6 for numpy's), ..."""
+        self._ready = np.frombuffer(self._flags, dtype=bool)
+        """... and as an array (the same memory) for the rest."""
         self._refused = self._mapping is None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -74,7 +77,7 @@ class ArenaPages:
             if span is None:
                 return
             low, high = span
-            if self._refused or (high > low and self._ready[low // REGION_BYTES:(high - 1) // REGION_BYTES + 1].all()):
+            if self._refused or (high > low and self._all_ready(low, high)):
                 return
         if int(offsets.min()) < 0:  # misses among them (offset < 0): they name no slot
             kept = offsets >= 0
@@ -86,7 +89,7 @@ class ArenaPages:
         if self._refused:
             return
         low, high = int(offsets.min()), int((offsets + sizes).max())
-        if self._ready[low // REGION_BYTES:(high - 1) // REGION_BYTES + 1].all():
+        if self._all_ready(low, high):
             return  # the usual batch, once warm: every region between its first and last block is ready
         last_region = self._ready.size - 1  # (an empty slot at the arena's very end readies the last)
         firsts = np.minimum(offsets // REGION_BYTES, last_region)
@@ -98,6 +101,10 @@ class ArenaPages:
             for region in range(first, last + 1):
                 if not done[region] and not self._refused:
                     self._populate(region)
+
+    def _all_ready(self, low: int, high: int) -> bool:
+        """Whether every region that bytes `low` to `high` (past the end) touch is readied."""
+        return 0 not in self._flags[low // REGION_BYTES:(high - 1) // REGION_BYTES + 1]
 
     def close(self) -> None:
         """Stop readying in the background (returns once the thread is gone: at most one region's call

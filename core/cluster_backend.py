@@ -102,9 +102,9 @@ class ClusterBackend:
             self.fanout = FanOut(node_id or default_node_id(), token, timeout_s, tls_ca)
             undo.callback(self.fanout.close)
             _BACKENDS.add(self)  # (once it has a fan-out to refuse calls with, in a forked child)
-            self.repairs = Repairs(self.fanout, self._live, timeout_s)
+            self.repairs = Repairs(self.fanout, self.live, timeout_s)
             undo.callback(self.repairs.close)
-            self.missed = MissedWrites(self.fanout, self._live, timeout_s)
+            self.missed = MissedWrites(self.fanout, self.live, timeout_s)
             """Removals owed to owners that a put or remove went on without (`kvpool.core.missed_writes`)."""
             undo.callback(self.missed.close)
             self.supersedes = Background("kvpool-supersede", 1 << 16)
@@ -165,7 +165,7 @@ class ClusterBackend:
 
         def send() -> None:
             try:
-                live = self._live()  # as it is now (`live_groups`)
+                live = self.live()  # as it is now (`live_groups`)
                 told = live_groups(live, groups)
                 answered = {w for w, _, _ in self.fanout.each(live, told, tell, self._deadline())}
                 for w, idx in told.items():  # suspect, or failed now: owed until it answers (`missed`)
@@ -192,17 +192,15 @@ class ClusterBackend:
             out.append([w for w in hashed[:r] + told_below(hashed, r, live) if w not in ws[:r]])
         return out
 
-    def supersede_below_owners(self, keys: Sequence[bytes]) -> None:
+    def supersede_below_owners(self, keys: Sequence[bytes], live: dict[str, WorkerInfo]) -> None:
         """Before a put that goes another way (`shm_stage.Stagers`): the workers below each key's owners
-        are told, as of now, what an ordinary put tells them (`_supersede`)."""
-        live = self._live()
+        among `live` (`live()`) are told, as of now, what an ordinary put tells them (`_supersede`)."""
         if len(live) > self.replication:
             self._supersede(live, self._owners(keys, live, whole=True), keys, CLOCK.batch(len(keys)))
 
-    def sole_owner(self, keys: Sequence[bytes]) -> WorkerInfo | None:
-        """The live member that placement gives every key of `keys` to, as their only copy; None when
-        the keys spread over several workers or have more than one copy."""
-        live = self._live()
+    def sole_owner(self, keys: Sequence[bytes], live: dict[str, WorkerInfo]) -> WorkerInfo | None:
+        """The member of `live` (`live()`) that placement gives every key of `keys` to, as their only copy;
+        None when the keys spread over several workers or have more than one copy."""
         owners = self._owners(keys, live)
         first = owners[0] if owners else []
         if len(first) != 1 or any(o != first for o in owners):
@@ -230,7 +228,7 @@ class ClusterBackend:
                 groups.setdefault(w, []).append(i)
         return groups
 
-    def _live(self) -> dict[str, WorkerInfo]:
+    def live(self) -> dict[str, WorkerInfo]:
         """The members: placement ranks all of them, suspect or not (`FanOut.each` skips suspects). The
         connections to workers long gone are closed (`FanOut.drop_departed`)."""
         live = self.membership.members()
@@ -241,14 +239,14 @@ class ClusterBackend:
 
     @property
     def max_block(self) -> int:
-        return max((i.max_block for i in self._live().values()), default=16 << 20)
+        return max((i.max_block for i in self.live().values()), default=16 << 20)
 
     def batch_put(self, keys: Sequence[bytes], buffers: Sequence[Any], pin_s: float = 0.0) -> None:
         """Each block to every live owner, as of one version per block (the same on every replica). A
         block an owner holds a version as new or newer of (another writer's clock runs ahead of this
         one's, or stamped in the same millisecond) is put again to all, as of a version above the
         newest its owners hold: a put made after another one was acknowledged replaces it."""
-        live = self._live()
+        live = self.live()
         if not live:
             raise PoolUnavailable(f"no live workers in the cluster at {redacted_url(self.nats_url)}")
         ranked = self._owners(keys, live, whole=True)
@@ -369,7 +367,7 @@ class ClusterBackend:
 
     def _get_into(self, keys: Sequence[bytes], buffers: Sequence[Any], deadline: float) -> list[int]:
         """`batch_get_into` by `deadline` (what is not read by then is a miss)."""
-        live = self._live()
+        live = self.live()
         owners = self._owners(keys, live)
         if self.replication <= 1:
             return self._ask_each(live, self._replica_groups(owners), keys, buffers, deadline)
@@ -382,7 +380,7 @@ class ClusterBackend:
         only where that worker misses (no member, no answer, no such key); one deadline for both. The
         caller checks what it read (a key's block there may be another version than it was told of)."""
         deadline = self._deadline()
-        live = self._live()
+        live = self.live()
         groups: Groups = {}
         for i, w in enumerate(workers):
             if w is not None and w in live:
@@ -466,7 +464,7 @@ class ClusterBackend:
 
     def batch_exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether the newest thing the key's live owners know of it is a block (not its removal)."""
-        live = self._live()
+        live = self.live()
         owners = self._owners(keys, live)
         heard: list[dict[str, tuple[bool, int]]] = [{} for _ in keys]
 
@@ -485,7 +483,7 @@ class ClusterBackend:
 
     def batch_pin(self, keys: Sequence[bytes], pin_s: float) -> None:
         """Every current owner (replica) of each key is told; nothing waits for the workers."""
-        live = self._live()
+        live = self.live()
 
         def pin(t: Transport, idx: list[int]) -> None:
             t.batch_pin([keys[i] for i in idx], pin_s)
@@ -498,7 +496,7 @@ class ClusterBackend:
         owner holds a block as new or newer of is removed again as of a version above its owners' newest.
         Keys no live owner answered for: PartialFailure (their indices; `result` the others' flags)
         where some owner or other worker answered, else PoolUnavailable."""
-        live = self._live()
+        live = self.live()
         ranked = self._owners(keys, live, whole=True)
         versions = CLOCK.batch(len(keys))
         try:
@@ -563,7 +561,7 @@ class ClusterBackend:
         """Each owner's keys leased from it (`Transport.batch_lease`), the leases of those in place ended
         by `held`. An owner that does not answer in time is abandoned (its connection aborted, which ends
         its leases): its keys are misses."""
-        live = self._live()
+        live = self.live()
         out: list[memoryview | None] = [None] * len(keys)
 
         def lease(t: Transport, idx: list[int]) -> tuple[AbstractContextManager[Any] | None, list[memoryview | None]]:
@@ -593,7 +591,7 @@ class ClusterBackend:
         """Clear every live worker; PartialFailure naming those that did not answer where others did
         (PoolUnavailable where none did): they keep their blocks, and the caller may want to clear again
         once they are back."""
-        live = self._live()
+        live = self.live()
         cleared = {w for w, _, _ in self.fanout.each(live, {w: [] for w in live}, lambda t, idx: t.clear(prefix),
                                                      self._deadline())}
         if cleared != live.keys():
@@ -604,7 +602,7 @@ class ClusterBackend:
             raise PoolUnavailable(why)
 
     def stats(self) -> PoolStats:
-        live = self._live()
+        live = self.live()
         out = {w: WorkerStats(info, error="no answer") for w, info in live.items()}
         for w, _, s in self.fanout.each(live, {w: [] for w in live}, lambda t, idx: t.stats(), self._deadline(),
                                         reads=True):

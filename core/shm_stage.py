@@ -411,9 +411,10 @@ class Stagers:
             info = backend.hello()
             where = (backend.address, backend.token, backend.timeout_s)
         elif isinstance(backend, ClusterBackend):
-            for gone in self._departures.gone(self._stagers, backend.members()):
+            live = backend.live()  # (one look at the members for the whole call)
+            for gone in self._departures.gone(self._stagers, live):
                 self._stagers.pop(gone).close()  # it maps the departed worker's arena
-            owner = backend.sole_owner(keys)
+            owner = backend.sole_owner(keys, live)
             fanout = backend.fanout
             if owner is None or owner.node_id != fanout.node_id:
                 return None
@@ -435,7 +436,7 @@ class Stagers:
         if not stager.fits(sizes):
             return None
         if isinstance(backend, ClusterBackend):
-            backend.supersede_below_owners(keys)  # as the ordinary put does
+            backend.supersede_below_owners(keys, live)  # as the ordinary put does
         return stager
 
     def send_held(self) -> None:

@@ -158,17 +158,20 @@ class Ref:
     def total(self) -> int:
         return sum(self.sizes)
 
-    def encode(self) -> bytes:
-        return json.dumps(self.body(), separators=(",", ":")).encode()
+    def encode(self, seal: Seal | None = None) -> bytes:
+        """The message's body; with `seal`, sealed by it in place of the reference's own (a producer's layer
+        as it goes out)."""
+        return json.dumps(self.body(seal), separators=(",", ":")).encode()
 
-    def body(self) -> dict[str, Any]:
+    def body(self, seal: Seal | None = None) -> dict[str, Any]:
         """The JSON object `encode` writes (a `Layers` message lists its layers' as they are)."""
         body: dict[str, Any] = {"keys": [_key_out(k) for k in self.keys], "sizes": self.sizes,
                                 "checksums": self.checksums}
         if self.request:
             body.update(request=self.request, layer=self.layer)
-        if self.seal is not None:
-            body["seal"] = self.seal.out()
+        seal = seal or self.seal
+        if seal is not None:
+            body["seal"] = seal.out()
         if self.places is not None and any(p is not None for p in self.places):
             arenas: dict[tuple[str, str], int] = {}  # each (worker id, arena name) once: [index, offset, version]
             body["at"] = [None if p is None else [arenas.setdefault((p.worker, p.arena), len(arenas)), p.offset,

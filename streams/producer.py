@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import json
 import logging
 import numbers
@@ -130,11 +129,12 @@ class Producer:
         is back); layers held from calls before go with the next call's."""
         if len(block_keys) != len(tensors):
             raise InvalidArgument(f"{len(block_keys)} block keys but {len(tensors)} tensors")
-        most = env.Limits().max_keys
+        limits = env.Limits()
+        most = limits.max_keys
         if not 0 < len(block_keys) <= most:  # what a receiver takes (it would drop the layer, then time out)
             raise InvalidArgument(f"a layer of {len(block_keys)} blocks: a layer has 1 to {most}",
                                   size=len(block_keys), limit=most)
-        limit = env.Limits().max_layer
+        limit = limits.max_layer
         if not isinstance(layer, numbers.Integral) or isinstance(layer, bool) or not 0 <= layer <= limit:
             raise InvalidArgument(f"layer {layer!r} must be an integer from 0 to {limit}", limit=limit)
         layer = int(layer)
@@ -186,7 +186,7 @@ class Producer:
         request, subj, chain = cast(str, waiting.request), waiting.subject, cast(Sealer, waiting.chain)
         seal = chain.next()
         if len(refs) == 1:
-            kind, body = env.KV, dataclasses.replace(refs[0], seal=seal).encode()
+            kind, body = env.KV, refs[0].encode(seal)
         else:
             kind, body = env.KV_LAYERS, env.Layers(request, refs, seal).encode()
             if len(body) + _HEADER_ROOM > announcer.max_payload:

@@ -71,11 +71,12 @@ class Sealer:
     """A producer's chain for one request: `next()` is the seal of its next message."""
 
     def __init__(self) -> None:
-        self.nonce, self.n = secrets.token_hex(16), 0
-        self.end_id = secrets.token_hex(16)
+        drawn = secrets.token_bytes(64)  # (one draw: a request's first layer waits for this)
+        self.nonce, self.n = drawn[:16].hex(), 0
+        self.end_id = drawn[16:32].hex()
         """JetStream's duplicate id of the chain's end, in no message (a stranger who could read the nonce
         and claim an id made of it first would have the real end dropped as a duplicate)."""
-        self._next = secrets.token_bytes(32)
+        self._next = drawn[32:]
         self._revealed = b""
         self._before = (self._next, self._revealed, self.n)
         self.layers = 0
