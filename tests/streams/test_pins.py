@@ -3,6 +3,7 @@ still be read, and become evictable once every consumer acked it, retention drop
 producer died and the pin's TTL ran out."""
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import textwrap
@@ -248,3 +249,30 @@ def test_past_the_budget_pins_are_dropped_in_batches_oldest_first(nats, make_str
         assert sorted(unpinned) == sorted(f"r/L{i}" for i in range(len(unpinned)))  # the oldest, each once
         assert layers - len(unpinned) <= 4  # within the budget (4 MiB)
         assert len(unpins) <= (layers - 4) // 2  # in batches: one request per two layers over it at most
+
+
+def test_layers_read_are_released_by_an_early_pass_not_dropped_by_the_budget(nats, make_stream, pool, monkeypatch,
+                                                                            caplog):
+    """A producer that puts more than its budget within one period of its reconciler (a pass a second here),
+    its layers read as they come: once its pins take half the budget the reconciler makes a pass at once,
+    which releases what was read. The budget drops nothing, and no read layer is logged as unread."""
+    unpinned: list[str] = []
+    real = PoolClient.batch_pin
+
+    def batch_pin(self: PoolClient, keys, seconds: float) -> None:
+        if seconds <= 0:
+            unpinned.extend(keys)
+        real(self, keys, seconds)
+
+    monkeypatch.setattr(PoolClient, "batch_pin", batch_pin)
+    s = make_stream()
+    with caplog.at_level(logging.WARNING, logger="kvpool.streams.pins"), \
+            Producer(s, nats.url, pool, pin_ttl_s=60, max_pinned_bytes=8 * MiB) as p, \
+            HandoffReceiver(s, nats.url, pool) as rx:
+        for r in range(12):  # 12 MiB through an 8 MiB budget, within a second
+            p.publish_kv(f"r{r}", 0, [f"r{r}/L0"], [bytes([r]) * MiB])
+            p.end_request(f"r{r}", 1)
+            assert [bytes(bufs[0]) for _, _, bufs in rx.iter_layers(f"r{r}", timeout=5)] == [bytes([r]) * MiB]
+        read_early = {f"r{r}/L0" for r in range(6)}
+        assert wait_until(lambda: read_early <= set(unpinned), timeout=0.5)  # before the period's pass
+        assert not [m for m in caplog.messages if "max_pinned_bytes" in m]
