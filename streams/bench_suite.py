@@ -25,8 +25,11 @@ the announcement and the decode side's read of it; timed from the call, as `firs
 return it came out negative when the decode side had the layer before the producer's thread ran again);
 `notify`, from the prefill calling `end_request` (a request of no layers: one sealed announcement) to
 that announcement handed out by the decode side's live subscription (`live.Feed`, as `iter_layers`
-takes it); `js_notify`, a JSON notification through `Producer.publish` (which waits for JetStream's
-ack) and a pulling `Consumer`.
+takes it); `nats_hop`, their baseline: the prefill process publishing an empty core-NATS message after
+the same pause, from the call to its arrival at a bare subscription in this process (no stream, no
+checks: what the machine and NATS take to wake two processes and route one message; `*_vs_nats_hop`
+ratios are multiples of it, p50 over p50); `js_notify`, a JSON notification through `Producer.publish`
+(which waits for JetStream's ack) and a pulling `Consumer`.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Generator
 from typing import IO, Any, cast
 
@@ -125,6 +129,7 @@ def _prefill_main(url: str) -> None:
     connect on their first command (the untimed warm-up) and stay connected."""
     layers = filled(_LAYERS * _BLOCK, 7).reshape(_LAYERS, _BLOCK)
     producers: dict[str, Producer] = {}
+    hop: Wire | None = None  # (the `nats_hop` baseline's publisher, made at its first command)
     with PoolClient(mode="cluster", nats_url=url, placement="local") as pool, \
             contextlib.closing(Stagers(pool)) as stagers:
         wait_members(pool, 1)
@@ -132,6 +137,13 @@ def _prefill_main(url: str) -> None:
         try:
             for line in sys.stdin:
                 what, stream, *rest = line.split()
+                if what == "hop":  # `stream`: the subject
+                    hop = hop or Wire(url)
+                    time.sleep(_SETTLE_S)
+                    called = _now()
+                    hop.publish(stream, b"")
+                    print("done", called, flush=True)
+                    continue
                 if stream not in producers:
                     producers[stream] = Producer(stream, url, pool=pool, inline_max=_INLINE_CHUNK)
                 p, times = producers[stream], []
@@ -160,6 +172,8 @@ def _prefill_main(url: str) -> None:
         finally:
             for p in producers.values():
                 p.close()
+            if hop is not None:
+                hop.close()
 
 
 def _handoff_runs(url: str, stream: str, pool: PoolClient, prefill: _Prefill,
@@ -203,9 +217,12 @@ def _latencies(url: str, pool: PoolClient, prefill: _Prefill, layers: np.ndarray
     the 64-byte layers come from producers of their own (a producer's layers are of one shape, as a
     model's are)."""
     out = np.zeros(_BLOCK, dtype=np.uint8)
-    samples: dict[str, list[float]] = {"first_layer": [], "tiny_layer": [], "notify": []}
+    samples: dict[str, list[float]] = {"first_layer": [], "tiny_layer": [], "notify": [], "nats_hop": []}
     with HandoffReceiver("first", url, pool) as first, HandoffReceiver("tiny", url, pool) as tiny, \
             contextlib.closing(Link(url)) as link, contextlib.closing(Wire(url)) as wire:
+        hop_subject = f"_INBOX.kvpool-bench-hop.{uuid.uuid4().hex}"
+        hop = wire.subscribe(hop_subject)
+        wire.flush()  # (the subscription in place before the first hop)
         for r in range(n + 5):
             for what, want, rx in (("first", layers[0], first), ("tiny", layers[0, :_TINY], tiny)):
                 rid = f"{what}{r}"
@@ -234,6 +251,14 @@ def _latencies(url: str, pool: PoolClient, prefill: _Prefill, layers: np.ndarray
                 raise BenchError(f"notification {rid}: expected one live 'end' within 30 s, got {kinds}")
             if r >= 5:
                 samples["notify"].append(arrived - called)
+            prefill.start(f"hop {hop_subject}")
+            msg = wire.next(hop, 30)
+            arrived = _now()
+            (called,) = prefill.done()
+            if msg is None:
+                raise BenchError("the nats_hop baseline's message did not arrive within 30 s")
+            if r >= 5:
+                samples["nats_hop"].append(arrived - called)
     return samples
 
 
@@ -320,13 +345,17 @@ def run(args: argparse.Namespace) -> int:
         best = best_in_turns({name: functools.partial(next, gen) for name, gen in runs.items()}, requests)
     gb = {name: gbps(layers.nbytes, s) for name, s in best.items()}
     metrics.update({f"{name}_gbps": round(v, 3) for name, v in gb.items()})
+    hop = float(np.median(latencies["nats_hop"]))
     emit("streams", metrics, {"handoff_vs_memcpy": gb["handoff"] / gb["memcpy"],
+                              "first_layer_vs_nats_hop": float(np.median(latencies["first_layer"])) / hop,
+                              "notify_vs_nats_hop": float(np.median(latencies["notify"])) / hop,
                               "handoff_vs_raw_socket_oneway": gb["handoff_tcp"] / gb["raw_socket_oneway"],
                               "handoff_vs_pool_puts": gb["handoff"] / gb["pool_puts"],
                               "handoff_vs_raw_socket": gb["handoff"] / gb["raw_socket"],
                               "handoff_vs_nats_inline": gb["handoff"] / gb["nats_inline"], **bench_yuanrong.ratios(gb)},
          args.json, notes="handoff: 32 layers x 1 MiB per request, bytes checked; raw socket: put + get back; "
-                          "handoff_tcp vs raw_socket_oneway: the decode side on TCP vs bytes only sent",
+                          "handoff_tcp vs raw_socket_oneway: the decode side on TCP vs bytes only sent; "
+                          "*_vs_nats_hop: p50 latency over a bare NATS message's after the same pause (lower: better)",
          latencies={**latencies, "js_notify": js_notify})
     return 0
 
