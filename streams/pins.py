@@ -43,10 +43,12 @@ EARLY = 0.5
 """Share of the budget at which the reconciler makes a pass at once, not at its period's end: a producer
 that puts more than the budget in a period (a same-node handoff here moves 2-3 GB/s, against a 128 MiB
 budget and a pass a second) has what its consumers read released by a pass, and the budget drops only
-what nobody read, not the read layers that no pass had seen yet (logged as unread)."""
-_EARLY_GAP_S = 0.005
-"""Least time between passes made early: a producer far over its budget with nothing read does not keep
-the reconciler asking JetStream without a pause."""
+what nobody read, not the read layers that no pass had seen yet (logged as unread). After a pass, the
+next early one waits until the pins grew by `EARLY_STEP` of the budget more than that pass left (a
+consumer that reads nothing does not have the reconciler asking JetStream at every message)."""
+EARLY_STEP = 0.25
+_PASS_GAP_S = 0.005
+"""Least time between two passes."""
 
 
 def subject_matches(filt: str, subj: str) -> bool:
@@ -99,7 +101,8 @@ class PinKeeper:
         self._over_logged = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._wake = threading.Event()  # a pass at once (set with `_stop`, and past `EARLY` of the budget)
+        self._wake = threading.Event()  # a pass at once (set with `_stop`, and at `_wake_at` pinned bytes)
+        self._wake_at = (max_pinned_bytes or 0) * EARLY
         self._renewed = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"kvpool-pins-{stream}", daemon=True)
         self._thread.start()
@@ -115,7 +118,7 @@ class PinKeeper:
                 self._sizes[seq] = nbytes
                 self._pinned_bytes += nbytes
             dropped = self._over_budget()
-            if self.max_pinned_bytes is not None and self._pinned_bytes > self.max_pinned_bytes * EARLY:
+            if self.max_pinned_bytes is not None and self._pinned_bytes >= self._wake_at:
                 self._wake.set()
         if dropped:
             self._pin(dropped, 0)
@@ -194,7 +197,11 @@ class PinKeeper:
                 self.reconcile()
             except (KVPoolError, OSError) as e:  # NATS or a worker away: the pins' TTL is the fallback
                 log.warning("pins of stream %r not reconciled: %s", self.stream, e)
-            if self._stop.wait(_EARLY_GAP_S):
+            budget = self.max_pinned_bytes
+            if budget is not None:
+                with self._lock:
+                    self._wake_at = max(EARLY * budget, self._pinned_bytes + EARLY_STEP * budget)
+            if self._stop.wait(_PASS_GAP_S):
                 return
 
     def stop(self) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from kvpool.core.client import PoolClient
 from kvpool.streams import Consumer, HandoffReceiver, PayloadError, Producer, StreamFull
-from kvpool.streams.pins import _StreamState, subject_matches
+from kvpool.streams.pins import PinKeeper, _StreamState, subject_matches
 
 MiB = 1 << 20
 PAYLOAD = bytes(range(256)) * (32 * 1024)  # 8 MiB: two 4 MiB blocks
@@ -276,3 +276,21 @@ def test_layers_read_are_released_by_an_early_pass_not_dropped_by_the_budget(nat
         read_early = {f"r{r}/L0" for r in range(6)}
         assert wait_until(lambda: read_early <= set(unpinned), timeout=0.5)  # before the period's pass
         assert not [m for m in caplog.messages if "max_pinned_bytes" in m]
+
+
+def test_with_nothing_read_the_early_passes_stop(nats, make_stream, pool, monkeypatch):
+    """Past half its budget with nothing read, the reconciler makes a pass at once, and again only as the
+    pins grow by a quarter of the budget more than the pass left: with the budget dropping the oldest,
+    that is a few passes, not one every few milliseconds for as long as nothing is read."""
+    passes = []
+    reconcile = PinKeeper.reconcile
+    monkeypatch.setattr(PinKeeper, "reconcile", lambda keeper: (passes.append(1), reconcile(keeper))[1])
+    s = make_stream()
+    block = bytes(16 << 10)
+    with Producer(s, nats.url, pool, pin_ttl_s=60, max_pinned_bytes=MiB, hold_s=0) as p:  # a message a layer
+        started = time.monotonic()
+        for layer in range(800):  # 12.5 MiB through a 1 MiB budget, none of it read
+            p.publish_kv("r", layer, [f"r/L{layer}"], [block])
+        p.flush()
+        periodic = int(time.monotonic() - started)  # (a pass a second besides: the period's)
+        assert 1 <= len(passes) <= 6 + periodic  # early at 512, 768 and 1024 KiB pinned, then none (not 30)
