@@ -43,12 +43,17 @@ EARLY = 0.5
 """Share of the budget at which the reconciler makes a pass at once, not at its period's end: a producer
 that puts more than the budget in a period (a same-node handoff here moves 2-3 GB/s, against a 128 MiB
 budget and a pass a second) has what its consumers read released by a pass, and the budget drops only
-what nobody read, not the read layers that no pass had seen yet (logged as unread). After a pass, the
-next early one waits until the pins grew by `EARLY_STEP` of the budget more than that pass left (a
-consumer that reads nothing does not have the reconciler asking JetStream at every message)."""
-EARLY_STEP = 0.25
+what nobody read, not the read layers that no pass had seen yet (logged as unread)."""
 _PASS_GAP_S = 0.005
-"""Least time between two passes."""
+"""Least time between two passes ..."""
+_IDLE_GAP_S = 0.02
+"""... and after one that released nothing, this long before an early one, twice as long after each such
+pass in a row, up to `_IDLE_GAP_MAX_S`: a producer whose messages nobody reads does not have the
+reconciler asking JetStream every few milliseconds, while one whose reader lags near the budget has a pass
+5 ms after each that released something. (A reader that starts late is seen reading at most
+`_IDLE_GAP_MAX_S` after it starts: past the budget meanwhile, the budget drops the oldest, as it would
+without early passes.)"""
+_IDLE_GAP_MAX_S = 0.25
 
 
 def subject_matches(filt: str, subj: str) -> bool:
@@ -101,8 +106,7 @@ class PinKeeper:
         self._over_logged = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._wake = threading.Event()  # a pass at once (set with `_stop`, and at `_wake_at` pinned bytes)
-        self._wake_at = (max_pinned_bytes or 0) * EARLY
+        self._wake = threading.Event()  # a pass at once (set with `_stop`, and past `EARLY` of the budget)
         self._renewed = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"kvpool-pins-{stream}", daemon=True)
         self._thread.start()
@@ -118,7 +122,7 @@ class PinKeeper:
                 self._sizes[seq] = nbytes
                 self._pinned_bytes += nbytes
             dropped = self._over_budget()
-            if self.max_pinned_bytes is not None and self._pinned_bytes >= self._wake_at:
+            if self.max_pinned_bytes and self._pinned_bytes >= self.max_pinned_bytes * EARLY:
                 self._wake.set()
         if dropped:
             self._pin(dropped, 0)
@@ -144,12 +148,13 @@ class PinKeeper:
         needed = {k for _, keys in self._messages.values() for k in keys}
         return list({k for keys in gone.values() for k in keys} - needed)
 
-    def reconcile(self) -> None:
-        """One pass: unpin the blocks of done messages; renew the rest if half their time is gone."""
+    def reconcile(self) -> bool:
+        """One pass: unpin the blocks of done messages; renew the rest if half their time is gone. Whether
+        any message was done."""
         with self._lock:
             held = dict(self._messages)
         if not held:
-            return
+            return False
         state = self._link.call(self._state(), f"state of stream {self.stream!r}")
         done = [seq for seq, (subj, _) in held.items() if state is None or state.done(seq, subj)]
         with self._lock:
@@ -161,6 +166,7 @@ class PinKeeper:
         if needed and time.monotonic() - self._renewed >= self.ttl_s / 2:
             self._pin(list(needed), self.ttl_s)
             self._renewed = time.monotonic()
+        return bool(done)
 
     def _pin(self, keys: list[Key], seconds: float) -> None:
         for i in range(0, len(keys), _PIN_BATCH):
@@ -188,21 +194,21 @@ class PinKeeper:
 
     def _run(self) -> None:
         period = min(1.0, self.ttl_s / 4)
+        gap = _PASS_GAP_S
         while True:
-            self._wake.wait(period)
+            due = time.monotonic() + period
+            if self._stop.wait(min(gap, period)):  # (an early pass no sooner than `gap` after the last)
+                return
+            self._wake.wait(max(0.0, due - time.monotonic()))
             self._wake.clear()
             if self._stop.is_set():
                 return
+            released = False
             try:
-                self.reconcile()
+                released = self.reconcile()
             except (KVPoolError, OSError) as e:  # NATS or a worker away: the pins' TTL is the fallback
                 log.warning("pins of stream %r not reconciled: %s", self.stream, e)
-            budget = self.max_pinned_bytes
-            if budget is not None:
-                with self._lock:
-                    self._wake_at = max(EARLY * budget, self._pinned_bytes + EARLY_STEP * budget)
-            if self._stop.wait(_PASS_GAP_S):
-                return
+            gap = _PASS_GAP_S if released else min(_IDLE_GAP_MAX_S, max(_IDLE_GAP_S, 2 * gap))
 
     def stop(self) -> None:
         """Stop renewing, at once and without a last pass (what a producer dropped unclosed does): the
