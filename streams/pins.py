@@ -8,9 +8,10 @@ is gone from the stream (retention dropped it: a limit, or under interest/workqu
 it was purged, as a finished handoff is; seen as its sequence below the stream's first, or no message left
 on its subject) or when every consumer whose filter takes its subject has acked past it (ack floor >= its
 sequence; with no such consumer yet, it waits; consumers that never ack, like a handoff's, do not count:
-delivery is not the end of their reading). Done messages' blocks are unpinned; the others' pins are renewed every
-`ttl_s / 2`. Nothing else renews them: if the producer or this thread dies, or NATS stays unreachable,
-the workers drop the pins `ttl_s` later, so a pin never outlives its producer by more than that.
+delivery is not the end of their reading). Done messages' blocks are unpinned; the others' pins are
+renewed every `ttl_s / 2`. Nothing else renews them: if the producer or this thread dies, or NATS stays
+unreachable, the workers drop the pins `ttl_s` later, so a pin never outlives its producer by more than
+that.
 """
 from __future__ import annotations
 
