@@ -129,7 +129,7 @@ def _prefill_main(url: str) -> None:
     connect on their first command (the untimed warm-up) and stay connected."""
     layers = filled(_LAYERS * _BLOCK, 7).reshape(_LAYERS, _BLOCK)
     producers: dict[str, Producer] = {}
-    hop: Wire | None = None  # (the `nats_hop` baseline's publisher, made at its first command)
+    hop_wire: Wire | None = None  # (the `nats_hop` baseline's publisher, made at its first command)
     with PoolClient(mode="cluster", nats_url=url, placement="local") as pool, \
             contextlib.closing(Stagers(pool)) as stagers:
         wait_members(pool, 1)
@@ -138,10 +138,10 @@ def _prefill_main(url: str) -> None:
             for line in sys.stdin:
                 what, stream, *rest = line.split()
                 if what == "hop":  # `stream`: the subject
-                    hop = hop or Wire(url)
+                    hop_wire = hop_wire or Wire(url)
                     time.sleep(_SETTLE_S)
                     called = _now()
-                    hop.publish(stream, b"")
+                    hop_wire.publish(stream, b"")
                     print("done", called, flush=True)
                     continue
                 if stream not in producers:
@@ -172,8 +172,8 @@ def _prefill_main(url: str) -> None:
         finally:
             for p in producers.values():
                 p.close()
-            if hop is not None:
-                hop.close()
+            if hop_wire is not None:
+                hop_wire.close()
 
 
 def _handoff_runs(url: str, stream: str, pool: PoolClient, prefill: _Prefill,
@@ -221,7 +221,7 @@ def _latencies(url: str, pool: PoolClient, prefill: _Prefill, layers: np.ndarray
     with HandoffReceiver("first", url, pool) as first, HandoffReceiver("tiny", url, pool) as tiny, \
             contextlib.closing(Link(url)) as link, contextlib.closing(Wire(url)) as wire:
         hop_subject = f"_INBOX.kvpool-bench-hop.{uuid.uuid4().hex}"
-        hop = wire.subscribe(hop_subject)
+        hop_sid = wire.subscribe(hop_subject)
         wire.flush()  # (the subscription in place before the first hop)
         for r in range(n + 5):
             for what, want, rx in (("first", layers[0], first), ("tiny", layers[0, :_TINY], tiny)):
@@ -252,7 +252,7 @@ def _latencies(url: str, pool: PoolClient, prefill: _Prefill, layers: np.ndarray
             if r >= 5:
                 samples["notify"].append(arrived - called)
             prefill.start(f"hop {hop_subject}")
-            msg = wire.next(hop, 30)
+            msg = wire.next(hop_sid, 30)
             arrived = _now()
             (called,) = prefill.done()
             if msg is None:
@@ -345,10 +345,10 @@ def run(args: argparse.Namespace) -> int:
         best = best_in_turns({name: functools.partial(next, gen) for name, gen in runs.items()}, requests)
     gb = {name: gbps(layers.nbytes, s) for name, s in best.items()}
     metrics.update({f"{name}_gbps": round(v, 3) for name, v in gb.items()})
-    hop = float(np.median(latencies["nats_hop"]))
+    hop_p50 = float(np.median(latencies["nats_hop"]))
     emit("streams", metrics, {"handoff_vs_memcpy": gb["handoff"] / gb["memcpy"],
-                              "first_layer_vs_nats_hop": float(np.median(latencies["first_layer"])) / hop,
-                              "notify_vs_nats_hop": float(np.median(latencies["notify"])) / hop,
+                              "first_layer_vs_nats_hop": float(np.median(latencies["first_layer"])) / hop_p50,
+                              "notify_vs_nats_hop": float(np.median(latencies["notify"])) / hop_p50,
                               "handoff_vs_raw_socket_oneway": gb["handoff_tcp"] / gb["raw_socket_oneway"],
                               "handoff_vs_pool_puts": gb["handoff"] / gb["pool_puts"],
                               "handoff_vs_raw_socket": gb["handoff"] / gb["raw_socket"],
