@@ -1,6 +1,7 @@
 """Worker processes started from Python: used by `kvpool bench`, the tests and the fault suite."""
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -16,6 +17,8 @@ from .nats_server import free_port
 from .tiers.dram import arena_names
 
 __all__ = ["WorkerProcess"]
+
+log = logging.getLogger("kvpool.procs")
 
 _READY_LINE = "kvpool worker "
 """How `kvpool worker` starts the line it prints once it serves (core/cli.py)."""
@@ -85,6 +88,8 @@ class WorkerProcess:
                 except subprocess.TimeoutExpired:
                     self.proc.kill()
                     self.proc.wait()
+                log.warning("worker on port %d did not stop within %s s of SIGTERM; its output:\n%s", self.port,
+                            timeout, self.log_tail(6000))
         self._exited()
         return int(self.proc.returncode)
 

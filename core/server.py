@@ -16,6 +16,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -205,11 +206,10 @@ class Worker(RequestHandlers):
                                          on_rejoin=self._left_cluster, on_beat=self._beat)
                 self.membership.watch()  # the peers it hears from: whom it asks after an absence
                 if caught_up is not None:
-                    threading.Thread(target=self._settle, args=caught_up, name="kvpool-settle", daemon=True).start()
+                    self._in_background(self._settle, *caught_up, name="kvpool-settle")
                 if self._alive is not None:
-                    threading.Thread(target=self._keep_alive_stamp, args=(self._alive,), name="kvpool-alive",
-                                     daemon=True).start()
-                StallWatch(self.cache.replicas, self._stalled, self._stopping)
+                    self._in_background(self._keep_alive_stamp, self._alive, name="kvpool-alive")
+                self._helpers.append(StallWatch(self.cache.replicas, self._stalled, self._stopping).thread)
             if self.config.events or self.config.events_zmq:
                 from .worker_events import WorkerEvents
 
@@ -236,7 +236,10 @@ class Worker(RequestHandlers):
         if self.membership is not None:
             self.membership.close()
         self._close_listeners()
-        self._drain_connections(time.monotonic() + timeout)
+        deadline = time.monotonic() + timeout
+        self._drain_connections(deadline)
+        for t in list(self._helpers):  # none may log (or touch the cache) as the interpreter exits under it
+            t.join(max(0.0, deadline - time.monotonic()))
         if self.membership is not None and self._alive is not None:
             self._touch_alive(self._alive)  # its last sign of life: it accepts nothing after the drain
         self.cache.flush()
@@ -247,6 +250,13 @@ class Worker(RequestHandlers):
         log.info("worker %s stopped", self.worker_id)
 
     # ----- catching up after an absence (`kvpool.core.catch_up`) -------------------------------
+
+    def _in_background(self, target: Callable[..., None], *args: Any, name: str) -> None:
+        """Run `target(*args)` in a thread that `stop` joins (it returns once `_stopping` is set). Kept
+        after it ends (one per stall or lapse): an append is safe from any thread, a pruning copy is not."""
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self._helpers.append(t)
+        t.start()
 
     def _catch_up_at_start(self) -> tuple[int, float] | None:
         """A start on the state of an earlier run: drop what peers changed since that run was last current
@@ -363,8 +373,7 @@ class Worker(RequestHandlers):
         self._member_since = None  # clients took it as gone: a member again from its next heartbeat (`_beat`)
         since_ms = int((time.time() - gap_s) * 1000)
         left = time.monotonic() - gap_s
-        threading.Thread(target=self._rejoin, args=(since_ms, left, self._beats), name="kvpool-catch-up",
-                         daemon=True).start()
+        self._in_background(self._rejoin, since_ms, left, self._beats, name="kvpool-catch-up")
 
     def _rejoin(self, since_ms: int, left: float, beats: int) -> None:
         """Catch up once a heartbeat has got through again (`beats` counted before the outage) and the

@@ -43,8 +43,9 @@ class StallWatch:
     def __init__(self, replicas: ReplicaState, on_stall: Callable[[float], None], stop: threading.Event) -> None:
         self._replicas, self._on_stall, self._stop = replicas, on_stall, stop
         replicas.stall_until(time.monotonic() + STALL_S)
-        self._thread = threading.Thread(target=self._run, name="kvpool-stall-watch", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._run, name="kvpool-stall-watch", daemon=True)
+        """Ends within a tick of `stop` being set."""
+        self.thread.start()
 
     def _run(self) -> None:
         last = time.monotonic()

@@ -102,7 +102,8 @@ class ConnectionServing:
         self._stopping = threading.Event()
         self._conns: set[Conn] = set()
         self._conns_lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
+        self._threads: list[threading.Thread] = []  # one per connection, joined by the drain
+        self._helpers: list[threading.Thread] = []  # the worker's other background threads, joined by stop()
         self._pollers = threading.BoundedSemaphore(max(1, len(os.sched_getaffinity(0)) // 2))
         """Connection threads that may poll for their next request at once (`_poll`)."""
         self._last_conn: Conn | None = None  # whose request came last
@@ -124,7 +125,9 @@ class ConnectionServing:
                                  name=f"kvpool-accept-{transport}")
             t.start()
             self._acceptors.append(t)
-        threading.Thread(target=self._watchdog, daemon=True, name="kvpool-watchdog").start()
+        watchdog = threading.Thread(target=self._watchdog, daemon=True, name="kvpool-watchdog")
+        watchdog.start()
+        self._helpers.append(watchdog)
 
     def _stop_accepting(self, timeout: float) -> None:
         """Close the listeners and end their accept loops (`_stopping` is set). A thread blocked in

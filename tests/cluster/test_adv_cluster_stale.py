@@ -48,7 +48,7 @@ def test_a_replica_stopped_right_after_a_stall_serves_nothing_it_missed_after_it
     time.sleep(max(0.0, put_at + 5.5 - time.monotonic()))
     os.kill(second.proc.pid, signal.SIGTERM)  # stopped as it resumes
     os.kill(second.proc.pid, signal.SIGCONT)
-    assert second.stop(timeout=15) == 0
+    assert second.stop(timeout=15) == 0, second.log_tail()
     back = WorkerProcess(second.state_dir, nats_url=nats.url, node_id="node2", ssd=True, dram_bytes="16MiB",
                          env=FAST).wait_ready()
     try:
