@@ -238,7 +238,9 @@ class Worker(RequestHandlers):
         self._close_listeners()
         deadline = time.monotonic() + timeout
         self._drain_connections(deadline)
-        for t in list(self._helpers):  # none may log (or touch the cache) as the interpreter exits under it
+        # its own threads end before the cache closes and the process exits: a log line written as the
+        # interpreter exits aborts it (iterated, not copied: one appended meanwhile is joined too)
+        for t in self._helpers:
             t.join(max(0.0, deadline - time.monotonic()))
         if self.membership is not None and self._alive is not None:
             self._touch_alive(self._alive)  # its last sign of life: it accepts nothing after the drain
