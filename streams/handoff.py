@@ -39,7 +39,7 @@ from ._link import Link, translate
 from .admin import check_token, subject
 from .consumer import Checks
 from .errors import ForgedMessage, HandoffError, HandoffTimeout, MalformedMessage, StreamError
-from .live import Feed, Raw, Retention, stored_last, stored_seq
+from .live import Feed, Raw, Retention, direct_last, purge_upto, stored_last, stored_seq
 from .payload import by_bytes, fetch_many, overlapping
 from .request_chain import Item, RequestChain
 from .sealing import two_chains, verify
@@ -113,14 +113,24 @@ class HandoffReceiver:
         self.counts = {"rejected": 0, "recovered": 0, "in_place": 0, "from_pool": 0}
         self._purges: dict[str, concurrent.futures.Future[Any]] = {}  # purges under way by subject (`_purge`)
         self._purges_lock = threading.Lock()
+        self._purger = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-purge")
+        self._direct = True  # whether the stream serves direct gets (`_last_stored`)
         self._link = Link(nats_url, timeout_s)
+        wires: list[Wire] = []
         try:
             self._wire = Wire(nats_url, timeout_s)  # the live messages, read in the caller's thread
+            wires.append(self._wire)
+            # the purges' requests, on a connection of their own: on the live one, the purge thread's wait
+            # for an answer would read the caller's messages and hand them over (a wake-up more for each)
+            self._purge_wire = Wire(nats_url, timeout_s)
+            wires.append(self._purge_wire)
         except BaseException:
+            for wire in wires:
+                wire.close()
             self._link.close()
             raise
-        # a receiver dropped unclosed lets its socket go too (its link disconnects by its own finalizer)
-        self._dropped = weakref.finalize(self, self._wire.close)
+        # a receiver dropped unclosed lets its sockets go too (its link disconnects by its own finalizer)
+        self._dropped = weakref.finalize(self, _close_all, wires)
         self._dropped.atexit = False
         self._retention = Retention(self._link, self.stream)
 
@@ -229,55 +239,71 @@ class HandoffReceiver:
                 yield ref.layer, ref.keys, blocks
 
     def _purge(self, filt: str, end: Raw, request_id: str) -> None:
-        """Drop the request's messages from the stream, in the background: the caller has every layer,
-        and its engine need not wait for housekeeping. An end that came live may not be stored yet: the
-        purge waits (briefly) until it is, so that it takes it too. A purge that fails is logged (the
-        stream's limits drop the messages); `close` waits for those under way, and a request ending with
-        `_PURGING` under way for one of them."""
-        link = self._link
-        stream = self.stream
-
-        async def purge() -> None:
-            upto = end.seq
-            if upto is None:
-                start = time.monotonic()
-                pause = 0.001
-                while True:
-                    last = await stored_last(link, stream, filt)
-                    if last is not None and last.data == end.data:
-                        upto = last.seq
-                        break
-                    late = time.monotonic() - start
-                    if last is not None and late > _SCAN_AFTER_S:  # the end is stored by now, as a rule: a
-                        # request of the same id after it? (a scan, once the end had time to be stored)
-                        upto = await stored_seq(link, stream, filt, end.data, _SCAN)
-                        if upto is not None:
-                            break
-                    if late > _END_STORED_S:
-                        break
-                    await asyncio.sleep(pause)
-                    pause = min(2 * pause, 0.05)  # a stream that never stores it is not asked 1000 times
-            if upto is None:  # never without a bound: it would take a later request of the same id too
-                raise StreamError("its end is not among the stream's messages (the stream's limits drop them)")
-            await link.js.purge_stream(stream, subject=filt, seq=upto + 1)  # up to the end only
-
-        async def bounded() -> None:
-            try:
-                await asyncio.wait_for(purge(), link.timeout_s + _END_STORED_S)
-            except Exception as e:  # housekeeping: every layer is in the caller's hands
-                err = translate(e, f"purge request {request_id!r}")
-                self._not_purged(request_id, err if isinstance(err, StreamError) else StreamError(repr(err)))
-
-        if link.io.loop.is_closed():
-            return
+        """Drop the request's messages from the stream, in the background (the receiver's purge thread):
+        the caller has every layer, and its engine need not wait for housekeeping. A purge that fails is
+        logged (the stream's limits drop the messages); `close` waits for those under way, and a request
+        ending with `_PURGING` under way for one of them."""
         with self._purges_lock:
             running = list(self._purges.values())
         if len(running) >= _PURGING:  # JetStream slower than the requests end: no queue without bound
             concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
-        future = link.io.spawn(bounded())
+        try:
+            future = self._purger.submit(self._purge_now, filt, end, request_id)
+        except RuntimeError:  # closed
+            return
         with self._purges_lock:
             self._purges[filt] = future
         future.add_done_callback(lambda done: self._purged(filt, done))
+
+    def _purge_now(self, filt: str, end: Raw, request_id: str) -> None:
+        """The purge (see `_purge`), up to the request's end and not one message past it: a request of the
+        same id after it stays. Its requests go on a `Wire` (about a third of the CPU nats-py took for
+        them), all within the link's timeout and `_END_STORED_S`."""
+        deadline = time.monotonic() + self._link.timeout_s + _END_STORED_S
+        try:
+            upto = end.seq if end.seq is not None else self._end_seq(filt, end, deadline)
+            if upto is None:  # never without a bound: it would take a later request of the same id too
+                raise StreamError("its end is not among the stream's messages (the stream's limits drop them)")
+            purge_upto(self._purge_wire, self.stream, filt, upto, max(0.0, deadline - time.monotonic()))
+        except Exception as e:  # housekeeping: every layer is in the caller's hands
+            err = translate(e, f"purge request {request_id!r}")
+            self._not_purged(request_id, err if isinstance(err, StreamError) else StreamError(repr(err)))
+
+    def _end_seq(self, filt: str, end: Raw, deadline: float) -> int | None:
+        """The stream sequence of `end`, which came live: it may not be stored yet, so this waits (briefly)
+        until it is the subject's last stored message; or, once it had the time to be stored, looks
+        through the subject for it (a request of the same id stored after it). None if not found by
+        `_END_STORED_S`."""
+        start = time.monotonic()
+        pause = 0.001
+        while True:
+            last = self._last_stored(filt, deadline)
+            if last is not None and last.data == end.data:
+                return last.seq
+            late = time.monotonic() - start
+            if last is not None and late > _SCAN_AFTER_S:
+                left = max(0.0, deadline - time.monotonic())
+                upto: int | None = self._link.call(
+                    asyncio.wait_for(stored_seq(self._link, self.stream, filt, end.data, _SCAN), left),
+                    f"look for the end of {filt!r} in stream {self.stream!r}", timeout=left)
+                if upto is not None:
+                    return upto
+            if late > _END_STORED_S:
+                return None
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)  # a stream that never stores it is not asked 1000 times
+
+    def _last_stored(self, filt: str, deadline: float) -> Raw | None:
+        """The subject's last stored message: a direct get on the purges' `Wire`, or where the stream
+        serves none, a get through the link."""
+        left = max(0.0, deadline - time.monotonic())
+        if self._direct:
+            got = direct_last(self._purge_wire, self.stream, filt, left)
+            if got is not False:
+                return got if isinstance(got, Raw) else None
+            self._direct = False
+        return self._link.call(asyncio.wait_for(stored_last(self._link, self.stream, filt), left),
+                               f"read the last message of {filt!r} from stream {self.stream!r}", timeout=left)
 
     def _purged(self, filt: str, future: concurrent.futures.Future[Any]) -> None:
         with self._purges_lock:
@@ -373,8 +399,9 @@ class HandoffReceiver:
             purges = list(self._purges.values())
         concurrent.futures.wait(purges, self._purge_s())
         try:
-            self._dropped()  # (the wire's close)
+            self._dropped()  # (the wires' close: a purge still waiting for an answer gives up)
         finally:
+            self._purger.shutdown(wait=True, cancel_futures=True)
             self._link.close()
 
     def __enter__(self) -> HandoffReceiver:
@@ -382,6 +409,11 @@ class HandoffReceiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close_all(wires: list[Wire]) -> None:
+    for wire in wires:
+        wire.close()
 
 
 def _now_ms() -> int:

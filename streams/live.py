@@ -26,8 +26,8 @@ from typing import Any
 
 import nats.js.errors
 
-from ._link import Link
-from .errors import StreamTimeout
+from ._link import _NOT_FOUND_CODES, Link
+from .errors import StreamNotFound, StreamRefused, StreamTimeout, StreamUnavailable
 from .wire import Msg, Wire
 
 log = logging.getLogger("kvpool.streams")
@@ -77,6 +77,45 @@ async def stored_seq(link: Link, stream: str, subj: str, data: bytes, most: int)
             return int(m.seq)
         seq = int(m.seq) + 1
     return None
+
+
+def direct_last(wire: Wire, stream: str, subj: str, timeout: float) -> Raw | None | bool:
+    """The last message `stream` holds on subject `subj`, read in one direct get on `wire` (None: it
+    holds none there); False where the stream serves no direct gets (created without `allow_direct`:
+    the server answers that no one responds). StreamTimeout if no answer comes within `timeout` s."""
+    m = wire.request(f"{_DIRECT_GET}.{stream}", json.dumps({"last_by_subj": subj}).encode(), timeout)
+    if m is None:
+        raise StreamTimeout(f"read the last message of {subj!r} from stream {stream!r}: no answer within "
+                            f"{timeout:.2f} s")
+    status = m.headers.get("Status")
+    if status == "404":
+        return None
+    seq = m.headers.get("Nats-Sequence", "")
+    if status is not None or not seq.isdigit():
+        return False
+    return Raw(m.headers.get("Nats-Subject", subj), {}, m.data, int(seq))
+
+
+def purge_upto(wire: Wire, stream: str, subj: str, upto: int, timeout: float) -> int:
+    """Drop `stream`'s messages on subject `subj` up to sequence `upto` (and not one after it), in one
+    request on `wire`; how many went. StreamTimeout, StreamUnavailable, StreamNotFound or StreamRefused
+    as JetStream answers (or does not)."""
+    what = f"purge {subj!r} up to {upto} from stream {stream!r}"
+    m = wire.request(f"$JS.API.STREAM.PURGE.{stream}", json.dumps({"filter": subj, "seq": upto + 1}).encode(),
+                     timeout)
+    if m is None:
+        raise StreamTimeout(f"{what}: no answer within {timeout:.2f} s")
+    if m.headers.get("Status") == "503":
+        raise StreamUnavailable(f"{what}: JetStream does not answer (no responders)")
+    try:
+        answer = json.loads(m.data)
+        err = answer.get("error")
+        if err is None:
+            return int(answer["purged"])
+        code, desc = int(err.get("err_code") or 0), str(err.get("description") or "")
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise StreamRefused(f"{what}: not a JetStream answer: {m.data[:120]!r}") from None
+    raise (StreamNotFound if code in _NOT_FOUND_CODES else StreamRefused)(f"{what}: JetStream error {code}: {desc}")
 
 
 class Retention:

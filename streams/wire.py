@@ -5,10 +5,11 @@ caller's thread crosses to that loop and through nats-py's writer and flusher ta
 crosses its reader and subscription tasks and back to the caller's thread. On a 2-core machine that
 made a notification about 0.4 ms end to end, where the NATS protocol on a blocking socket takes 0.05 ms
 (publisher to subscriber through nats-server). `Wire` speaks the few verbs a handoff needs from the
-caller's own thread: HPUB (with a reply subject for JetStream's acknowledgement), SUB/UNSUB, PING; it
-reads MSG/HMSG, answers the server's PINGs, and keeps the server's -ERR lines. It authenticates as
-`kvpool.core.nats_connect` does (the same credentials: an nkey or a password; TLS from the same CA
-setting). Everything else (reading a stream back, purges, admin) stays on nats-py.
+caller's own thread: HPUB (with a reply subject for JetStream's acknowledgement), SUB/UNSUB, PING,
+a request and its one answer (a receiver's purge: `request`); it reads MSG/HMSG, answers the server's
+PINGs, and keeps the server's -ERR lines. It authenticates as `kvpool.core.nats_connect` does (the same
+credentials: an nkey or a password; TLS from the same CA setting). Everything else (reading a stream
+back, admin) stays on nats-py.
 
 Threads: any number may use one Wire. Writes take one lock; of the threads waiting for messages, one
 reads the socket at a time and hands the others theirs (a TLS socket is never read and written at
@@ -23,6 +24,7 @@ import collections
 import dataclasses
 import json
 import os
+import secrets
 import select
 import socket
 import ssl
@@ -108,6 +110,7 @@ class Wire:
         self._sock: socket.socket | None = None
         self._buf = bytearray()
         self._subs: dict[int, str] = {}
+        self._inbox = f"_INBOX.{secrets.token_hex(11)}"  # (the reply subjects of `request`, one per request)
         self._queues: dict[int, collections.deque[Msg]] = {}
         self._next_sid = 1
         self._pongs = self._pings = 0
@@ -252,16 +255,41 @@ class Wire:
 
     def publish(self, subj: str, body: bytes, headers: dict[str, str] | None = None, reply: str = "") -> None:
         """Send one message (with `reply` as its reply subject); returns once the kernel has it."""
+        self._write(self._pub(subj, body, headers, reply))
+
+    def request(self, subj: str, body: bytes, timeout: float) -> Msg | None:
+        """Send one message with a reply subject of its own and wait up to `timeout` seconds for its one
+        answer (a JetStream API call); None as from `next` (none in time, the connection made again, an
+        -ERR). A request that nobody serves is answered by the server: `Status` 503 (no responders)."""
+        with self._cond:
+            sid = self._next_sid
+            self._next_sid += 1
+            inbox = self._subs[sid] = f"{self._inbox}.{sid}"
+            self._queues[sid] = collections.deque()
+        answered = False
+        try:  # (the server drops the subscription after its one message: UNSUB with a count)
+            self._write(f"SUB {inbox} {sid}\r\nUNSUB {sid} 1\r\n".encode() + self._pub(subj, body, None, inbox))
+            got = self.next(sid, timeout)
+            answered = got is not None
+            return got
+        finally:
+            if answered:
+                with self._cond:
+                    self._subs.pop(sid, None)
+                    self._queues.pop(sid, None)
+            else:
+                self.unsubscribe(sid)
+
+    def _pub(self, subj: str, body: bytes, headers: dict[str, str] | None, reply: str) -> bytes:
+        """The protocol bytes of one message (StreamRefused past the server's max_payload)."""
         r = f" {reply}" if reply else ""
         hdr = _header_block(headers) if headers else b""
         if len(hdr) + len(body) > self.max_payload:  # the server would drop the connection, and a resend fail alike
             raise StreamRefused(f"a message of {len(hdr) + len(body)} bytes to {subj!r}: the server takes at most "
                                 f"{self.max_payload} (its max_payload)")
         if headers:
-            self._write(b"".join((f"HPUB {subj}{r} {len(hdr)} {len(hdr) + len(body)}\r\n".encode(), hdr, body,
-                                  b"\r\n")))
-        else:
-            self._write(b"".join((f"PUB {subj}{r} {len(body)}\r\n".encode(), body, b"\r\n")))
+            return b"".join((f"HPUB {subj}{r} {len(hdr)} {len(hdr) + len(body)}\r\n".encode(), hdr, body, b"\r\n"))
+        return b"".join((f"PUB {subj}{r} {len(body)}\r\n".encode(), body, b"\r\n"))
 
     def subscribe(self, subj: str) -> int:
         """A subscription to `subj` (its id), in place at the server when this returns."""

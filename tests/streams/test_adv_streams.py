@@ -153,15 +153,15 @@ def test_an_announcement_over_the_servers_max_payload_is_delivered_or_refused_no
 # Bug: a request id reused while its first run's background purge is under way yields the OLD layers' bytes, no error.
 def test_a_request_id_used_again_after_its_end_never_yields_the_old_requests_layers(nats, make_stream, pool,
                                                                                       monkeypatch):
-    from nats.js.manager import JetStreamManager
+    from kvpool.streams import handoff
 
-    real = JetStreamManager.purge_stream
+    real = handoff.purge_upto
 
-    async def slow_purge(self: Any, *args: Any, **kwargs: Any) -> Any:
-        await asyncio.sleep(3)  # (close() waits for it)
-        return await real(self, *args, **kwargs)
+    def slow_purge(*args: Any, **kwargs: Any) -> int:
+        time.sleep(3)  # (close() waits for it)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(JetStreamManager, "purge_stream", slow_purge)
+    monkeypatch.setattr(handoff, "purge_upto", slow_purge)
     s = make_stream()
     _publish(nats.url, s, pool, "again", [0, 1])
     new = [np.full(BLOCK, 7 + layer, dtype=np.uint8) for layer in range(2)]

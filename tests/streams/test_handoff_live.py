@@ -297,17 +297,17 @@ def test_a_request_read_whole_is_not_failed_by_a_purge_that_fails(nats, make_str
 
 def _slow_purges(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """Make every JetStream purge take 0.5 s more; returns when each purge was sent (monotonic seconds)."""
-    from nats.js.manager import JetStreamManager
+    from kvpool.streams import handoff
 
-    real = JetStreamManager.purge_stream
+    real = handoff.purge_upto
     purges: list[float] = []
 
-    async def slow_purge(self: Any, *args: Any, **kwargs: Any) -> Any:
-        await asyncio.sleep(0.5)
+    def slow_purge(*args: Any, **kwargs: Any) -> int:
+        time.sleep(0.5)
         purges.append(time.monotonic())
-        return await real(self, *args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(JetStreamManager, "purge_stream", slow_purge)
+    monkeypatch.setattr(handoff, "purge_upto", slow_purge)
     return purges
 
 
