@@ -250,6 +250,10 @@ class Wire:
 
     def _drop(self) -> None:
         if self._sock is not None:
+            try:  # (a close alone does not wake a thread polling the socket: a shutdown does)
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # not connected any more
             self._sock.close()
             self._sock = None
 

@@ -112,3 +112,27 @@ def test_a_request_whose_end_came_live_is_purged_up_to_its_end(nats, make_stream
     assert layers == [(0, b"\x00"), (1, b"\x01"), (2, b"\x02")]
     assert rx._direct is direct
     assert stream_info(nats.url, s)["messages"] == 0  # (close waited for the purge)
+
+
+def test_a_request_waiting_for_its_answer_gives_up_when_its_wire_is_closed(nats):
+    """A receiver's close ends a purge still waiting for JetStream: the thread polling the socket wakes
+    at the close (a shutdown), not at its request's timeout."""
+    silent = Wire(nats.url)
+    silent.subscribe("svc.never")  # takes the request, never answers
+    wire = Wire(nats.url)
+    time.sleep(2.5)  # (past the server's first PING to a new connection, which would wake the poll too)
+    done: dict[str, float] = {}
+
+    def ask() -> None:
+        assert wire.request("svc.never", b"?", 20) is None
+        done["at"] = time.monotonic()
+    t = threading.Thread(target=ask, daemon=True)
+    try:
+        t.start()
+        time.sleep(0.3)  # waiting for the answer
+        closed = time.monotonic()
+        wire.close()
+        t.join(20)
+        assert "at" in done and done["at"] - closed < 5, "the request waited on after its wire was closed"
+    finally:
+        silent.close()
