@@ -114,7 +114,6 @@ class HandoffReceiver:
         self._purges: dict[str, concurrent.futures.Future[Any]] = {}  # purges under way by subject (`_purge`)
         self._purges_lock = threading.Lock()
         self._purger = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-purge")
-        self._direct = True  # whether the stream serves direct gets (`_last_stored`)
         self._link = Link(nats_url, timeout_s)
         wires: list[Wire] = []
         try:
@@ -295,13 +294,12 @@ class HandoffReceiver:
 
     def _last_stored(self, filt: str, deadline: float) -> Raw | None:
         """The subject's last stored message: a direct get on the purges' `Wire`, or where the stream
-        serves none, a get through the link."""
+        serves none (created without allow_direct; or gone for a moment: asked each time), a get through
+        the link."""
+        got = direct_last(self._purge_wire, self.stream, filt, max(0.0, deadline - time.monotonic()))
+        if got is not False:
+            return got if isinstance(got, Raw) else None
         left = max(0.0, deadline - time.monotonic())
-        if self._direct:
-            got = direct_last(self._purge_wire, self.stream, filt, left)
-            if got is not False:
-                return got if isinstance(got, Raw) else None
-            self._direct = False
         return self._link.call(asyncio.wait_for(stored_last(self._link, self.stream, filt), left),
                                f"read the last message of {filt!r} from stream {self.stream!r}", timeout=left)
 

@@ -263,8 +263,19 @@ class Wire:
 
     def request(self, subj: str, body: bytes, timeout: float) -> Msg | None:
         """Send one message with a reply subject of its own and wait up to `timeout` seconds for its one
-        answer (a JetStream API call); None as from `next` (none in time, the connection made again, an
-        -ERR). A request that nobody serves is answered by the server: `Status` 503 (no responders)."""
+        answer (a JetStream API call); None as from `next` (none in time, an -ERR). One lost to a broken
+        connection (written into a socket the server had closed: a restart while this Wire was idle) is
+        sent again once on the new one: a request must be safe to repeat, as JetStream's reads and its
+        purge up to a sequence are. A request that nobody serves is answered by the server: `Status` 503
+        (no responders)."""
+        deadline = time.monotonic() + timeout
+        reconnects = self.reconnects
+        got = self._request_once(subj, body, timeout)
+        if got is None and self.reconnects != reconnects:
+            got = self._request_once(subj, body, deadline - time.monotonic())
+        return got
+
+    def _request_once(self, subj: str, body: bytes, timeout: float) -> Msg | None:
         with self._cond:
             sid = self._next_sid
             self._next_sid += 1
