@@ -22,7 +22,7 @@ import json
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Literal
 
 import nats.js.errors
 
@@ -79,7 +79,7 @@ async def stored_seq(link: Link, stream: str, subj: str, data: bytes, most: int)
     return None
 
 
-def direct_last(wire: Wire, stream: str, subj: str, timeout: float) -> Raw | None | bool:
+def direct_last(wire: Wire, stream: str, subj: str, timeout: float) -> Raw | None | Literal[False]:
     """The last message `stream` holds on subject `subj`, read in one direct get on `wire` (None: it
     holds none there); False where the stream serves no direct gets (created without `allow_direct`:
     the server answers that no one responds). StreamTimeout if no answer comes within `timeout` s."""

@@ -276,11 +276,8 @@ class Wire:
         return got
 
     def _request_once(self, subj: str, body: bytes, timeout: float) -> Msg | None:
-        with self._cond:
-            sid = self._next_sid
-            self._next_sid += 1
-            inbox = self._subs[sid] = f"{self._inbox}.{sid}"
-            self._queues[sid] = collections.deque()
+        sid = self._add_sub(lambda sid: f"{self._inbox}.{sid}")
+        inbox = self._subs[sid]
         answered = False
         try:  # (the server drops the subscription after its one message: UNSUB with a count)
             self._write(f"SUB {inbox} {sid}\r\nUNSUB {sid} 1\r\n".encode() + self._pub(subj, body, None, inbox))
@@ -289,9 +286,7 @@ class Wire:
             return got
         finally:
             if answered:
-                with self._cond:
-                    self._subs.pop(sid, None)
-                    self._queues.pop(sid, None)
+                self._forget(sid)
             else:
                 self.unsubscribe(sid)
 
@@ -308,19 +303,27 @@ class Wire:
 
     def subscribe(self, subj: str) -> int:
         """A subscription to `subj` (its id), in place at the server when this returns."""
-        with self._cond:
-            sid = self._next_sid
-            self._next_sid += 1
-            self._subs[sid] = subj
-            self._queues[sid] = collections.deque()
+        sid = self._add_sub(lambda _: subj)
         self._write(f"SUB {subj} {sid}\r\n".encode())
         self.flush()
         return sid
 
-    def unsubscribe(self, sid: int) -> None:
+    def _add_sub(self, subject_of: Callable[[int], str]) -> int:
+        """A new subscription id, its subject (`subject_of(sid)`) and queue, before its SUB is sent."""
+        with self._cond:
+            sid = self._next_sid
+            self._next_sid += 1
+            self._subs[sid] = subject_of(sid)
+            self._queues[sid] = collections.deque()
+        return sid
+
+    def _forget(self, sid: int) -> None:
         with self._cond:
             self._subs.pop(sid, None)
             self._queues.pop(sid, None)
+
+    def unsubscribe(self, sid: int) -> None:
+        self._forget(sid)
         if not self._closed:
             try:
                 self._write(f"UNSUB {sid}\r\n".encode())
